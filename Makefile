@@ -1,0 +1,31 @@
+# Two entry points for a fresh clone: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU-only torch: a plain `torch` requirement would pull several GB of CUDA wheels.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint check-venv clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/pqattn demo --device auto
+
+# Triton kernels run under the interpreter when there is no GPU (TRITON_INTERPRET=1).
+test: $(STAMP)
+	@interp=$$($(PY) -c "import torch; print(0 if torch.cuda.is_available() else 1)"); \
+	echo "TRITON_INTERPRET=$${TRITON_INTERPRET:-$$interp}"; \
+	TRITON_INTERPRET=$${TRITON_INTERPRET:-$$interp} $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,40 @@
+"""pqattn: product-quantization sparse attention for long-context LLM decoding.
+
+A PQ index of the keys picks, per decode query, the few hundred or thousand tokens that matter;
+attention then runs over those only. `pqattn.ops` holds the functional API, `PQIndex` the
+per-layer decode state, `pqattn.reference` the PyTorch semantics every kernel is tested against.
+"""
+
+from pqattn.index import PQConfig, PQIndex
+from pqattn.ops import (
+    PQCodebook,
+    build_index,
+    dense_attention,
+    encode_keys,
+    pq_scores,
+    select_oracle,
+    select_streaming,
+    select_topk,
+    selection_weights,
+    sparse_decode,
+)
+from pqattn.reference import Selection
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PQCodebook",
+    "PQConfig",
+    "PQIndex",
+    "Selection",
+    "__version__",
+    "build_index",
+    "dense_attention",
+    "encode_keys",
+    "pq_scores",
+    "select_oracle",
+    "select_streaming",
+    "select_topk",
+    "selection_weights",
+    "sparse_decode",
+]

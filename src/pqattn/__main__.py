@@ -1,0 +1,5 @@
+import sys
+
+from pqattn.cli import main
+
+sys.exit(main())

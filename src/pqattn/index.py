@@ -1,0 +1,205 @@
+"""`PQIndex`: the per-layer decode state (centroids, codes, lengths) and its operations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pqattn import _validate as check
+from pqattn import ops
+from pqattn.reference import Selection
+
+
+@dataclass(frozen=True)
+class PQConfig:
+    """What to quantize and what to select.
+
+    subvectors (M) and bits (C = 2**bits centroids per sub-vector) shape the index; sink, window
+    and heavy are the selection sizes; init_offset (default: sink) is the first quantized token;
+    iters / tol / seed drive the k-means build.
+    """
+
+    subvectors: int = 2
+    bits: int = 6
+    metric: str = "euclidean"
+    sink: int = 128
+    window: int = 128
+    heavy: int = 128
+    init_offset: int | None = None
+    iters: int = 10
+    tol: float = 1e-4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check.positive_int("subvectors", self.subvectors)
+        check.bits(self.bits)
+        check.metric(self.metric)
+        for name in ("sink", "window", "heavy", "iters"):
+            check.non_negative_int(name, getattr(self, name))
+        if self.init_offset is not None:
+            check.non_negative_int("init_offset", self.init_offset)
+        if not isinstance(self.tol, (int, float)) or self.tol < 0:
+            raise ValueError(f"tol: expected a non-negative float, got {self.tol!r}")
+
+    @property
+    def offset(self) -> int:
+        """The first quantized position (init_offset, or sink when unset)."""
+        return self.sink if self.init_offset is None else self.init_offset
+
+    @property
+    def width(self) -> int:
+        """L, the selection list width: sink + heavy + window."""
+        return self.sink + self.heavy + self.window
+
+
+class PQIndex:
+    """PQ index of one layer's key cache for a batch of sequences.
+
+    Owns centroids [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, capacity, M] uint8, phi [B, Hkv, M]
+    (ip only) and lengths [B] (tokens per sequence, ragged allowed). The keys and values
+    themselves stay in the caller's cache, [B, Hkv, >= max length, D].
+
+    Typical use::
+
+        index = PQIndex.build(k_prefill, lengths, capacity=max_tokens, config=PQConfig(heavy=256))
+        for step in ...:
+            index.append(k_new)                 # [B, Hkv, 1, D], written at each sequence's end
+            out = index.attend(q, k_cache, v_cache)   # select + sparse attention, [B, H, D]
+
+    The host keeps the longest length, so `append` checks capacity without a device sync.
+    """
+
+    def __init__(
+        self,
+        config: PQConfig,
+        *,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        check.positive_int("batch", batch)
+        check.positive_int("kv_heads", kv_heads)
+        check.positive_int("head_dim", head_dim)
+        check.positive_int("capacity", capacity)
+        check.subvectors(config.subvectors, head_dim)
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype: expected float32/float64 for the centroids, got {dtype}")
+        self.config = config
+        self.batch, self.kv_heads, self.head_dim, self.capacity = batch, kv_heads, head_dim, capacity
+        self.device = torch.device(device)
+        M, C = config.subvectors, 1 << config.bits
+        dsub = head_dim // M + (config.metric == "ip")
+        self.centroids = torch.zeros((batch, kv_heads, M, C, dsub), dtype=dtype, device=self.device)
+        self.codes = torch.zeros((batch, kv_heads, capacity, M), dtype=torch.uint8, device=self.device)
+        self.phi = (
+            torch.zeros((batch, kv_heads, M), dtype=dtype, device=self.device)
+            if config.metric == "ip"
+            else None
+        )
+        self.lengths = torch.zeros((batch,), dtype=torch.int64, device=self.device)
+        self._max_length = 0
+
+    @classmethod
+    def build(
+        cls,
+        keys: torch.Tensor,
+        lengths: torch.Tensor | list[int] | None = None,
+        *,
+        capacity: int | None = None,
+        config: PQConfig | None = None,
+    ) -> PQIndex:
+        """Index the prefill keys [B, Hkv, N, D] (first lengths[b] tokens of each sequence).
+
+        capacity: tokens the index can hold, N by default (give room for the decode steps).
+        """
+        config = config or PQConfig()
+        ops._check_keys("keys", keys)
+        B, Hkv, N, D = keys.shape
+        capacity = N if capacity is None else capacity
+        check.positive_int("capacity", capacity)
+        if capacity < N:
+            raise ValueError(f"capacity: expected >= the prefill length N={N}, got {capacity}")
+        lens = check.lengths(lengths, B, N, keys.device)
+        built = ops.build_index(
+            keys,
+            lens,
+            subvectors=config.subvectors,
+            bits=config.bits,
+            metric=config.metric,
+            init_offset=config.offset,
+            iters=config.iters,
+            tol=config.tol,
+            seed=config.seed,
+        )
+        dtype = built.centroids.dtype
+        index = cls(
+            config, batch=B, kv_heads=Hkv, head_dim=D, capacity=capacity, device=keys.device, dtype=dtype
+        )
+        index.centroids.copy_(built.centroids)
+        index.codes[:, :, :N].copy_(built.codes)
+        if built.phi is not None:
+            index.phi.copy_(built.phi)
+        index.lengths.copy_(lens)
+        index._max_length = int(lens.max()) if B else 0
+        return index
+
+    def append(self, keys: torch.Tensor) -> None:
+        """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
+        check.tensor(
+            "keys",
+            keys,
+            shape=(self.batch, self.kv_heads, None, self.head_dim),
+            dims="[B, Hkv, T, D]",
+            dtypes=check.FLOAT_DTYPES,
+            device=self.device,
+        )
+        T = keys.shape[2]
+        if self._max_length + T > self.capacity:
+            raise ValueError(
+                f"keys: appending T={T} tokens to sequences of up to {self._max_length} tokens needs "
+                f"lengths <= capacity={self.capacity}, got {self._max_length + T}"
+            )
+        new = ops.encode_keys(keys, self.centroids, self.phi, metric=self.config.metric)
+        slots = (self.lengths[:, None] + torch.arange(T, device=self.device))[:, None, :, None]
+        self.codes.scatter_(2, slots.expand(-1, self.kv_heads, -1, self.config.subvectors), new)
+        self.lengths += T
+        self._max_length += T
+
+    def select(self, q: torch.Tensor) -> Selection:
+        """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
+        c = self.config
+        return ops.select_topk(
+            q,
+            self.centroids,
+            self.codes,
+            self.lengths,
+            sink=c.sink,
+            window=c.window,
+            heavy=c.heavy,
+            init_offset=c.offset,
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        selection: Selection | None = None,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Sparse attention of q [B, H, D] over the selected tokens of k/v_cache [B, Hkv, Ncache, D].
+
+        Selects first when `selection` is None. Returns [B, H, D] in q's dtype.
+        """
+        if k_cache.dim() == 4 and k_cache.shape[2] < self._max_length:
+            raise ValueError(
+                f"k_cache: expected at least {self._max_length} tokens on axis 2 (the longest sequence), "
+                f"got {k_cache.shape[2]}"
+            )
+        sel = self.select(q) if selection is None else selection
+        return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)

@@ -1,0 +1,1 @@
+"""The measurement lab: workloads, quality metrics, timing, and the CLI's commands."""

@@ -1,0 +1,280 @@
+"""Public functional API: validated entry points over the references and kernels.
+
+Shapes: B batch, H query heads, Hkv key/value heads (H % Hkv == 0; query head h reads KV head
+h // (H / Hkv)), N tokens, D head dim, M sub-vectors (D % M == 0), C = 2**bits centroids.
+
+Each function validates its inputs once (raising ValueError/TypeError that names the argument,
+the expected and the given shape/dtype/device) and then runs. Where no Triton kernel covers a
+case the call runs the PyTorch reference in `pqattn.reference`, which computes the same answer.
+
+Decode-path functions (`pq_scores`, `select_topk`, `select_streaming`, `sparse_decode`) never read
+tensor values on the host, so they never synchronize: `lengths` must hold values <= N, which the
+caller (or `PQIndex`, which tracks lengths on the host) guarantees.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pqattn import _validate as check
+from pqattn import reference as ref
+from pqattn.reference import Selection
+
+
+class PQCodebook(NamedTuple):
+    """The product quantization of a key cache (SPEC §1)."""
+
+    centroids: torch.Tensor  # [B, Hkv, M, C, dsub] (euclidean) or [B, Hkv, M, C, dsub + 1] (ip)
+    codes: torch.Tensor  # [B, Hkv, N, M] uint8, by absolute token position
+    phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
+
+
+def _check_keys(name: str, keys: torch.Tensor) -> torch.Tensor:
+    return check.tensor(name, keys, shape=(None,) * 4, dims="[B, Hkv, N, D]", dtypes=check.FLOAT_DTYPES)
+
+
+def _check_centroids(centroids: torch.Tensor, codes: torch.Tensor) -> tuple[int, int, int]:
+    """Returns (B, Hkv, M) after checking centroids [B, Hkv, M, C, d] against codes [B, Hkv, N, M]."""
+    check.tensor(
+        "centroids", centroids, shape=(None,) * 5, dims="[B, Hkv, M, C, dsub(+1)]", dtypes=check.FLOAT_DTYPES
+    )
+    B, Hkv, M, C, _ = centroids.shape
+    if C & (C - 1) or not 2 <= C <= 256:
+        raise ValueError(f"centroids: expected C = 2**bits with bits in 1..8 on axis 3, got C={C}")
+    check.tensor("codes", codes, shape=(B, Hkv, None, M), dims="[B, Hkv, N, M]", dtypes=(torch.uint8,))
+    check.same_device("centroids", centroids, codes=codes)
+    return B, Hkv, M
+
+
+def _check_query(q: torch.Tensor, B: int, Hkv: int, D: int | None, device: torch.device) -> int:
+    check.tensor("q", q, shape=(B, None, D), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES, device=device)
+    return check.gqa(q.shape[1], Hkv)
+
+
+def _check_lengths(lengths: torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
+    return check.tensor("lengths", lengths, shape=(B,), dims="[B]", dtypes=check.INT_DTYPES, device=device)
+
+
+def _check_sizes(sink: int, window: int, heavy: int, init_offset: int) -> None:
+    for name, value in (("sink", sink), ("window", window), ("heavy", heavy), ("init_offset", init_offset)):
+        check.non_negative_int(name, value)
+
+
+def build_index(
+    keys: torch.Tensor,
+    lengths: torch.Tensor | list[int] | None = None,
+    *,
+    subvectors: int = 2,
+    bits: int = 6,
+    metric: str = "euclidean",
+    init_offset: int = 0,
+    iters: int = 10,
+    tol: float = 1e-4,
+    seed: int = 0,
+) -> PQCodebook:
+    """Build the PQ index of a prefill key cache (k-means per (b, kv-head, sub-vector), SPEC §1).
+
+    keys: [B, Hkv, N, D] (fp16/bf16/fp32/fp64); lengths: [B] valid tokens per sequence (None = N).
+    Tokens before `init_offset` are never quantized. Centroids are initialised from `seed` (C data
+    points drawn without replacement per group) and refined by at most `iters` Lloyd iterations;
+    a group stops early once its total squared centre shift is below `tol`.
+    Returns PQCodebook(centroids [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M] uint8, phi).
+    Not a decode-path call: it reads `lengths` on the host to validate them.
+    """
+    _check_keys("keys", keys)
+    B, _, N, D = keys.shape
+    check.subvectors(subvectors, D)
+    check.bits(bits)
+    check.metric(metric)
+    check.non_negative_int("init_offset", init_offset)
+    check.non_negative_int("iters", iters)
+    lens = check.lengths(lengths, B, N, keys.device)
+    res = ref.build_pq(
+        keys,
+        lens,
+        subvectors=subvectors,
+        bits=bits,
+        metric=metric,
+        init_offset=init_offset,
+        iters=iters,
+        tol=tol,
+        seed=seed,
+    )
+    return PQCodebook(res.centroids, res.codes, res.phi)
+
+
+def encode_keys(
+    keys: torch.Tensor, centroids: torch.Tensor, phi: torch.Tensor | None = None, *, metric: str = "euclidean"
+) -> torch.Tensor:
+    """Codes [B, Hkv, T, M] uint8 of new keys [B, Hkv, T, D] against existing centroids (no retraining)."""
+    _check_keys("keys", keys)
+    check.metric(metric)
+    B, Hkv, _, D = keys.shape
+    check.tensor("centroids", centroids, shape=(B, Hkv, None, None, None), dims="[B, Hkv, M, C, dsub(+1)]")
+    M = centroids.shape[2]
+    check.subvectors(M, D)
+    want_d = D // M + (metric == "ip")
+    check.tensor(
+        "centroids",
+        centroids,
+        shape=(B, Hkv, M, None, want_d),
+        dims="[B, Hkv, M, C, dsub(+1)]",
+        dtypes=check.FLOAT_DTYPES,
+    )
+    if metric == "ip":
+        if phi is None:
+            raise ValueError("phi: the ip metric needs the build's phi [B, Hkv, M], got None")
+        check.tensor("phi", phi, shape=(B, Hkv, M), dims="[B, Hkv, M]", dtypes=check.FLOAT_DTYPES)
+    check.same_device("keys", keys, centroids=centroids, phi=phi)
+    return ref.encode(keys, centroids, phi, metric)
+
+
+def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Approximate scores [B, H, N]: s_j = sum_m <q_m, centroid[code[j, m]][:dsub]> (SPEC §2).
+
+    q: [B, H, D]; centroids: [B, Hkv, M, C, dsub(+1)]; codes: [B, Hkv, N, M] uint8.
+    """
+    B, Hkv, M = _check_centroids(centroids, codes)
+    _check_query(q, B, Hkv, None, centroids.device)
+    check.subvectors(M, q.shape[-1])
+    dsub = q.shape[-1] // M
+    if centroids.shape[-1] not in (dsub, dsub + 1):
+        raise ValueError(
+            f"centroids: expected last dim dsub={dsub} or dsub+1={dsub + 1} for D={q.shape[-1]}, "
+            f"M={M}, got {centroids.shape[-1]}"
+        )
+    return ref.pq_scores(q, centroids, codes)
+
+
+def select_topk(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int = 0,
+) -> Selection:
+    """PQ top-k selection for one decode query per sequence (SPEC §2, native rules).
+
+    q: [B, H, D]; centroids: [B, Hkv, M, C, dsub(+1)]; codes: [B, Hkv, N, M] uint8;
+    lengths: [B] tokens per sequence (<= N).
+    Keeps sink [0, sink) and window [n - window, n), and the `heavy` highest-scoring candidates in
+    [max(init_offset, sink), n - window); sequences with n <= sink + heavy + window keep all tokens.
+    Returns Selection(positions [B, H, sink + heavy + window] int32 (-1 past the count),
+    counts [B, H] int32). The order of positions carries no meaning.
+    """
+    scores = pq_scores(q, centroids, codes)
+    _check_lengths(lengths, q.shape[0], q.device)
+    _check_sizes(sink, window, heavy, init_offset)
+    return ref.select_from_scores(
+        scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset
+    )
+
+
+def select_oracle(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int = 0,
+) -> Selection:
+    """The exact top-k by <q, k> over the same candidates as `select_topk` (a quality yardstick).
+
+    q: [B, H, D]; keys: [B, Hkv, N, D]; lengths: [B]. Same output as `select_topk`.
+    """
+    _check_keys("keys", keys)
+    B, Hkv, _, D = keys.shape
+    _check_query(q, B, Hkv, D, keys.device)
+    _check_lengths(lengths, B, keys.device)
+    _check_sizes(sink, window, heavy, init_offset)
+    return ref.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
+
+
+def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window: int) -> Selection:
+    """Sink + window only (StreamingLLM). lengths: [B] -> Selection with positions [B, H, sink + window]."""
+    check.tensor("lengths", lengths, shape=(None,), dims="[B]", dtypes=check.INT_DTYPES)
+    check.positive_int("num_heads", num_heads)
+    _check_sizes(sink, window, 0, 0)
+    return ref.select_streaming(lengths, num_heads, sink=sink, window=window)
+
+
+def selection_weights(
+    selection: Selection, n_tokens: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Dense per-token weights [B, H, n_tokens]: 1.0 where selected, 0.0 elsewhere."""
+    check.tensor("selection.positions", selection.positions, shape=(None,) * 3, dtypes=check.INT_DTYPES)
+    check.tensor(
+        "selection.counts", selection.counts, shape=selection.positions.shape[:2], dtypes=check.INT_DTYPES
+    )
+    check.positive_int("n_tokens", n_tokens)
+    return ref.dense_weights(selection, n_tokens, dtype)
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Weighted attention of one query per sequence over selected tokens (SPEC §3).
+
+    q: [B, H, D]; k, v: [B, Hkv, N, D] (the cache); positions: [B, H, L] int32/int64 with the first
+    counts[b, h] entries valid (each in [0, N)); counts: [B, H]; weights: [B, H, L] > 0 or None.
+    scale defaults to 1/sqrt(D). Returns out [B, H, D] in q's dtype, plus lse [B, H] (float32)
+    when `return_lse`. An empty selection gives a zero row (lse -inf).
+    """
+    _check_keys("k", k)
+    B, Hkv, N, D = k.shape
+    check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
+    _check_query(q, B, Hkv, D, k.device)
+    H = q.shape[1]
+    check.tensor(
+        "positions", positions, shape=(B, H, None), dims="[B, H, L]", dtypes=check.INT_DTYPES, device=k.device
+    )
+    check.tensor("counts", counts, shape=(B, H), dims="[B, H]", dtypes=check.INT_DTYPES, device=k.device)
+    if weights is not None:
+        check.tensor(
+            "weights",
+            weights,
+            shape=positions.shape,
+            dims="[B, H, L]",
+            dtypes=check.FLOAT_DTYPES,
+            device=k.device,
+        )
+    return ref.sparse_decode(q, k, v, positions, counts, weights, scale=scale, return_lse=return_lse)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention (SPEC §4): q [B, H, Sq, D], k/v [B, Hkv, Sk, D] -> [B, H, Sq, D].
+
+    causal: query i sees keys j <= i + (Sk - Sq). GQA when H is a multiple of Hkv.
+    """
+    _check_keys("k", k)
+    B, Hkv, Sk, D = k.shape
+    check.tensor("v", v, shape=(B, Hkv, Sk, D), dims="[B, Hkv, Sk, D]", dtypes=(k.dtype,), device=k.device)
+    check.tensor(
+        "q", q, shape=(B, None, None, D), dims="[B, H, Sq, D]", dtypes=check.FLOAT_DTYPES, device=k.device
+    )
+    check.gqa(q.shape[1], Hkv, kv_name="k")
+    return ref.dense_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)

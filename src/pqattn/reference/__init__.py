@@ -1,0 +1,34 @@
+"""Pure-PyTorch references: the semantics of SPEC.md in code. Any device, float64-capable.
+
+Kernels are tested against these; the public API in `pqattn.ops` routes here where no kernel
+exists for a case.
+"""
+
+from pqattn.reference.attention import dense_attention, sparse_decode
+from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
+from pqattn.reference.selection import (
+    Selection,
+    dense_weights,
+    select_from_scores,
+    select_oracle,
+    select_pq,
+    select_streaming,
+    selection_width,
+)
+
+__all__ = [
+    "KMeansResult",
+    "Selection",
+    "build_pq",
+    "dense_attention",
+    "dense_weights",
+    "encode",
+    "exact_scores",
+    "pq_scores",
+    "select_from_scores",
+    "select_oracle",
+    "select_pq",
+    "select_streaming",
+    "selection_width",
+    "sparse_decode",
+]

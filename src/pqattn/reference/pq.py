@@ -1,0 +1,261 @@
+"""PQ index build and encoding (SPEC §1) and approximate scores (SPEC §2), in plain PyTorch.
+
+The build treats every (b, kv-head, sub-vector m) as an independent k-means problem, a "group".
+Groups are batched along a leading axis G = B * Hkv * M; ragged sequences are handled with a
+validity mask over the token axis, so a group's result never depends on the other groups.
+
+Layout conventions (the native ones every kernel follows):
+  centroids [B, Hkv, M, C, dsub (+1 for ip)]  in the compute dtype (float32, or float64)
+  codes     [B, Hkv, N, M] uint8, indexed by absolute token position; positions before
+            init_offset (and at or beyond a sequence's length) hold 0 and carry no meaning
+  phi       [B, Hkv, M] for ip (None for euclidean)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Bound on G * tokens * C elements of one distance block, so builds with C=256 over 128K tokens
+# stay within a few hundred MB.
+_ASSIGN_BLOCK_ELEMS = 1 << 25
+
+
+class KMeansResult(NamedTuple):
+    centroids: torch.Tensor  # [B, Hkv, M, C, dsub(+1)]
+    codes: torch.Tensor  # [B, Hkv, N, M] uint8
+    phi: torch.Tensor | None  # [B, Hkv, M] (ip) or None
+    objective: torch.Tensor  # [iterations + 1, B, Hkv, M]: sum of squared distances after each assignment
+    iterations: int  # Lloyd iterations run (the longest-running group's count)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs are clustered in float32; float64 stays float64 (reference-grade runs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def augment_ip(x: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """Append sqrt(phi - ||x||^2) (clamped at 0) so that L2-nearest = max inner product.
+
+    x: [..., n, dsub], phi: [...] broadcastable against x's leading axes.
+    """
+    extra = (phi[..., None] - (x * x).sum(-1)).clamp_min(0).sqrt()
+    return torch.cat([x, extra[..., None]], dim=-1)
+
+
+def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest centroid in L2 for each point, per group.
+
+    x: [G, n, d], centroids: [G, C, d] -> (index [G, n] int64, squared distance [G, n]).
+    Ties go to the lowest centroid index (torch.min's rule).
+    """
+    G, n, _ = x.shape
+    C = centroids.shape[1]
+    c_norm = (centroids * centroids).sum(-1)  # [G, C]
+    step = max(1, _ASSIGN_BLOCK_ELEMS // max(1, G * C))
+    idx_parts, dist_parts = [], []
+    for s in range(0, n, step):
+        xb = x[:, s : s + step]
+        d = (
+            (xb * xb).sum(-1, keepdim=True)
+            - 2 * torch.bmm(xb, centroids.transpose(1, 2))
+            + c_norm[:, None, :]
+        )
+        dist, idx = d.clamp_min(0).min(dim=-1)
+        idx_parts.append(idx)
+        dist_parts.append(dist)
+    if not idx_parts:
+        empty = x.new_zeros((G, 0))
+        return empty.long(), empty
+    return torch.cat(idx_parts, 1), torch.cat(dist_parts, 1)
+
+
+def _random_init(
+    x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, C: int, seed: int
+) -> torch.Tensor:
+    """C distinct data points per group (cycling when a group has fewer than C points).
+
+    The random draw is made on the CPU so a seed gives the same init on every device.
+    """
+    G, n, d = x.shape
+    if n == 0:
+        return x.new_zeros((G, C, d))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    keys = torch.rand((G, n), generator=gen, dtype=torch.float64).to(x.device)
+    keys = keys.masked_fill(~valid, 2.0)  # invalid points sort last
+    order = keys.argsort(dim=1)
+    j = torch.arange(C, device=x.device)
+    pick = order.gather(1, (j[None, :] % n_valid.clamp_min(1)[:, None]).clamp_max(n - 1))
+    init = x.gather(1, pick[..., None].expand(G, C, d))
+    return init * (n_valid > 0)[:, None, None]
+
+
+def _reseed_empty(
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    x: torch.Tensor,
+    dist: torch.Tensor,
+    valid: torch.Tensor,
+    n_valid: torch.Tensor,
+) -> torch.Tensor:
+    """Move each empty cluster onto a data point: the farthest points from their centres first.
+
+    Deterministic (no randomness) and never raises the objective: an empty cluster contributes
+    nothing before the move, and the next assignment can only lower the sum.
+    """
+    empty = (counts == 0) & (n_valid > 0)[:, None]  # [G, C]
+    G, C = counts.shape
+    n = x.shape[1]
+    if n == 0:
+        return centroids
+    far = dist.masked_fill(~valid, -1.0).topk(min(C, n), dim=1).indices  # [G, min(C, n)]
+    rank = (empty.long().cumsum(1) - 1).clamp_min(0)
+    rank = rank % n_valid.clamp_min(1).clamp_max(far.shape[1])[:, None]
+    point = far.gather(1, rank)  # [G, C]
+    seeds = x.gather(1, point[..., None].expand(G, C, x.shape[-1]))
+    return torch.where(empty[..., None], seeds, centroids)
+
+
+def lloyd(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    init: torch.Tensor,
+    *,
+    iters: int,
+    tol: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Batched Lloyd iterations with per-group early stop.
+
+    x: [G, n, d] points, valid: [G, n] bool, init: [G, C, d].
+    A group stops once its total squared centre shift in one iteration is below `tol`; its
+    centroids are then frozen, so batching never changes a group's result.
+    Returns (centroids [G, C, d], codes [G, n] int64, objective [iterations + 1, G], iterations).
+    """
+    G, n, d = x.shape
+    C = init.shape[1]
+    n_valid = valid.sum(1)
+    xv = x * valid[..., None]
+    c = init.clone()
+    active = torch.ones(G, dtype=torch.bool, device=x.device)
+    idx, dist = assign(x, c)
+    history = [(dist * valid).sum(1)]
+    done = 0
+    for _ in range(iters):
+        if not bool(active.any()):
+            break
+        sums = torch.zeros((G, C, d), dtype=x.dtype, device=x.device)
+        sums.scatter_add_(1, idx[..., None].expand(G, n, d), xv)
+        counts = torch.zeros((G, C), dtype=x.dtype, device=x.device)
+        counts.scatter_add_(1, idx, valid.to(x.dtype))
+        new_c = sums / counts.clamp_min(1)[..., None]
+        new_c = _reseed_empty(new_c, counts, x, dist, valid, n_valid)
+        shift = ((new_c - c) ** 2).sum((1, 2))
+        c = torch.where(active[:, None, None], new_c, c)
+        active = active & (shift >= tol)
+        idx, dist = assign(x, c)
+        history.append((dist * valid).sum(1))
+        done += 1
+    return c, idx, torch.stack(history), done
+
+
+def _group_points(
+    keys: torch.Tensor, lengths: torch.Tensor, subvectors: int, init_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [B, Hkv, N, D] -> points [G, n, dsub] over tokens init_offset..N and a validity mask."""
+    B, Hkv, N, D = keys.shape
+    dsub = D // subvectors
+    n = max(N - init_offset, 0)
+    x = keys[:, :, init_offset:, :].to(compute_dtype(keys.dtype))
+    x = x.reshape(B, Hkv, n, subvectors, dsub).permute(0, 1, 3, 2, 4).reshape(B * Hkv * subvectors, n, dsub)
+    pos = torch.arange(init_offset, init_offset + n, device=keys.device)
+    valid = (pos[None, :] < lengths[:, None]).repeat_interleave(Hkv * subvectors, dim=0)
+    return x, valid
+
+
+def build_pq(
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    subvectors: int,
+    bits: int,
+    metric: str = "euclidean",
+    init_offset: int = 0,
+    iters: int = 10,
+    tol: float = 1e-4,
+    seed: int = 0,
+    init: torch.Tensor | None = None,
+) -> KMeansResult:
+    """k-means PQ index of keys [B, Hkv, N, D] over tokens init_offset..lengths[b] (SPEC §1).
+
+    Init: C data points drawn uniformly without replacement from each group with a CPU generator
+    seeded by `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
+    implementations from one init).
+    """
+    B, Hkv, N, _ = keys.shape
+    M, C = subvectors, 1 << bits
+    x, valid = _group_points(keys, lengths, M, init_offset)
+    n_valid = valid.sum(1)
+    phi = None
+    if metric == "ip":
+        norms = (x * x).sum(-1).masked_fill(~valid, 0.0)
+        phi = norms.amax(1) if x.shape[1] else norms.new_zeros(norms.shape[0])
+        x = augment_ip(x, phi)
+    if init is None:
+        c0 = _random_init(x, valid, n_valid, C, seed)
+    else:
+        c0 = init.reshape(B * Hkv * M, C, x.shape[-1]).to(x.dtype)
+    c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol)
+
+    codes = torch.zeros((B, Hkv, N, M), dtype=torch.uint8, device=keys.device)
+    quantized = idx.masked_fill(~valid, 0).to(torch.uint8).reshape(B, Hkv, M, -1).permute(0, 1, 3, 2)
+    codes[:, :, init_offset:, :] = quantized
+    return KMeansResult(
+        centroids=c.reshape(B, Hkv, M, C, x.shape[-1]),
+        codes=codes,
+        phi=None if phi is None else phi.reshape(B, Hkv, M),
+        objective=history.reshape(-1, B, Hkv, M),
+        iterations=done,
+    )
+
+
+def encode(
+    keys: torch.Tensor, centroids: torch.Tensor, phi: torch.Tensor | None = None, metric: str = "euclidean"
+) -> torch.Tensor:
+    """Codes [B, Hkv, T, M] uint8 of new keys [B, Hkv, T, D] against existing centroids.
+
+    Same metric as the build: for ip each sub-vector is augmented with the build's phi first.
+    """
+    B, Hkv, T, D = keys.shape
+    M, C = centroids.shape[2], centroids.shape[3]
+    dsub = D // M
+    x = keys.to(centroids.dtype).reshape(B, Hkv, T, M, dsub).permute(0, 1, 3, 2, 4)  # [B, Hkv, M, T, dsub]
+    if metric == "ip":
+        x = augment_ip(x, phi)
+    idx, _ = assign(x.reshape(B * Hkv * M, T, -1), centroids.reshape(B * Hkv * M, C, -1))
+    return idx.to(torch.uint8).reshape(B, Hkv, M, T).permute(0, 1, 3, 2).contiguous()
+
+
+def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Approximate scores s[b, h, j] = sum_m <q_m, centroid[b, kvh, m, codes[b, kvh, j, m]][:dsub]>.
+
+    q: [B, H, D], centroids: [B, Hkv, M, C, dsub(+1)], codes: [B, Hkv, N, M] -> [B, H, N] in the
+    centroids' dtype. Built from a per-(b, h) lookup table of <q_m, centroid> (the "LUT").
+    """
+    B, H, D = q.shape
+    Hkv, M = centroids.shape[1], centroids.shape[2]
+    N = codes.shape[2]
+    g, dsub = H // Hkv, D // M
+    qm = q.to(centroids.dtype).reshape(B, Hkv, g, M, dsub)
+    lut = torch.einsum("bkgmd,bkmcd->bkgmc", qm, centroids[..., :dsub])  # [B, Hkv, g, M, C]
+    idx = codes.long().permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, M, N)
+    return lut.gather(-1, idx).sum(3).reshape(B, H, N)
+
+
+def exact_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exact <q[b, h], k[b, h // g, j]> as [B, H, N] (the oracle's scores), float32 or float64."""
+    B, H, D = q.shape
+    Hkv, N = keys.shape[1], keys.shape[2]
+    dt = compute_dtype(q.dtype if q.dtype == torch.float64 else keys.dtype)
+    qg = q.to(dt).reshape(B, Hkv, H // Hkv, D)
+    return torch.einsum("bkgd,bknd->bkgn", qg, keys.to(dt)).reshape(B, H, N)

@@ -1,0 +1,148 @@
+"""Decode-time token selection (SPEC §2): PQ top-k, streaming, and the exact-score oracle.
+
+A selection for sequence b and query head h is a set of token positions. It is stored as
+positions [B, H, L] (int32; entries at index >= count are -1) with counts [B, H] (int32).
+The reference writes the parts in the order sink, heavy (by descending score), window; the order
+carries no meaning and tests compare selections as sets.
+
+Native rules (the compatible entry point of SPEC §5 uses the original's short-sequence rule):
+  * always kept: sink [0, min(sink, n)) and window [n - min(window, n), n);
+  * heavy candidates: max(init_offset, sink) <= p < n - window. Sink positions are left out of the
+    candidates so that the three parts never overlap; with the usual init_offset >= sink this is
+    exactly SPEC §2's range;
+  * short sequences: n <= sink + heavy + window selects every token [0, n). When
+    init_offset <= sink this is what the general rule gives anyway; when init_offset > sink it also
+    keeps the unquantized tokens [sink, init_offset) of such short sequences.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pqattn.reference.pq import exact_scores, pq_scores
+
+
+class Selection(NamedTuple):
+    positions: torch.Tensor  # [B, H, L] int32, -1 past counts
+    counts: torch.Tensor  # [B, H] int32
+
+
+def selection_width(sink: int, window: int, heavy: int, short_threshold: int | None = None) -> int:
+    """L, the list width: sink + heavy + window, widened if a short-sequence rule keeps more tokens."""
+    base = sink + heavy + window
+    return base if short_threshold is None else max(base, short_threshold)
+
+
+def select_from_scores(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int = 0,
+    short_threshold: int | None = None,
+) -> Selection:
+    """Top-`heavy` candidates by score plus sink and window, per (b, h).
+
+    scores: [B, H, N] (any float dtype; only the order matters), lengths: [B] token counts.
+    short_threshold: sequences with n <= short_threshold select all their tokens; None means the
+    native rule sink + heavy + window.
+    """
+    B, H, N = scores.shape
+    dev = scores.device
+    threshold = sink + heavy + window if short_threshold is None else short_threshold
+    width = selection_width(sink, window, heavy, min(threshold, N))
+    n = lengths.to(device=dev, dtype=torch.int64)[:, None, None]  # [B, 1, 1]
+    pos = torch.arange(N, device=dev)
+
+    cand = (pos >= max(init_offset, sink)) & (pos < n - window)  # [B, 1, N]
+    k = min(heavy, N)
+    top = scores.masked_fill(~cand, float("-inf")).topk(k, dim=-1, sorted=True).indices
+    top_ok = cand.expand(B, H, N).gather(-1, top)
+
+    sink_pos = torch.arange(sink, device=dev).expand(B, H, sink)
+    win_start = torch.maximum(n - window, n.clamp(max=sink))
+    win_pos = win_start + torch.arange(window, device=dev)
+    parts = torch.cat([sink_pos, top, win_pos.expand(B, H, window)], dim=-1)
+    ok = torch.cat([sink_pos < n, top_ok, (win_pos < n).expand(B, H, window)], dim=-1)
+
+    all_pos = torch.arange(width, device=dev).expand(B, H, width)
+    pad = width - parts.shape[-1]
+    parts = torch.nn.functional.pad(parts, (0, pad), value=-1)
+    ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+    short = n <= threshold
+    parts = torch.where(short, all_pos, parts)
+    ok = torch.where(short, all_pos < n, ok)
+
+    order = (~ok).to(torch.int8).argsort(dim=-1, stable=True)
+    positions = parts.gather(-1, order)
+    counts = ok.sum(-1)
+    positions = torch.where(torch.arange(width, device=dev) < counts[..., None], positions, -1)
+    return Selection(positions.to(torch.int32), counts.to(torch.int32))
+
+
+def select_pq(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int = 0,
+    short_threshold: int | None = None,
+) -> Selection:
+    """PQ top-k selection: q [B, H, D], centroids [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M]."""
+    return select_from_scores(
+        pq_scores(q, centroids, codes),
+        lengths,
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        init_offset=init_offset,
+        short_threshold=short_threshold,
+    )
+
+
+def select_oracle(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int = 0,
+) -> Selection:
+    """Exact top-k by <q, k> over the same candidates as PQ: q [B, H, D], keys [B, Hkv, N, D]."""
+    return select_from_scores(
+        exact_scores(q, keys), lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset
+    )
+
+
+def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window: int) -> Selection:
+    """Sink + window only (StreamingLLM): the same for every head. lengths [B] -> [B, H, sink + window]."""
+    B = lengths.shape[0]
+    n_max = sink + window
+    scores = torch.zeros((B, num_heads, n_max), device=lengths.device)
+    # Positions only depend on n, never on scores, so a narrow score row is enough when n > sink + window:
+    # rebase the window onto the last `window` slots of that row.
+    sel = select_from_scores(scores, lengths.clamp(max=n_max), sink=sink, window=window, heavy=0)
+    shift = (lengths - lengths.clamp(max=n_max))[:, None, None].to(torch.int32)
+    positions = torch.where(sel.positions >= sink, sel.positions + shift, sel.positions)
+    return Selection(positions, sel.counts)
+
+
+def dense_weights(selection: Selection, n_tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token weights [B, H, n_tokens]: 1 for selected positions, 0 elsewhere."""
+    positions, counts = selection
+    B, H, L = positions.shape
+    ok = torch.arange(L, device=positions.device) < counts[..., None]
+    w = torch.zeros((B, H, n_tokens + 1), dtype=dtype, device=positions.device)
+    slot = torch.where(ok, positions.long(), n_tokens)  # padding lands in a spare column
+    w.scatter_(-1, slot, 1.0)
+    return w[..., :n_tokens]

@@ -1,0 +1,50 @@
+"""Shared test set-up.
+
+* Every test draws fresh random inputs: the session seed comes from PQATTN_SEED or is drawn at
+  start and printed in the header, so a failure can be replayed with PQATTN_SEED=<seed>.
+* torch.empty / empty_like hand out NaN-filled float tensors (and int tensors full of a sentinel)
+  so that an output element nobody wrote fails comparisons instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+SEED = int(os.environ.get("PQATTN_SEED", random.SystemRandom().randrange(1 << 31)))
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (
+        f"pqattn: PQATTN_SEED={SEED}, device={DEVICE}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request: pytest.FixtureRequest) -> None:
+    torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if t.dtype != torch.bool and not t.is_complex():
+        return t.fill_(torch.iinfo(t.dtype).max)
+    return t
+
+
+@pytest.fixture(autouse=True)
+def _nan_poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(empty_like(*a, **k)))
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE

@@ -1,0 +1,34 @@
+"""Test helpers: comparisons that report how much mismatched, and brute-force set views."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, what: str = ""
+) -> None:
+    """allclose with a report of how many elements mismatch and the worst one; NaN never passes."""
+    a, e = actual.double().cpu(), expected.double().cpu()
+    assert a.shape == e.shape, f"{what}: shape {list(a.shape)} != {list(e.shape)}"
+    bad = ~((a == e) | ((a - e).abs() <= atol + rtol * e.abs()))
+    if bad.any():
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.numel()} elements mismatch (atol={atol}, rtol={rtol}); "
+            f"first at {idx}: got {a[idx].item()}, expected {e[idx].item()}; "
+            f"max abs err {float((a - e).abs().nan_to_num(float('inf')).max())}"
+        )
+
+
+def rows_as_sets(positions: torch.Tensor, counts: torch.Tensor) -> list[list[set[int]]]:
+    """[B][H] sets of the first counts[b, h] positions (asserting no duplicates)."""
+    out = []
+    for b in range(positions.shape[0]):
+        row = []
+        for h in range(positions.shape[1]):
+            items = positions[b, h, : int(counts[b, h])].tolist()
+            assert len(set(items)) == len(items), f"duplicate positions in row ({b}, {h}): {items}"
+            row.append(set(items))
+        out.append(row)
+    return out

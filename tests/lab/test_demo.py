@@ -1,0 +1,107 @@
+"""The demo end to end at a reduced size, and its command line."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from pqattn.cli import main
+from pqattn.index import PQConfig
+from pqattn.lab.demo import format_table, run_demo
+from pqattn.lab.workload import WorkloadSpec, make_workload, rope
+
+SMALL = WorkloadSpec(tokens=4096, kv_heads=2, group=4, head_dim=64, steps=3, topics=8)
+SMALL_CFG = PQConfig(sink=32, window=32, heavy=96, iters=8)
+
+
+def test_demo_runs_and_pq_beats_streaming() -> None:
+    t0 = time.perf_counter()
+    result = run_demo(SMALL, SMALL_CFG, device=torch.device("cpu"), dtype=torch.float32, repeats=3)
+    assert time.perf_counter() - t0 < 60
+    rows = {r["method"]: r for r in result["results"]}
+    assert set(rows) == {"pq", "streaming", "oracle", "dense"}
+    for r in rows.values():
+        for key in (
+            "tokens",
+            "attention_mass",
+            "oracle_recall",
+            "output_rel_err",
+            "step_us",
+            "speedup_vs_dense",
+        ):
+            assert r[key] == r[key] and r[key] >= 0, (r["method"], key)
+    assert (
+        rows["oracle"]["attention_mass"]
+        >= rows["pq"]["attention_mass"]
+        > rows["streaming"]["attention_mass"] + 0.1
+    )
+    assert rows["oracle"]["oracle_recall"] == 1.0 and rows["streaming"]["oracle_recall"] == 0.0
+    assert rows["pq"]["output_rel_err"] < rows["streaming"]["output_rel_err"]
+    assert rows["pq"]["tokens"] == 32 + 96 + 32
+    table = format_table(result)
+    assert "pq" in table and "streaming" in table and "oracle" in table
+
+
+def test_cli_demo_json(tmp_path, capsys) -> None:
+    path = tmp_path / "demo.json"
+    args = [
+        "demo",
+        "--device",
+        "cpu",
+        "--tokens",
+        "1024",
+        "--kv-heads",
+        "1",
+        "--group",
+        "2",
+        "--head-dim",
+        "32",
+        "--steps",
+        "2",
+        "--sink",
+        "8",
+        "--window",
+        "8",
+        "--heavy",
+        "32",
+        "--repeats",
+        "2",
+        "--json",
+        str(path),
+    ]
+    assert main(args) == 0
+    assert "oracle recall" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["environment"]["torch"] == torch.__version__
+    assert [r["method"] for r in data["results"]] == ["pq", "streaming", "oracle", "dense"]
+
+
+def test_cli_reports_bad_arguments(capsys) -> None:
+    assert main(["demo", "--device", "cpu", "--bits", "9", "--tokens", "256"]) == 2
+    assert "bits" in capsys.readouterr().err
+
+
+def test_workload_structure() -> None:
+    spec = WorkloadSpec(tokens=2048, kv_heads=2, group=2, head_dim=32, steps=2, topics=4)
+    w = make_workload(spec)
+    assert w.keys.shape == (1, 2, 2050, 32) and w.queries.shape == (2, 1, 4, 32)
+    logits = torch.einsum("bhd,bknd->bhn", w.queries[0], w.keys[:, [0, 0, 1, 1], :2048]) / 32**0.5
+    p = logits.softmax(-1)
+    assert float(p[..., 0].mean()) > 0.05, "token 0 should be an attention sink"
+    top = p.topk(32, dim=-1).values.sum(-1)
+    assert float(top.mean()) > 0.3, "a few tokens should carry much of the mass"
+    assert torch.equal(make_workload(spec).keys, w.keys), "workload must be deterministic"
+
+
+def test_rope_is_a_rotation_with_relative_phase() -> None:
+    x = torch.randn(5, 16, dtype=torch.float64)
+    y = torch.randn(5, 16, dtype=torch.float64)
+    pos = torch.arange(5)
+    rx = rope(x, pos, 10000.0)
+    assert torch.allclose(rx.norm(dim=-1), x.norm(dim=-1))
+    # <rope(x, i), rope(y, j)> depends on i - j only
+    a = (rope(x[:1], torch.tensor([7]), 10000.0) * rope(y[:1], torch.tensor([3]), 10000.0)).sum()
+    b = (rope(x[:1], torch.tensor([104]), 10000.0) * rope(y[:1], torch.tensor([100]), 10000.0)).sum()
+    assert torch.allclose(a, b)

@@ -1,0 +1,101 @@
+"""PQIndex: build, append, select and attend against the reference functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pqattn
+from pqattn import PQConfig, PQIndex
+from pqattn import reference as ref
+from tests.helpers import assert_close, rows_as_sets
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "ip"])
+def test_build_append_select_attend(device: torch.device, metric: str) -> None:
+    B, H, Hkv, N, D, steps = 3, 8, 2, 120, 16, 5
+    cfg = PQConfig(subvectors=4, bits=3, metric=metric, sink=4, window=8, heavy=16, iters=5)
+    k = torch.randn(B, Hkv, N + steps, D, device=device)
+    v = torch.randn_like(k)
+    lengths = torch.tensor([120, 77, 30], device=device)
+    index = PQIndex.build(k[:, :, :N], lengths, capacity=N + steps, config=cfg)
+    built = ref.build_pq(k[:, :, :N], lengths, subvectors=4, bits=3, metric=metric, init_offset=4, iters=5)
+    assert torch.equal(index.centroids, built.centroids)
+    assert index.codes.shape == (B, Hkv, N + steps, 4)
+
+    # Ragged append: each sequence's new key lands at its own length.
+    cache_k = torch.zeros_like(k)
+    cache_v = torch.zeros_like(v)
+    for b, n in enumerate(lengths.tolist()):
+        cache_k[b, :, :n], cache_v[b, :, :n] = k[b, :, :n], v[b, :, :n]
+    for t in range(steps):
+        new_k = torch.randn(B, Hkv, 1, D, device=device)
+        new_v = torch.randn(B, Hkv, 1, D, device=device)
+        for b in range(B):
+            n = int(index.lengths[b])
+            cache_k[b, :, n], cache_v[b, :, n] = new_k[b, :, 0], new_v[b, :, 0]
+        before = index.lengths.clone()
+        index.append(new_k)
+        assert torch.equal(index.lengths, before + 1)
+        want = ref.encode(new_k, index.centroids, index.phi, metric)
+        for b in range(B):
+            assert torch.equal(index.codes[b, :, int(before[b])], want[b, :, 0])
+
+        q = torch.randn(B, H, D, device=device)
+        sel = index.select(q)
+        want_sel = ref.select_pq(
+            q, index.centroids, index.codes, index.lengths, sink=4, window=8, heavy=16, init_offset=4
+        )
+        assert rows_as_sets(*sel) == rows_as_sets(*want_sel)
+        out = index.attend(q, cache_k, cache_v)
+        assert_close(
+            out, ref.sparse_decode(q, cache_k, cache_v, *want_sel), atol=1e-5, rtol=1e-5, what=f"step {t}"
+        )
+
+
+def test_append_beyond_capacity_is_refused() -> None:
+    k = torch.randn(1, 2, 50, 8)
+    index = PQIndex.build(k, capacity=52, config=PQConfig(bits=2, sink=2, window=2, heavy=4, iters=1))
+    index.append(torch.randn(1, 2, 2, 8))
+    with pytest.raises(ValueError, match=r"keys.*capacity=52.*got 53"):
+        index.append(torch.randn(1, 2, 1, 8))
+
+
+def test_build_and_append_validation() -> None:
+    k = torch.randn(2, 2, 40, 8)
+    with pytest.raises(ValueError, match=r"capacity.*N=40.*got 30"):
+        PQIndex.build(k, capacity=30)
+    with pytest.raises(ValueError, match=r"subvectors.*D=8.*M=3"):
+        PQIndex.build(k, config=PQConfig(subvectors=3))
+    index = PQIndex.build(k, capacity=64, config=PQConfig(bits=2, sink=2, window=2, heavy=4, iters=1))
+    with pytest.raises(ValueError, match=r"keys.*\[B, Hkv, T, D\].*\[2, 3, 1, 8\]"):
+        index.append(torch.randn(2, 3, 1, 8))
+    with pytest.raises(ValueError, match=r"k_cache.*at least 40.*got 39"):
+        index.attend(torch.randn(2, 4, 8), k[:, :, :39], k[:, :, :39])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "exc"),
+    [
+        ("bits", 0, ValueError),
+        ("bits", 9, ValueError),
+        ("metric", "dot", ValueError),
+        ("sink", -1, ValueError),
+        ("heavy", 1.5, TypeError),
+        ("subvectors", 0, ValueError),
+        ("tol", -1.0, ValueError),
+    ],
+)
+def test_config_validation(field: str, value: object, exc: type[Exception]) -> None:
+    with pytest.raises(exc, match=field):
+        PQConfig(**{field: value})
+
+
+def test_default_init_offset_is_sink() -> None:
+    assert PQConfig(sink=7).offset == 7 and PQConfig(sink=7, init_offset=3).offset == 3
+    assert PQConfig(sink=1, heavy=2, window=3).width == 6
+
+
+def test_public_names() -> None:
+    for name in pqattn.__all__:
+        assert hasattr(pqattn, name), name

@@ -1,0 +1,145 @@
+"""Public functional API: results equal the references, and every bad input is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pqattn
+from pqattn import reference as ref
+from tests.helpers import assert_close
+
+
+def _inputs(device: torch.device, B: int = 2, H: int = 8, Hkv: int = 2, N: int = 96, D: int = 16):
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    return torch.randn(B, H, D, device=device), keys, torch.randn_like(keys)
+
+
+def test_ops_pipeline_equals_reference(device: torch.device) -> None:
+    q, k, v = _inputs(device)
+    lengths = torch.tensor([96, 70], device=device)
+    book = pqattn.build_index(k, lengths, subvectors=2, bits=3, init_offset=4, iters=4, seed=5)
+    want = ref.build_pq(k, lengths, subvectors=2, bits=3, init_offset=4, iters=4, seed=5)
+    assert torch.equal(book.centroids, want.centroids) and torch.equal(book.codes, want.codes)
+    sel = pqattn.select_topk(
+        q, book.centroids, book.codes, lengths, sink=4, window=8, heavy=12, init_offset=4
+    )
+    sel_ref = ref.select_pq(q, book.centroids, book.codes, lengths, sink=4, window=8, heavy=12, init_offset=4)
+    assert torch.equal(sel.counts, sel_ref.counts)
+    out = pqattn.sparse_decode(q, k, v, sel.positions, sel.counts)
+    assert_close(out, ref.sparse_decode(q, k, v, *sel_ref), atol=1e-6, rtol=1e-6, what="sparse_decode")
+    w = pqattn.selection_weights(sel, 96)
+    assert torch.equal(w.sum(-1).int(), sel.counts)
+
+
+def test_lengths_as_list_and_default(device: torch.device) -> None:
+    _, k, _ = _inputs(device)
+    a = pqattn.build_index(k, [96, 96], bits=2, iters=2)
+    b = pqattn.build_index(k, None, bits=2, iters=2)
+    assert torch.equal(a.codes, b.codes)
+
+
+def _raises(exc: type[Exception], *needles: str):
+    """pytest.raises that also checks the message names the argument and the expected/got values."""
+    return pytest.raises(exc, match=".*".join(needles))
+
+
+class TestValidation:
+    def test_build_index(self) -> None:
+        q, k, _ = _inputs(torch.device("cpu"))
+        with _raises(TypeError, "keys", "torch.Tensor", "list"):
+            pqattn.build_index([1, 2])
+        with _raises(ValueError, "keys", r"\[B, Hkv, N, D\]", r"\[2, 8, 16\]"):
+            pqattn.build_index(q)
+        with _raises(TypeError, "keys", "dtype", "int64"):
+            pqattn.build_index(k.long())
+        with _raises(ValueError, "subvectors", "D=16", "M=3"):
+            pqattn.build_index(k, subvectors=3)
+        for bad in (0, 9):
+            with _raises(ValueError, "bits", "1..8", str(bad)):
+                pqattn.build_index(k, bits=bad)
+        with _raises(TypeError, "bits"):
+            pqattn.build_index(k, bits=2.0)
+        with _raises(ValueError, "metric", "cosine"):
+            pqattn.build_index(k, metric="cosine")
+        with _raises(ValueError, "init_offset", "-1"):
+            pqattn.build_index(k, init_offset=-1)
+        with _raises(ValueError, "lengths", "<= 96", "97"):
+            pqattn.build_index(k, [96, 97])
+        with _raises(ValueError, "lengths", "non-negative", "-3"):
+            pqattn.build_index(k, [-3, 5])
+        with _raises(ValueError, "lengths", r"\[B\]", r"\[3\]"):
+            pqattn.build_index(k, [1, 2, 3])
+        with _raises(TypeError, "lengths", "dtype", "float32"):
+            pqattn.build_index(k, torch.tensor([1.0, 2.0]))
+
+    def test_select_topk(self) -> None:
+        q, k, _ = _inputs(torch.device("cpu"))
+        book = pqattn.build_index(k, bits=2, iters=1)
+        lens = torch.tensor([96, 96])
+        kw = dict(sink=2, window=2, heavy=4)
+        with _raises(ValueError, "H=7", "Hkv=2"):
+            pqattn.select_topk(torch.randn(2, 7, 16), book.centroids, book.codes, lens, **kw)
+        with _raises(ValueError, "q", r"\[B, H, D\]", r"\[3, 8, 16\]"):
+            pqattn.select_topk(torch.randn(3, 8, 16), book.centroids, book.codes, lens, **kw)
+        with _raises(TypeError, "codes", "uint8", "int64"):
+            pqattn.select_topk(q, book.centroids, book.codes.long(), lens, **kw)
+        with _raises(ValueError, "codes", r"\[B, Hkv, N, M\]"):
+            pqattn.select_topk(q, book.centroids, book.codes[..., :1], lens, **kw)
+        with _raises(ValueError, "centroids", "C = 2\\*\\*bits", "C=3"):
+            pqattn.select_topk(q, book.centroids[..., :3, :], book.codes, lens, **kw)
+        with _raises(ValueError, "heavy", "non-negative", "-1"):
+            pqattn.select_topk(q, book.centroids, book.codes, lens, sink=2, window=2, heavy=-1)
+        with _raises(ValueError, "window", "-4"):
+            pqattn.select_topk(q, book.centroids, book.codes, lens, sink=2, window=-4, heavy=1)
+        with _raises(ValueError, "lengths", r"\[B\]"):
+            pqattn.select_topk(q, book.centroids, book.codes, lens[:1], **kw)
+        with _raises(ValueError, "centroids", "dsub=8", "got 5"):
+            pqattn.pq_scores(q, book.centroids[..., :5], book.codes)
+
+    def test_sparse_decode(self) -> None:
+        q, k, v = _inputs(torch.device("cpu"))
+        pos = torch.zeros(2, 8, 5, dtype=torch.int32)
+        cnt = torch.ones(2, 8, dtype=torch.int32)
+        with _raises(ValueError, "v", r"\[B, Hkv, N, D\]", r"\[2, 2, 95, 16\]"):
+            pqattn.sparse_decode(q, k, v[:, :, :95], pos, cnt)
+        with _raises(TypeError, "v", "dtype", "float16"):
+            pqattn.sparse_decode(q, k, v.half(), pos, cnt)
+        with _raises(ValueError, "positions", r"\[B, H, L\]", r"\[2, 7, 5\]"):
+            pqattn.sparse_decode(q, k, v, pos[:, :7], cnt)
+        with _raises(TypeError, "positions", "int32/int64", "float32"):
+            pqattn.sparse_decode(q, k, v, pos.float(), cnt)
+        with _raises(ValueError, "counts", r"\[B, H\]"):
+            pqattn.sparse_decode(q, k, v, pos, cnt[:, :3])
+        with _raises(ValueError, "weights", r"\[B, H, L\]"):
+            pqattn.sparse_decode(q, k, v, pos, cnt, torch.ones(2, 8, 4))
+        with _raises(ValueError, "q", r"\[B, H, D\]", r"\[2, 8, 8\]"):
+            pqattn.sparse_decode(q[..., :8], k, v, pos, cnt)
+        with _raises(ValueError, "H=5", "Hkv=2"):
+            pqattn.sparse_decode(q[:, :5], k, v, pos[:, :5], cnt[:, :5])
+
+    def test_dense_attention_and_encode(self) -> None:
+        _, k, v = _inputs(torch.device("cpu"))
+        with _raises(ValueError, "q", r"\[B, H, Sq, D\]"):
+            pqattn.dense_attention(torch.randn(2, 8, 16), k, v)
+        with _raises(ValueError, "H=3", "Hkv=2"):
+            pqattn.dense_attention(torch.randn(2, 3, 4, 16), k, v)
+        book = pqattn.build_index(k, bits=2, iters=1, metric="ip")
+        with _raises(ValueError, "phi", "ip", "None"):
+            pqattn.encode_keys(k, book.centroids, None, metric="ip")
+        with _raises(ValueError, "centroids", r"\[2, 2, 2, \*, 8\]", r"got \[2, 2, 2, 4, 9\]"):
+            pqattn.encode_keys(k, book.centroids, book.phi)  # euclidean wants dsub = 8 columns
+
+    def test_streaming(self) -> None:
+        with _raises(ValueError, "num_heads", "positive"):
+            pqattn.select_streaming(torch.tensor([4]), 0, sink=1, window=1)
+        with _raises(TypeError, "lengths", "int32/int64"):
+            pqattn.select_streaming(torch.tensor([4.0]), 2, sink=1, window=1)
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+    def test_device_mismatch(self) -> None:
+        q, k, v = _inputs(torch.device("cpu"))
+        pos = torch.zeros(2, 8, 5, dtype=torch.int32)
+        cnt = torch.ones(2, 8, dtype=torch.int32)
+        with _raises(ValueError, "q", "device", "cuda", "cpu"):
+            pqattn.sparse_decode(q, k.cuda(), v.cuda(), pos.cuda(), cnt.cuda())
