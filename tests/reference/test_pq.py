@@ -100,9 +100,9 @@ def test_objective_decreases_every_iteration() -> None:
     assert (obj[-1] < obj[0]).all(), "k-means did not improve on its init"
 
 
-def test_deterministic_under_seed() -> None:
-    keys = make_keys(1, 2, 300, 8)
-    lengths = torch.tensor([300])
+def test_deterministic_under_seed(device: torch.device) -> None:
+    keys = torch.randn(1, 2, 3000, 8, device=device)
+    lengths = torch.tensor([3000], device=device)
     a = ref.build_pq(keys, lengths, subvectors=2, bits=3, seed=11)
     b = ref.build_pq(keys, lengths, subvectors=2, bits=3, seed=11)
     c = ref.build_pq(keys, lengths, subvectors=2, bits=3, seed=12)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import subprocess
 import time
 
 import torch
@@ -47,13 +48,25 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def environment(device: torch.device) -> dict:
     env = {
+        "git_sha": _git_sha(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "pqattn": pqattn.__version__,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cuda": torch.version.cuda,
     }
     try:
         import triton
@@ -163,7 +176,7 @@ def run_demo(
         "dtype": str(dtype).removeprefix("torch."),
         "environment": environment(device),
         "build_ms": build_ms,
-        "timing_note": "eager wall-clock per decode step with a device sync, median; "
+        "timing_note": "eager wall-clock per decode step with a device sync (median);\n"
         "pq/streaming/oracle = select + sparse attention through pqattn.ops, dense = torch SDPA",
         "timings": timings,
         "results": rows,
@@ -194,8 +207,7 @@ def format_table(result: dict) -> str:
     lines += [
         "",
         "attn mass: share of the dense softmax mass on the selected tokens; oracle recall: share of the",
-        "exact top-heavy tokens found; out rel err: ||out - dense|| / ||dense||; step time: "
-        + result["timing_note"]
-        + ".",
+        "exact top-heavy tokens found; out rel err: ||out - dense|| / ||dense||.",
+        f"step time: {result['timing_note']}.",
     ]
     return "\n".join(lines)

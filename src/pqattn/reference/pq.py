@@ -117,6 +117,27 @@ def _reseed_empty(
     return torch.where(empty[..., None], seeds, centroids)
 
 
+def _segment_sums(
+    xv: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, C: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-cluster sums [G, C, d] and counts [G, C] of masked points xv [G, n, d] assigned idx [G, n].
+
+    A one-hot matrix product in fixed blocks rather than scatter_add: CUDA's scatter_add uses
+    atomics, whose summation order (and so the result) changes from run to run, and a seeded
+    build must give the same index every time.
+    """
+    G, n, d = xv.shape
+    sums = xv.new_zeros((G, C, d))
+    counts = xv.new_zeros((G, C))
+    step = max(1, _ASSIGN_BLOCK_ELEMS // max(1, G * C))
+    for s in range(0, n, step):
+        onehot = torch.nn.functional.one_hot(idx[:, s : s + step], C).to(xv.dtype)
+        onehot = onehot * valid[:, s : s + step, None]
+        sums += onehot.transpose(1, 2) @ xv[:, s : s + step]
+        counts += onehot.sum(1)
+    return sums, counts
+
+
 def lloyd(
     x: torch.Tensor,
     valid: torch.Tensor,
@@ -132,7 +153,7 @@ def lloyd(
     centroids are then frozen, so batching never changes a group's result.
     Returns (centroids [G, C, d], codes [G, n] int64, objective [iterations + 1, G], iterations).
     """
-    G, n, d = x.shape
+    G = x.shape[0]
     C = init.shape[1]
     n_valid = valid.sum(1)
     xv = x * valid[..., None]
@@ -144,10 +165,7 @@ def lloyd(
     for _ in range(iters):
         if not bool(active.any()):
             break
-        sums = torch.zeros((G, C, d), dtype=x.dtype, device=x.device)
-        sums.scatter_add_(1, idx[..., None].expand(G, n, d), xv)
-        counts = torch.zeros((G, C), dtype=x.dtype, device=x.device)
-        counts.scatter_add_(1, idx, valid.to(x.dtype))
+        sums, counts = _segment_sums(xv, idx, valid, C)
         new_c = sums / counts.clamp_min(1)[..., None]
         new_c = _reseed_empty(new_c, counts, x, dist, valid, n_valid)
         shift = ((new_c - c) ** 2).sum((1, 2))
