@@ -9,6 +9,7 @@ in the same run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import subprocess
 import time
@@ -48,14 +49,17 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_sha() -> str | None:
+def _command(*argv: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
-        )
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def _git_sha() -> str | None:
+    """HEAD of the checkout; PQATTN_GIT_SHA names it where the copy has no .git (the GPU machine)."""
+    return os.environ.get("PQATTN_GIT_SHA") or _command("git", "rev-parse", "HEAD")
 
 
 def environment(device: torch.device) -> dict:
@@ -67,6 +71,9 @@ def environment(device: torch.device) -> dict:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "cuda": torch.version.cuda,
+        "driver": _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+        if device.type == "cuda"
+        else None,
     }
     try:
         import triton
