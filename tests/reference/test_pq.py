@@ -222,3 +222,15 @@ def test_exact_scores_brute_force() -> None:
     got = ref.exact_scores(q, k)
     for h in range(4):
         assert_close(got[0, h], k[0, h // 2] @ q[0, h], atol=1e-12, rtol=0, what=f"head {h}")
+
+
+def test_empty_clusters_are_reseeded_from_farthest_points() -> None:
+    """Duplicate initial centres leave clusters empty: they must move onto data points, as the loop does."""
+    keys = make_keys(1, 1, 60, 4)
+    init = keys[0, 0, :4].clone().expand(1, 1, 1, 4, 4).clone()
+    init[..., 1:3, :] = init[..., 0:1, :]  # centres 1 and 2 duplicate centre 0: empty after assignment
+    res = ref.build_pq(keys, torch.tensor([60]), subvectors=1, bits=2, iters=3, tol=0.0, init=init)
+    cents, codes = brute_kmeans(keys[0, 0], init[0, 0, 0], iters=3, tol=0.0)
+    assert_close(res.centroids[0, 0, 0], cents, atol=1e-9, rtol=0, what="centroids")
+    assert res.codes[0, 0, :, 0].tolist() == codes
+    assert len(set(codes)) == 4, "every cluster should own points after re-seeding"
