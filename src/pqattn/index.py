@@ -124,17 +124,9 @@ class PQIndex:
         if capacity < N:
             raise ValueError(f"capacity: expected >= the prefill length N={N}, got {capacity}")
         lens = check.lengths(lengths, B, N, keys.device)
-        built = ops.build_index(
-            keys,
-            lens,
-            subvectors=config.subvectors,
-            bits=config.bits,
-            metric=config.metric,
-            init_offset=config.offset,
-            iters=config.iters,
-            tol=config.tol,
-            seed=config.seed,
-        )
+        check.subvectors(config.subvectors, D)
+        c = config
+        built = ops._build(keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed)
         dtype = built.centroids.dtype
         index = cls(
             config, batch=B, kv_heads=Hkv, head_dim=D, capacity=capacity, device=keys.device, dtype=dtype

@@ -91,9 +91,24 @@ def build_index(
     check.non_negative_int("init_offset", init_offset)
     check.non_negative_int("iters", iters)
     lens = check.lengths(lengths, B, N, keys.device)
+    return _build(keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed)
+
+
+def _build(
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    subvectors: int,
+    bits: int,
+    metric: str,
+    init_offset: int,
+    iters: int,
+    tol: float,
+    seed: int,
+) -> PQCodebook:
+    """`build_index` on arguments already validated (PQIndex.build checks them once itself)."""
     res = ref.build_pq(
         keys,
-        lens,
+        lengths,
         subvectors=subvectors,
         bits=bits,
         metric=metric,
