@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import random
 import zlib
+from collections.abc import Iterator
 
 import pytest
 import torch
+
+from pqattn.lab.check import poisoned_allocations
 
 SEED = int(os.environ.get("PQATTN_SEED", random.SystemRandom().randrange(1 << 31)))
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,19 +33,10 @@ def _fresh_seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point():
-        return t.fill_(float("nan"))
-    if t.dtype != torch.bool and not t.is_complex():
-        return t.fill_(torch.iinfo(t.dtype).max)
-    return t
-
-
 @pytest.fixture(autouse=True)
-def _nan_poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(empty_like(*a, **k)))
+def _nan_poison_empty() -> Iterator[None]:
+    with poisoned_allocations():
+        yield
 
 
 @pytest.fixture

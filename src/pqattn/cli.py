@@ -39,9 +39,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed calls per method")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
 
+    p.set_defaults(func=_run_demo)
+
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from pqattn.lab.demo import format_table, resolve_device, run_demo
+    from pqattn.lab.demo import format_table, run_demo
+    from pqattn.lab.env import resolve_device
 
     device = resolve_device(args.device)
     dtype = (
@@ -81,13 +84,164 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pqattn.lab.suites import SUITES
+
+    p = sub.add_parser(
+        "bench",
+        help="time suites of cases (graph replay, eager, pipelined) against same-run baselines",
+        description="Time every case of the suites: GPU time from CUDA-graph replay, eager wall-clock with a "
+        "sync, pipelined wall-clock; achieved GB/s and TFLOP/s against the measured copy bandwidth and "
+        "matmul rate; speed-up over the baselines of the same run.",
+    )
+    p.add_argument("suites", nargs="+", choices=sorted(SUITES), metavar="SUITE", help=", ".join(SUITES))
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a few cases per suite")
+    size.add_argument("--tiny", action="store_true", help="toy shapes that run in seconds on a CPU")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--case", metavar="REGEX", help="only cases whose suite/name matches")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only these implementations (repeatable)")
+    p.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown per case")
+    p.add_argument("--json", metavar="PATH", help="write the results document here ('-' for stdout)")
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart of the primary times (needs matplotlib)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pqattn.lab.bench import format_table, plot, run_bench
+    from pqattn.lab.env import resolve_device
+
+    size = "quick" if args.quick else "tiny" if args.tiny else "full"
+    doc = run_bench(
+        args.suites,
+        size=size,
+        device=resolve_device(args.device),
+        case_filter=args.case,
+        impls=args.impl,
+        profile=args.profile,
+        argv=sys.argv,
+    )
+    if args.json == "-":
+        json.dump(doc, sys.stdout)
+        print()
+        return 0
+    print(format_table(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"results written to {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    from pqattn.lab.compare import TIMING_MODES
+
+    p = sub.add_parser(
+        "compare",
+        help="compare two bench results (exit 1 on a regression)",
+        description="Per case: ratio of medians B/A with a bootstrap 95%% CI, Mann-Whitney U p-value, "
+        "Cliff's delta, verdict. Exit 1 when a case is slower by more than 3%% with p < 0.01.",
+    )
+    p.add_argument("a", help="baseline results JSON")
+    p.add_argument("b", help="candidate results JSON")
+    p.add_argument(
+        "--timing", default="auto", choices=TIMING_MODES, help="auto: graph when both have it, else eager"
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the comparison as JSON")
+    p.set_defaults(func=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from pqattn.lab.compare import compare_docs, format_comparison
+    from pqattn.lab.schema import load
+
+    result = compare_docs(load(args.a), load(args.b), mode=args.timing)
+    print(format_comparison(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if result["regressions"] else 0
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check",
+        help="fuzz every kernel against its reference over every autotune config",
+        description="Correctness fuzz of every Triton kernel against the PyTorch reference on random shapes, "
+        "dtypes and options, for every config of its autotune space, with NaN-poisoned outputs. "
+        "Exit 1 when any case fails.",
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--large", action="store_true", help="large shapes (default on a GPU; slow on a CPU)")
+    p.add_argument("--cases", type=int, default=3, help="random cases per config")
+    p.add_argument("--kernel", action="append", metavar="NAME", help="only these kernels (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="default: drawn at random and printed")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.set_defaults(func=_run_check)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    import os
+    import random
+
+    from pqattn.lab.check import format_rows, registered, run_checks
+    from pqattn.lab.env import resolve_device
+
+    device = resolve_device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("device: Triton kernels on a CPU need TRITON_INTERPRET=1 in the environment")
+    checks = registered()
+    if args.kernel:
+        unknown = set(args.kernel) - {c.name for c in checks}
+        if unknown:
+            raise ValueError(
+                f"kernel: expected some of {sorted(c.name for c in checks)}, got {sorted(unknown)}"
+            )
+        checks = [c for c in checks if c.name in args.kernel]
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    large = args.large or device.type == "cuda"
+    rows = run_checks(checks, device=device, large=large, cases=args.cases, seed=seed, log=sys.stderr)
+    print(format_rows(rows, device=device, seed=seed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "seed": seed, "large": large, "rows": rows}, f, indent=1)
+    return 1 if any(r["failures"] for r in rows) else 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="regenerate the README's results section from bench/results/*.json",
+        description="Rewrite the README section between the results markers from the committed JSON; "
+        "--check exits 1 when the README is out of date.",
+    )
+    p.add_argument("--results", default="bench/results", help="directory of results JSON")
+    p.add_argument("--readme", default="README.md")
+    p.add_argument("--check", action="store_true", help="do not write; exit 1 when the README is stale")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from pqattn.lab.report import update_readme
+
+    current = update_readme(args.readme, args.results, check=args.check)
+    if args.check and not current:
+        print(f"{args.readme} is out of date: run `pqattn report`", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pqattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_demo(sub)
+    for add in (_add_demo, _add_bench, _add_compare, _add_check, _add_report):
+        add(sub)
     args = parser.parse_args(argv)
     try:
-        return _run_demo(args)
+        return args.func(args)
     except (ValueError, TypeError) as e:
         print(f"pqattn {args.command}: {e}", file=sys.stderr)
         return 2

@@ -9,9 +9,6 @@ in the same run.
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
-import subprocess
 import time
 
 import torch
@@ -21,67 +18,11 @@ import pqattn
 from pqattn import ops
 from pqattn.index import PQConfig, PQIndex
 from pqattn.lab import metrics
+from pqattn.lab.env import environment
 from pqattn.lab.timing import sync, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 METHODS = ("pq", "streaming", "oracle")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device: 'cuda' was asked for but torch sees no CUDA device; use --device auto or cpu"
-        )
-    return device
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _command(*argv: str) -> str | None:
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def _git_sha() -> str | None:
-    """HEAD of the checkout; PQATTN_GIT_SHA names it where the copy has no .git (the GPU machine)."""
-    return os.environ.get("PQATTN_GIT_SHA") or _command("git", "rev-parse", "HEAD")
-
-
-def environment(device: torch.device) -> dict:
-    env = {
-        "git_sha": _git_sha(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "pqattn": pqattn.__version__,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
-        "cuda": torch.version.cuda,
-        "driver": _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
-        if device.type == "cuda"
-        else None,
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
 
 
 def run_demo(

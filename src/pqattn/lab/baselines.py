@@ -1,0 +1,41 @@
+"""Baselines the suites time in the same run as pqattn: what a user would write without it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense decode attention through torch SDPA: q [B, H, D], k/v [B, Hkv, N, D] -> [B, H, D]."""
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+
+
+def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """Dense prefill attention through torch SDPA (bottom-right causal only when Sq == Sk)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def kmeans_plain_torch(keys: torch.Tensor, *, subvectors: int, bits: int, iters: int, seed: int = 0):
+    """The plain-torch k-means that issue 6 measures against: matmul distances, scatter-add updates.
+
+    keys: [B, Hkv, N, D] -> (centroids [B, Hkv, M, C, dsub] float32, codes [B, Hkv, N, M] uint8).
+    Random init from data points; an empty cluster keeps its previous centre; always `iters` rounds.
+    """
+    B, Hkv, N, D = keys.shape
+    M, C = subvectors, 2**bits
+    dsub = D // M
+    x = keys.float().reshape(B, Hkv, N, M, dsub).permute(0, 1, 3, 2, 4).reshape(B * Hkv * M, N, dsub)
+    G = x.shape[0]
+    gen = torch.Generator(device=keys.device).manual_seed(seed)
+    pick = torch.rand(G, N, device=keys.device, generator=gen).argsort(dim=1)[:, :C]
+    centroids = x.gather(1, pick[..., None].expand(G, C, dsub))
+    x_sq = (x * x).sum(-1, keepdim=True)
+    for _ in range(iters):
+        dist = x_sq - 2.0 * torch.bmm(x, centroids.transpose(1, 2)) + (centroids * centroids).sum(-1)[:, None]
+        assign = dist.argmin(dim=-1)
+        sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand(G, N, dsub), x)
+        counts = torch.zeros(G, C, device=x.device).scatter_add_(1, assign, torch.ones_like(x[..., 0]))
+        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
+    codes = assign.to(torch.uint8).reshape(B, Hkv, M, N).permute(0, 1, 3, 2)
+    return centroids.reshape(B, Hkv, M, C, dsub), codes

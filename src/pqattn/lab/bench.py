@@ -1,0 +1,308 @@
+"""`pqattn bench`: time every case of the chosen suites, three ways, against same-run baselines.
+
+Per case and implementation: GPU time from CUDA-graph replay (when the calls make no host sync
+and can be captured), eager wall-clock per call with a sync, pipelined wall-clock per call; the
+achieved GB/s and TFLOP/s as a share of the copy bandwidth and matmul rate measured at the start of
+the run; the speed-up of each pqattn implementation over each baseline of the case. `--profile`
+adds a torch.profiler breakdown (kernels, launches per call, CPU overhead = wall - GPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pqattn.lab import timing
+from pqattn.lab.env import environment, l2_bytes
+from pqattn.lab.roofline import measure_ceilings, rates
+from pqattn.lab.schema import BENCH_SCHEMA
+from pqattn.lab.suites import Case, Impl, make_cases, rotation
+
+MODES = ("graph", "eager", "pipelined")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How long to warm up and how many samples to take (per mode, per case and implementation)."""
+
+    warmup_ms: float = 50.0
+    target_ms: float = 300.0  # time budget per mode; repeats = clamp(target / estimate, min, max)
+    min_repeats: int = 20
+    max_repeats: int = 200
+    graph_target_us: float = 500.0  # calls per graph replay / pipelined sample: about this long
+
+    @staticmethod
+    def for_size(size: str) -> Settings:
+        if size == "tiny":
+            return Settings(warmup_ms=0.0, target_ms=5.0, min_repeats=3, max_repeats=5, graph_target_us=50.0)
+        return Settings()
+
+
+def primary_mode(timings: dict) -> str:
+    """The figure that stands for GPU time: graph replay when captured, else pipelined."""
+    return "graph" if timings.get("graph") else "pipelined"
+
+
+def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    timing.sync(device)
+    with profile(activities=activities) as prof:
+        for i in range(calls):
+            fns[i % len(fns)]()
+        timing.sync(device)
+    kernels: dict[str, list[float]] = {}
+    if device.type == "cuda":
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+        rows = [
+            {"name": n, "launches_per_call": len(t) / calls, "gpu_us_per_call": sum(t) / calls}
+            for n, t in kernels.items()
+        ]
+    else:
+        rows = [
+            {
+                "name": a.key,
+                "launches_per_call": a.count / calls,
+                "cpu_us_per_call": a.self_cpu_time_total / calls,
+            }
+            for a in prof.key_averages()
+        ]
+    key = "gpu_us_per_call" if device.type == "cuda" else "cpu_us_per_call"
+    rows.sort(key=lambda r: -r[key])
+    return {
+        "calls": calls,
+        "kernels": rows[:12],
+        "launches_per_call": sum(r["launches_per_call"] for r in rows) if device.type == "cuda" else None,
+        "gpu_us_per_call": sum(r[key] for r in rows) if device.type == "cuda" else None,
+    }
+
+
+def run_impl(
+    case: Case, impl: Impl, inputs: list[dict], device: torch.device, settings: Settings, *, profile: bool
+) -> dict:
+    """Time one implementation of one case on its rotating input sets."""
+    fns = [lambda x=x: impl.fn(x) for x in inputs]
+    est = timing.estimate_us(fns[0], device, warmup_ms=settings.warmup_ms)
+    for fn in fns[1:]:
+        fn()
+    repeats = int(
+        min(settings.max_repeats, max(settings.min_repeats, settings.target_ms * 1e3 / max(est, 1e-3)))
+    )
+    calls = math.ceil(max(1.0, settings.graph_target_us / max(est, 1e-3)) / len(fns)) * len(fns)
+    calls = min(calls, 64 * len(fns))
+
+    out: dict = {"repeats_target": repeats, "estimate_us": est}
+    timings: dict[str, dict | None] = {"graph": None}
+    out["host_sync"] = timing.host_syncs(fns[0], device)
+    out["graph_error"] = None
+    if device.type != "cuda":
+        out["graph_error"] = "no CUDA device"
+    elif out["host_sync"] is not None:
+        out["graph_error"] = "not capturable: the call synchronizes with the host"
+    else:
+        try:
+            graph = timing.capture(fns, device, calls=calls)
+            timings["graph"] = timing.time_graph(graph, device, repeats=repeats, calls=calls)
+            del graph
+        except RuntimeError as e:
+            timing.sync(device)
+            out["graph_error"] = "capture failed: " + str(e).splitlines()[0]
+    timings["eager"] = timing.time_eager(fns, device, repeats=repeats)
+    timings["pipelined"] = timing.time_pipelined(fns, device, repeats=max(3, repeats // 4), calls=calls)
+    out["timings"] = timings
+    if profile:
+        prof = _profile(fns, device)
+        if prof["gpu_us_per_call"] is not None:
+            prof["cpu_overhead_us"] = timings["eager"]["median_us"] - prof["gpu_us_per_call"]
+        out["profile"] = prof
+    return out
+
+
+def _speedups(results: list[dict]) -> None:
+    """For each pqattn implementation of a case: baseline time / its time, same mode on both sides."""
+    by_case: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        by_case.setdefault((r["suite"], r["case"]), []).append(r)
+    for rows in by_case.values():
+        timed = [r for r in rows if r.get("timings")]
+        for r in timed:
+            if r["role"] != "pqattn":
+                continue
+            vs = {}
+            for b in timed:
+                if b["role"] != "baseline":
+                    continue
+                mode = "graph" if r["timings"]["graph"] and b["timings"]["graph"] else "eager"
+                vs[b["impl"]] = {
+                    "mode": mode,
+                    "speedup": b["timings"][mode]["median_us"] / r["timings"][mode]["median_us"],
+                }
+            r["vs"] = vs
+
+
+def run_bench(
+    suites: list[str],
+    *,
+    size: str,
+    device: torch.device,
+    case_filter: str | None = None,
+    impls: list[str] | None = None,
+    profile: bool = False,
+    argv: Sequence[str] | None = None,
+    log=sys.stderr,
+) -> dict:
+    """Run the suites and return the results document (schema `pqattn-bench/1`)."""
+    import re
+
+    cases = make_cases(suites, size, device)
+    if case_filter:
+        pattern = re.compile(case_filter)
+        cases = [c for c in cases if pattern.search(f"{c.suite}/{c.name}")]
+    if not cases:
+        raise ValueError(f"case: no case of suites {suites} matches {case_filter!r}")
+    settings = Settings.for_size(size)
+    ceilings = measure_ceilings(device, small=size == "tiny")
+    print(
+        f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, matmul {ceilings['matmul_tflops']:.1f} TFLOP/s",
+        file=log,
+    )
+    l2 = l2_bytes(device)
+    results = []
+    for case in cases:
+        rot = rotation(case, l2)
+        chosen = [i for i in case.impls if impls is None or i.name in impls]
+        inputs = (
+            [case.make_inputs(seed) for seed in range(rot)] if any(i.skip is None for i in chosen) else []
+        )
+        for impl in chosen:
+            row = {
+                "suite": case.suite,
+                "case": case.name,
+                "params": case.params,
+                "impl": impl.name,
+                "role": impl.role,
+                "note": impl.note,
+                "bytes": impl.bytes,
+                "flops": impl.flops,
+                "rotation": rot,
+                "skipped": impl.skip,
+            }
+            if impl.skip is None:
+                print(f"{case.suite}/{case.name} {impl.name} ...", file=log, flush=True)
+                row.update(run_impl(case, impl, inputs, device, settings, profile=profile))
+                mode = primary_mode(row["timings"])
+                row["primary"] = mode
+                row.update(rates(impl.bytes, impl.flops, row["timings"][mode]["median_us"], ceilings))
+            results.append(row)
+        del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _speedups(results)
+    return {
+        "schema": BENCH_SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(argv) if argv is not None else None,
+        "size": size,
+        "suites": suites,
+        "environment": environment(device),
+        "ceilings": ceilings,
+        "settings": settings.__dict__,
+        "results": results,
+    }
+
+
+def _us(t: dict | None) -> str:
+    return "-" if not t else f"{t['median_us']:.1f}"
+
+
+def format_table(doc: dict) -> str:
+    env, ceil = doc["environment"], doc["ceilings"]
+    lines = [
+        f"pqattn bench ({doc['size']}) on {env['device_name']}, torch {env['torch']}, "
+        f"triton {env['triton']}, "
+        f"git {str(env['git_sha'])[:10]}; ceilings: copy {ceil['copy_gbps']:.0f} GB/s, "
+        f"matmul {ceil['matmul_tflops']:.1f} TFLOP/s",
+        "times in us per call (median); GPU = graph replay, eager = one call + sync, pipe = back-to-back",
+        "",
+    ]
+    head = ("case", "impl", "GPU", "eager", "pipe", "floor", "GB/s", "%copy", "TFLOP/s", "vs baselines")
+    rows = [head]
+    for r in doc["results"]:
+        name = f"{r['suite']}/{r['case']}"
+        if r["skipped"]:
+            rows.append((name, r["impl"], "skipped", "", "", "", "", "", "", r["skipped"]))
+            continue
+        t = r["timings"]
+        vs = ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in r.get("vs", {}).items())
+        rows.append(
+            (
+                name,
+                r["impl"],
+                _us(t["graph"]) if t["graph"] else "n/a",
+                _us(t["eager"]),
+                _us(t["pipelined"]),
+                f"{r['floor_us']:.1f}",
+                f"{r['gbps']:.0f}",
+                f"{r['pct_copy']:.0f}",
+                f"{r['tflops']:.1f}",
+                vs,
+            )
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    for row in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    notes = sorted({r["graph_error"] for r in doc["results"] if r.get("graph_error")})
+    if notes:
+        lines.append("")
+        lines += [f"GPU n/a: {n}" for n in notes]
+    profiled = [r for r in doc["results"] if r.get("profile")]
+    for r in profiled:
+        p = r["profile"]
+        lines.append("")
+        head = f"profile {r['suite']}/{r['case']} {r['impl']}:"
+        if p["gpu_us_per_call"] is not None:
+            head += (
+                f" {p['launches_per_call']:.0f} launches/call, GPU {p['gpu_us_per_call']:.1f} us/call, "
+                f"CPU overhead {p['cpu_overhead_us']:.1f} us/call"
+            )
+        lines.append(head)
+        key = "gpu_us_per_call" if p["gpu_us_per_call"] is not None else "cpu_us_per_call"
+        for k in p["kernels"][:6]:
+            lines.append(f"  {k[key]:9.1f} us  x{k['launches_per_call']:.0f}  {k['name'][:90]}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    """One horizontal bar chart per suite: the primary time of every implementation, log scale."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("plot: matplotlib is not installed (pip install matplotlib)") from e
+    suites = list(dict.fromkeys(r["suite"] for r in doc["results"]))
+    fig, axes = plt.subplots(len(suites), 1, figsize=(10, 1 + 0.3 * len(doc["results"])), squeeze=False)
+    for ax, suite in zip(axes[:, 0], suites, strict=True):
+        rows = [r for r in doc["results"] if r["suite"] == suite and not r["skipped"]]
+        labels = [f"{r['case']} {r['impl']}" for r in rows]
+        values = [r["timings"][r["primary"]]["median_us"] for r in rows]
+        colors = ["tab:blue" if r["role"] == "pqattn" else "tab:gray" for r in rows]
+        ax.barh(labels, values, color=colors)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_title(f"{suite} (us per call; blue = pqattn, grey = baselines)")
+        ax.tick_params(axis="y", labelsize=7)
+    env = doc["environment"]
+    fig.suptitle(f"{env['device_name']}, torch {env['torch']}, git {str(env['git_sha'])[:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

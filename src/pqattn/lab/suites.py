@@ -1,0 +1,517 @@
+"""The benchmark suites: which shapes, which implementations, and what each must move and compute.
+
+Every case draws its own random inputs (one set per rotation slot), lists the implementations to
+time on them (pqattn's public functions and the baselines a user would otherwise run), and states
+per implementation the fewest bytes it must move (each input it needs read once, each output
+written once) and the FLOPs it must do. Shapes come from the issues that set the targets; `quick`
+is a subset for a fast look, `tiny` runs in seconds on a CPU (what the tests use).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import pqattn.reference as ref
+from pqattn import ops
+from pqattn.lab import baselines
+
+SIZES = ("full", "quick", "tiny")
+KiB = 1024
+
+
+@dataclass
+class Impl:
+    name: str
+    role: str  # "pqattn" (what we ship) or "baseline" (measured in the same run for comparison)
+    fn: Callable[[dict], object]  # one call on one input set
+    bytes: int
+    flops: int
+    note: str = ""
+    skip: str | None = None  # why it is not run at this shape (e.g. the reference would not fit)
+
+
+@dataclass
+class Case:
+    suite: str
+    name: str
+    params: dict
+    make_inputs: Callable[[int], dict]  # seed -> tensors on the device
+    impls: list[Impl] = field(default_factory=list)
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _gen(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return 8 * 2**30
+
+
+def _too_big(need: int, device: torch.device, what: str) -> str | None:
+    if need > _free_bytes(device) // 2:
+        return f"{what} needs about {need / 2**30:.0f} GiB of temporaries; not run at this shape"
+    return None
+
+
+REFERENCE_NOTE = "pqattn.ops today routes to the PyTorch reference (no Triton kernel yet)"
+
+
+# ---- select: PQ top-k selection for one decode query per sequence (issue 4) -----------------------
+
+
+def _select_case(
+    device: torch.device,
+    name: str,
+    *,
+    B: int,
+    H: int,
+    Hkv: int,
+    N: int,
+    D: int = 128,
+    M: int = 2,
+    bits: int = 6,
+    sink: int = 128,
+    window: int = 128,
+    heavy: int = 128,
+    q_dtype: torch.dtype = torch.bfloat16,
+) -> Case:
+    C, dsub, L = 2**bits, D // M, sink + heavy + window
+    params = dict(B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, sink=sink, window=window, heavy=heavy)
+    params["q_dtype"] = str(q_dtype).removeprefix("torch.")
+    opts = dict(sink=sink, window=window, heavy=heavy, init_offset=sink)
+
+    def make_inputs(seed: int) -> dict:
+        g = _gen(seed, device)
+        return {
+            "q": torch.randn(B, H, D, device=device, generator=g).to(q_dtype),
+            "centroids": torch.randn(B, Hkv, M, C, dsub, device=device, generator=g),
+            "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
+            "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
+            "scores": torch.randn(B * H, N, device=device, generator=g),
+        }
+
+    select_bytes = (
+        B * Hkv * N * M  # codes
+        + B * Hkv * M * C * dsub * 4  # centroids
+        + B * H * D * _esize(q_dtype)
+        + B * H * (L + 1) * 4  # positions + counts
+    )
+    select_flops = 2 * B * H * M * C * dsub + B * H * N * M  # LUT + score sums
+    lut_gather = B * H * N * M * 8 * 3  # the reference's int64 gather index and gathered values
+    ref_skip = _too_big(lut_gather, device, "the reference's score gather")
+    return Case(
+        "select",
+        name,
+        params,
+        make_inputs,
+        [
+            Impl(
+                "pqattn",
+                "pqattn",
+                lambda x: ops.select_topk(x["q"], x["centroids"], x["codes"], x["lengths"], **opts),
+                select_bytes,
+                select_flops,
+                note=REFERENCE_NOTE,
+                skip=ref_skip,
+            ),
+            Impl(
+                "torch-ref",
+                "baseline",
+                lambda x: ref.select_pq(x["q"], x["centroids"], x["codes"], x["lengths"], **opts),
+                select_bytes,
+                select_flops,
+                skip=ref_skip,
+            ),
+            Impl(
+                "torch.topk",
+                "baseline",
+                lambda x: torch.topk(x["scores"], heavy, dim=-1),
+                B * H * N * 4 + B * H * heavy * 12,
+                0,
+                note="top-k alone over precomputed float32 scores [B*H, N]",
+            ),
+        ],
+    )
+
+
+def select_suite(size: str, device: torch.device) -> list[Case]:
+    if size == "tiny":
+        return [
+            _select_case(device, "tiny", B=2, H=4, Hkv=2, N=300, D=32, bits=4, sink=8, window=8, heavy=16)
+        ]
+    cases = [
+        _select_case(device, "original", B=1, H=32, Hkv=32, N=32000, q_dtype=torch.float32),
+    ]
+    grid = (
+        [(1, 32, 128), (8, 128, 1024)]
+        if size == "quick"
+        else [(b, n, h) for b in (1, 8, 32) for n in (32, 128, 512) for h in (128, 1024, 2048)]
+    )
+    for b, n, h in grid:
+        cases.append(_select_case(device, f"B{b}-N{n}K-heavy{h}", B=b, H=32, Hkv=8, N=n * KiB, heavy=h))
+    return cases
+
+
+# ---- decode: sparse decode attention vs dense SDPA (issue 5) ---------------------------------------
+
+
+def _decode_case(
+    device: torch.device,
+    name: str,
+    *,
+    B: int,
+    H: int,
+    Hkv: int,
+    N: int,
+    D: int = 128,
+    sink: int = 128,
+    window: int = 128,
+    heavy: int = 128,
+    M: int = 2,
+    bits: int = 6,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Case:
+    L, C, dsub, es = sink + heavy + window, 2**bits, D // M, _esize(dtype)
+    params = dict(B=B, H=H, Hkv=Hkv, N=N, D=D, sink=sink, heavy=heavy, window=window, M=M, bits=bits)
+    params["dtype"] = str(dtype).removeprefix("torch.")
+    opts = dict(sink=sink, window=window, heavy=heavy, init_offset=sink)
+
+    def make_inputs(seed: int) -> dict:
+        g = _gen(seed, device)
+        middle = torch.rand(B, H, N - sink - window, device=device, generator=g).topk(heavy, dim=-1).indices
+        positions = torch.cat(
+            [
+                torch.arange(sink, device=device).expand(B, H, sink),
+                middle + sink,
+                torch.arange(N - window, N, device=device).expand(B, H, window),
+            ],
+            dim=-1,
+        )
+        return {
+            "q": torch.randn(B, H, D, device=device, generator=g).to(dtype),
+            "k": torch.randn(B, Hkv, N, D, device=device, generator=g).to(dtype),
+            "v": torch.randn(B, Hkv, N, D, device=device, generator=g).to(dtype),
+            "positions": positions.to(torch.int32),
+            "counts": torch.full((B, H), L, device=device, dtype=torch.int32),
+            "centroids": torch.randn(B, Hkv, M, C, dsub, device=device, generator=g),
+            "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
+            "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
+        }
+
+    def step(x: dict) -> torch.Tensor:
+        sel = ops.select_topk(x["q"], x["centroids"], x["codes"], x["lengths"], **opts)
+        return ops.sparse_decode(x["q"], x["k"], x["v"], sel.positions, sel.counts)
+
+    qo_bytes = 2 * B * H * D * es
+    attn_bytes = B * H * L * (2 * D * es + 4) + qo_bytes
+    attn_flops = 4 * B * H * L * D
+    select_bytes = B * Hkv * N * M + B * Hkv * M * C * dsub * 4 + B * H * (L + 1) * 4
+    select_flops = 2 * B * H * M * C * dsub + B * H * N * M
+    dense_bytes = 2 * B * Hkv * N * D * es + qo_bytes
+    return Case(
+        "decode",
+        name,
+        params,
+        make_inputs,
+        [
+            Impl(
+                "pqattn-attn",
+                "pqattn",
+                lambda x: ops.sparse_decode(x["q"], x["k"], x["v"], x["positions"], x["counts"]),
+                attn_bytes,
+                attn_flops,
+                note="sparse attention over a given selection; " + REFERENCE_NOTE,
+            ),
+            Impl(
+                "pqattn-step",
+                "pqattn",
+                step,
+                attn_bytes + select_bytes,
+                attn_flops + select_flops,
+                note="select + sparse attention; " + REFERENCE_NOTE,
+            ),
+            Impl(
+                "torch-ref",
+                "baseline",
+                lambda x: ref.sparse_decode(x["q"], x["k"], x["v"], x["positions"], x["counts"]),
+                attn_bytes,
+                attn_flops,
+                note="reference sparse attention over the same selection",
+            ),
+            Impl(
+                "sdpa",
+                "baseline",
+                lambda x: baselines.sdpa_decode(x["q"], x["k"], x["v"]),
+                dense_bytes,
+                4 * B * H * N * D,
+                note="dense decode over all N tokens, enable_gqa",
+            ),
+        ],
+    )
+
+
+def decode_suite(size: str, device: torch.device) -> list[Case]:
+    if size == "tiny":
+        return [
+            _decode_case(
+                device,
+                "tiny",
+                B=2,
+                H=4,
+                Hkv=2,
+                N=200,
+                D=32,
+                sink=8,
+                window=8,
+                heavy=16,
+                bits=4,
+                dtype=torch.float32,
+            )
+        ]
+    shapes = [(1, 32, 128), (1, 128, 2048), (8, 32, 1024)]
+    if size == "quick":
+        shapes = shapes[:2]
+    return [
+        _decode_case(device, f"B{b}-N{n}K-heavy{h}", B=b, H=32, Hkv=8, N=n * KiB, heavy=h)
+        for b, n, h in shapes
+    ]
+
+
+# ---- build: PQ index build after prefill (issue 6) -------------------------------------------------
+
+
+def _build_case(
+    device: torch.device,
+    name: str,
+    *,
+    B: int,
+    Hkv: int,
+    N: int,
+    D: int,
+    M: int,
+    bits: int,
+    iters: int = 10,
+    H: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Case:
+    C, es = 2**bits, _esize(dtype)
+    params = dict(B=B, Hkv=Hkv, N=N, D=D, M=M, bits=bits, iters=iters, metric="euclidean", H_prefill=H)
+    params["dtype"] = str(dtype).removeprefix("torch.")
+
+    def make_inputs(seed: int) -> dict:
+        g = _gen(seed, device)
+        return {
+            "keys": torch.randn(B, Hkv, N, D, device=device, generator=g).to(dtype),
+            "q": torch.randn(B, H, N, D, device=device, generator=g).to(dtype),
+        }
+
+    build_bytes = B * Hkv * N * (D * es + M) + B * Hkv * M * C * (D // M) * 4
+    build_flops = iters * 2 * B * Hkv * N * D * C  # the distance products alone
+    # tol=0: every implementation runs all `iters` rounds, so the timings compare equal work.
+    opts = dict(subvectors=M, bits=bits, iters=iters)
+    dist_bytes = B * Hkv * M * N * C * 4 * 4
+    return Case(
+        "build",
+        name,
+        params,
+        make_inputs,
+        [
+            Impl(
+                "pqattn",
+                "pqattn",
+                lambda x: ops.build_index(x["keys"], tol=0.0, **opts),
+                build_bytes,
+                build_flops,
+                note=REFERENCE_NOTE,
+                skip=_too_big(dist_bytes, device, "the reference's distance blocks"),
+            ),
+            Impl(
+                "plain-torch",
+                "baseline",
+                lambda x: baselines.kmeans_plain_torch(x["keys"], **opts),
+                build_bytes,
+                build_flops,
+                note="matmul distances, scatter-add centre update",
+                skip=_too_big(dist_bytes, device, "plain-torch distances"),
+            ),
+            Impl(
+                "sdpa-prefill",
+                "baseline",
+                lambda x: baselines.sdpa_prefill(x["q"], x["keys"], x["keys"], causal=True),
+                2 * B * H * N * D * es + 2 * B * Hkv * N * D * es,
+                2 * B * H * N * N * D,
+                note="causal prefill of the same N at H query heads: the budget the build must fit in",
+            ),
+        ],
+    )
+
+
+def build_suite(size: str, device: torch.device) -> list[Case]:
+    if size == "tiny":
+        return [
+            _build_case(
+                device, "tiny", B=1, Hkv=2, N=300, D=32, M=2, bits=4, iters=3, H=4, dtype=torch.float32
+            )
+        ]
+    grid = [(n, m, b) for n in (8, 32, 128) for m, b in ((2, 6), (4, 8), (16, 8))]
+    if size == "quick":
+        grid = [(32, 2, 6), (8, 16, 8)]
+    return [
+        _build_case(device, f"N{n}K-M{m}-C{2**b}", B=1, Hkv=8, N=n * KiB, D=128, M=m, bits=b)
+        for n, m, b in grid
+    ]
+
+
+# ---- prefill: dense attention (issue 7) -------------------------------------------------------------
+
+
+def _prefill_case(
+    device: torch.device,
+    name: str,
+    *,
+    B: int,
+    H: int,
+    Hkv: int,
+    S: int,
+    D: int,
+    causal: bool,
+    dtype: torch.dtype,
+) -> Case:
+    es = _esize(dtype)
+    params = dict(B=B, H=H, Hkv=Hkv, Sq=S, Sk=S, D=D, causal=causal)
+    params["dtype"] = str(dtype).removeprefix("torch.")
+
+    def make_inputs(seed: int) -> dict:
+        g = _gen(seed, device)
+        return {
+            "q": torch.randn(B, H, S, D, device=device, generator=g).to(dtype),
+            "k": torch.randn(B, Hkv, S, D, device=device, generator=g).to(dtype),
+            "v": torch.randn(B, Hkv, S, D, device=device, generator=g).to(dtype),
+        }
+
+    pairs = S * (S + 1) // 2 if causal else S * S
+    flops = 4 * B * H * pairs * D
+    nbytes = 2 * B * H * S * D * es + 2 * B * Hkv * S * D * es
+    ref_skip = _too_big(4 * B * H * S * S * 4, device, "the reference's materialized logits")
+    return Case(
+        "prefill",
+        name,
+        params,
+        make_inputs,
+        [
+            Impl(
+                "pqattn",
+                "pqattn",
+                lambda x: ops.dense_attention(x["q"], x["k"], x["v"], causal=causal),
+                nbytes,
+                flops,
+                note=REFERENCE_NOTE,
+                skip=ref_skip,
+            ),
+            Impl(
+                "torch-ref",
+                "baseline",
+                lambda x: ref.dense_attention(x["q"], x["k"], x["v"], causal=causal),
+                nbytes,
+                flops,
+                skip=ref_skip,
+            ),
+            Impl(
+                "sdpa",
+                "baseline",
+                lambda x: baselines.sdpa_prefill(x["q"], x["k"], x["v"], causal=causal),
+                nbytes,
+                flops,
+            ),
+        ],
+    )
+
+
+def prefill_suite(size: str, device: torch.device) -> list[Case]:
+    if size == "tiny":
+        return [
+            _prefill_case(
+                device,
+                f"tiny-{mode}",
+                B=1,
+                H=4,
+                Hkv=2,
+                S=70,
+                D=32,
+                causal=mode == "causal",
+                dtype=torch.float32,
+            )
+            for mode in ("full", "causal")
+        ]
+    fp16 = [(1, 8), (16, 8), (16, 32)]
+    causal = [4, 16]
+    if size == "quick":
+        fp16, causal = [(16, 8)], [4]
+    cases = [
+        _prefill_case(
+            device,
+            f"fp16-D64-S512-B{b}-H{h}",
+            B=b,
+            H=h,
+            Hkv=h,
+            S=512,
+            D=64,
+            causal=False,
+            dtype=torch.float16,
+        )
+        for b, h in fp16
+    ]
+    cases += [
+        _prefill_case(
+            device,
+            f"bf16-D128-causal-S{s}K",
+            B=1,
+            H=32,
+            Hkv=32,
+            S=s * KiB,
+            D=128,
+            causal=True,
+            dtype=torch.bfloat16,
+        )
+        for s in causal
+    ]
+    return cases
+
+
+SUITES: dict[str, Callable[[str, torch.device], list[Case]]] = {
+    "select": select_suite,
+    "decode": decode_suite,
+    "build": build_suite,
+    "prefill": prefill_suite,
+}
+
+
+def make_cases(suites: list[str], size: str, device: torch.device) -> list[Case]:
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"suite: expected some of {sorted(SUITES)}, got {unknown}")
+    if size not in SIZES:
+        raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
+    return [case for s in suites for case in SUITES[s](size, device)]
+
+
+def touched_bytes(case: Case) -> int:
+    """Bytes the cheapest pqattn implementation reads per call: what decides input rotation."""
+    return min(i.bytes for i in case.impls if i.role == "pqattn")
+
+
+def rotation(case: Case, l2_bytes: int, *, limit: int = 8) -> int:
+    """Input sets to cycle through so that repeated calls do not find their inputs in L2."""
+    if l2_bytes <= 0:
+        return 1
+    return max(1, min(limit, math.ceil(2 * l2_bytes / max(touched_bytes(case), 1))))

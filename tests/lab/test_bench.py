@@ -1,0 +1,165 @@
+"""`pqattn bench` on toy shapes: every suite runs, the document follows the schema, the math holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pqattn.cli import main
+from pqattn.lab import baselines, roofline, suites, timing
+from pqattn.lab.bench import format_table, plot, run_bench
+from pqattn.lab.schema import validate
+
+
+@pytest.fixture(scope="module")
+def tiny_doc() -> dict:
+    device = torch.device("cpu")
+    return run_bench(list(suites.SUITES), size="tiny", device=device, profile=True)
+
+
+def test_every_suite_and_impl_is_timed(tiny_doc) -> None:
+    validate(tiny_doc)
+    seen = {(r["suite"], r["impl"]) for r in tiny_doc["results"]}
+    for name, make in suites.SUITES.items():
+        for case in make("tiny", torch.device("cpu")):
+            for impl in case.impls:
+                assert (name, impl.name) in seen
+    for r in tiny_doc["results"]:
+        assert r["skipped"] is None
+        t = r["timings"]
+        assert t["graph"] is None and r["graph_error"] == "no CUDA device"
+        assert r["primary"] == "pipelined"
+        for mode in ("eager", "pipelined"):
+            assert t[mode]["median_us"] > 0 and t[mode]["min_us"] <= t[mode]["median_us"]
+            assert len(t[mode]["samples_us"]) == t[mode]["repeats"] >= 3
+        assert r["profile"]["kernels"], "the CPU profile lists the ops that ran"
+
+
+def test_speedups_are_ratios_of_same_mode_medians(tiny_doc) -> None:
+    rows = {(r["suite"], r["case"], r["impl"]): r for r in tiny_doc["results"]}
+    pq = rows[("decode", "tiny", "pqattn-attn")]
+    assert set(pq["vs"]) == {"torch-ref", "sdpa"}
+    sdpa = rows[("decode", "tiny", "sdpa")]
+    want = sdpa["timings"]["eager"]["median_us"] / pq["timings"]["eager"]["median_us"]
+    assert pq["vs"]["sdpa"] == {"mode": "eager", "speedup": pytest.approx(want)}
+    assert "vs" not in sdpa
+
+
+def test_rates_follow_bytes_and_time(tiny_doc) -> None:
+    ceil = tiny_doc["ceilings"]
+    assert ceil["copy_gbps"] > 0 and ceil["matmul_tflops"] > 0
+    for r in tiny_doc["results"]:
+        us = r["timings"][r["primary"]]["median_us"]
+        assert r["gbps"] == pytest.approx(r["bytes"] / us / 1e3)
+        assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / ceil["copy_gbps"])
+        assert r["floor_us"] == pytest.approx(roofline.floor_us(r["bytes"], r["flops"], ceil))
+
+
+def test_table_and_plot(tiny_doc, tmp_path) -> None:
+    text = format_table(tiny_doc)
+    assert "decode/tiny" in text and "pqattn-step" in text and "sdpa" in text
+    assert "profile decode/tiny pqattn-attn" in text
+    pytest.importorskip("matplotlib")
+    plot(tiny_doc, str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
+    meta = torch.device("meta")
+    full = {c.name for c in suites.select_suite("full", meta)}
+    assert "original" in full and len(full) == 1 + 27
+    orig = suites.select_suite("full", meta)[0].params
+    assert (orig["B"], orig["H"], orig["Hkv"], orig["N"], orig["heavy"]) == (1, 32, 32, 32000, 128)
+    assert [c.name for c in suites.decode_suite("full", meta)] == [
+        "B1-N32K-heavy128",
+        "B1-N128K-heavy2048",
+        "B8-N32K-heavy1024",
+    ]
+    assert len(suites.build_suite("full", meta)) == 9
+    assert len(suites.prefill_suite("full", meta)) == 5
+    for name, make in suites.SUITES.items():
+        quick = {c.name for c in make("quick", meta)}
+        assert quick and quick <= {c.name for c in make("full", meta)}, name
+
+
+def test_rotation_only_when_inputs_fit_in_l2() -> None:
+    case = suites.decode_suite("tiny", torch.device("meta"))[0]
+    assert suites.rotation(case, 0) == 1
+    touched = suites.touched_bytes(case)
+    assert suites.rotation(case, touched // 2) == 1
+    assert suites.rotation(case, 10 * touched) == 8
+    assert suites.rotation(case, 2 * touched) == 4
+
+
+def test_timers_count_calls() -> None:
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    cpu = torch.device("cpu")
+    t = timing.time_eager(fns, cpu, repeats=7)
+    assert calls == [0, 1, 2, 0, 1, 2, 0] and t["repeats"] == 7
+    calls.clear()
+    t = timing.time_pipelined(fns, cpu, repeats=2, calls=6)
+    assert len(calls) == 12 and t["calls_per_sample"] == 6
+    assert timing.host_syncs(fns[0], cpu) is None
+
+
+def test_summarize() -> None:
+    s = timing.summarize([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert s["median_us"] == 3.0 and s["min_us"] == 1.0 and s["repeats"] == 5
+    assert s["iqr_us"] == pytest.approx(3.0)  # exclusive quartiles 1.5 and 4.5
+
+
+def test_plain_torch_kmeans_centres_are_member_means() -> None:
+    """The baseline must be a real k-means: each returned centre is the mean of its returned members."""
+    keys = torch.randn(1, 2, 200, 16)
+    centroids, codes = baselines.kmeans_plain_torch(keys, subvectors=2, bits=3, iters=6)
+    assert centroids.shape == (1, 2, 2, 8, 8) and codes.shape == (1, 2, 200, 2)
+    x = keys.reshape(1, 2, 200, 2, 8)
+    for h in range(2):
+        for m in range(2):
+            for c in range(8):
+                members = x[0, h, codes[0, h, :, m] == c, m]
+                if len(members):
+                    torch.testing.assert_close(centroids[0, h, m, c], members.mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_bench_writes_valid_json(tmp_path, capsys) -> None:
+    path = tmp_path / "r.json"
+    assert (
+        main(["bench", "select", "--tiny", "--device", "cpu", "--impl", "torch.topk", "--json", str(path)])
+        == 0
+    )
+    doc = validate(json.loads(path.read_text()))
+    assert [r["impl"] for r in doc["results"]] == ["torch.topk"]
+    assert doc["environment"]["torch"] == torch.__version__
+    assert "select/tiny" in capsys.readouterr().out
+
+
+def test_cli_bench_bad_arguments(capsys) -> None:
+    assert main(["bench", "select", "--tiny", "--device", "cpu", "--case", "nothing-matches"]) == 2
+    assert "case:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "nosuch"])
+
+
+def test_graph_timing_and_sync_detection_on_gpu(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs and sync detection need a GPU")
+    x = [torch.randn(1 << 20, device=device) for _ in range(2)]
+    fns = [lambda t=t: t.mul_(1.0) for t in x]
+    graph = timing.capture(fns, device, calls=4)
+    t = timing.time_graph(graph, device, repeats=5, calls=4)
+    assert t["repeats"] == 5 and t["calls_per_sample"] == 4 and 0 < t["min_us"] <= t["median_us"]
+    assert timing.host_syncs(fns[0], device) is None
+    assert timing.host_syncs(lambda: x[0].sum().item(), device) is not None
+
+
+def test_sync_free_case_is_graph_timed_on_gpu(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("graph replay needs a GPU")
+    doc = run_bench(["decode"], size="tiny", device=device, impls=["sdpa"])
+    row = doc["results"][0]
+    assert row["graph_error"] is None and row["primary"] == "graph"
+    assert row["timings"]["graph"]["median_us"] > 0
