@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint check-venv clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/pqattn demo --device auto
+
+# The quick benchmark suites (on the GPU when there is one); BENCH_ARGS adds options, e.g. --json.
+bench: $(STAMP)
+	$(VENV)/bin/pqattn bench select decode build prefill --quick $(BENCH_ARGS)
 
 # Triton kernels run under the interpreter when there is no GPU (TRITON_INTERPRET=1).
 test: $(STAMP)

@@ -41,6 +41,7 @@ def test_speedups_are_ratios_of_same_mode_medians(tiny_doc) -> None:
     rows = {(r["suite"], r["case"], r["impl"]): r for r in tiny_doc["results"]}
     pq = rows[("decode", "tiny", "pqattn-attn")]
     assert set(pq["vs"]) == {"torch-ref", "sdpa"}
+    assert set(rows[("decode", "tiny", "pqattn-step")]["vs"]) == {"sdpa"}  # a whole step vs dense only
     sdpa = rows[("decode", "tiny", "sdpa")]
     want = sdpa["timings"]["eager"]["median_us"] / pq["timings"]["eager"]["median_us"]
     assert pq["vs"]["sdpa"] == {"mode": "eager", "speedup": pytest.approx(want)}

@@ -127,7 +127,11 @@ def run_impl(
 
 
 def _speedups(results: list[dict]) -> None:
-    """For each pqattn implementation of a case: baseline time / its time, same mode on both sides."""
+    """For each pqattn implementation of a case: baseline time / its time, same mode on both sides.
+
+    Only baselines that do the same work count (`Impl.versus`: a full decode step is held against
+    dense attention, not against the reference's attention alone).
+    """
     by_case: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         by_case.setdefault((r["suite"], r["case"]), []).append(r)
@@ -138,7 +142,7 @@ def _speedups(results: list[dict]) -> None:
                 continue
             vs = {}
             for b in timed:
-                if b["role"] != "baseline":
+                if b["role"] != "baseline" or (r.get("versus") is not None and b["impl"] not in r["versus"]):
                     continue
                 mode = "graph" if r["timings"]["graph"] and b["timings"]["graph"] else "eager"
                 vs[b["impl"]] = {
@@ -194,6 +198,7 @@ def run_bench(
                 "flops": impl.flops,
                 "rotation": rot,
                 "skipped": impl.skip,
+                "versus": impl.versus,
             }
             if impl.skip is None:
                 print(f"{case.suite}/{case.name} {impl.name} ...", file=log, flush=True)

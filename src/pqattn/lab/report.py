@@ -67,6 +67,13 @@ def _bench_section(name: str, doc: dict) -> list[str]:
     return lines
 
 
+def _plot_link(path: Path, readme_dir: Path) -> list[str]:
+    png = path.with_suffix(".png")
+    if not png.exists():
+        return []
+    return ["", f"![{png.stem}]({png.resolve().relative_to(readme_dir.resolve()).as_posix()})"]
+
+
 def _demo_section(name: str, doc: dict) -> list[str]:
     w, c = doc["workload"], doc["config"]
     lines = [
@@ -86,14 +93,19 @@ def _demo_section(name: str, doc: dict) -> list[str]:
     return lines
 
 
-def render(results_dir: str | Path) -> str:
-    """The generated section (markers included) for every JSON file in `results_dir`."""
+def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str:
+    """The generated section (markers included) for every JSON file in `results_dir`.
+
+    A PNG next to a JSON file (same stem) is linked, relative to `readme_dir`.
+    """
     out = [BEGIN, ""]
     for path in sorted(Path(results_dir).glob("*.json")):
         with open(path) as f:
             doc = json.load(f)
         if doc.get("schema") == BENCH_SCHEMA:
             out += _bench_section(path.name, validate(doc))
+            if readme_dir is not None:
+                out += _plot_link(path, Path(readme_dir))
         elif "workload" in doc and "results" in doc:
             out += _demo_section(path.name, doc)
         else:
@@ -110,7 +122,7 @@ def update_readme(readme: str | Path, results_dir: str | Path, *, check: bool) -
         raise ValueError(f"readme: {readme} has no results markers ({BEGIN!r} ... {END!r})")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    new = head + render(results_dir) + tail
+    new = head + render(results_dir, Path(readme).parent) + tail
     if check:
         return new == text
     Path(readme).write_text(new)

@@ -4,7 +4,7 @@
  environment: {git_sha, device_name, driver, torch, triton, ...},
  ceilings: {copy_gbps, matmul_tflops, ...}, settings: {...},
  results: [{suite, case, params, impl, role: pqattn|baseline, note, bytes, flops, rotation,
-            skipped: null | reason,
+            skipped: null | reason, versus: null | [baselines doing the same work],
             # when not skipped:
             timings: {graph: null | T, eager: T, pipelined: T}, primary: graph|pipelined,
             host_sync: null | message, graph_error: null | message,

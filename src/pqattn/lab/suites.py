@@ -32,6 +32,7 @@ class Impl:
     flops: int
     note: str = ""
     skip: str | None = None  # why it is not run at this shape (e.g. the reference would not fit)
+    versus: tuple[str, ...] | None = None  # baselines that do the same work (None: every baseline)
 
 
 @dataclass
@@ -239,6 +240,7 @@ def _decode_case(
                 attn_bytes + select_bytes,
                 attn_flops + select_flops,
                 note="select + sparse attention; " + REFERENCE_NOTE,
+                versus=("sdpa",),
             ),
             Impl(
                 "torch-ref",
