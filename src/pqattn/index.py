@@ -67,7 +67,11 @@ class PQIndex:
             index.append(k_new)                 # [B, Hkv, 1, D], written at each sequence's end
             out = index.attend(q, k_cache, v_cache)   # select + sparse attention, [B, H, D]
 
-    The host keeps the longest length, so `append` checks capacity without a device sync.
+    The host keeps the longest length, so `append` checks capacity without a device sync. On a
+    GPU, `append` is one encode launch that writes codes at each sequence's length, and `select`
+    one selection launch into buffers the index owns (allocated at the first call for a head
+    count): the steady state allocates nothing and can be captured in a CUDA graph. The Selection
+    that `select` returns is that buffer: it is overwritten by the next call.
     """
 
     def __init__(
@@ -102,6 +106,8 @@ class PQIndex:
         )
         self.lengths = torch.zeros((batch,), dtype=torch.int64, device=self.device)
         self._max_length = 0
+        self._selection: Selection | None = None  # decode-step output buffers (kernel path)
+        self._workspace: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -155,15 +161,39 @@ class PQIndex:
                 f"keys: appending T={T} tokens to sequences of up to {self._max_length} tokens needs "
                 f"lengths <= capacity={self.capacity}, got {self._max_length + T}"
             )
+        if ops.kernel_path(keys, self.centroids):
+            from pqattn.kernels.encode import pq_encode
+
+            pq_encode(keys.contiguous(), self.centroids, self.phi, self.codes, base=self.lengths)
+            self.lengths += T
+            self._max_length += T
+            return
         new = ops.encode_keys(keys, self.centroids, self.phi, metric=self.config.metric)
         slots = (self.lengths[:, None] + torch.arange(T, device=self.device))[:, None, :, None]
         self.codes.scatter_(2, slots.expand(-1, self.kv_heads, -1, self.config.subvectors), new)
         self.lengths += T
         self._max_length += T
 
+    def sync_lengths(self) -> None:
+        """Refresh the host's longest-length counter from the device (one sync).
+
+        Call it after replaying a CUDA graph that captured `append`: the replays advance the
+        device lengths, while the host counter advanced once, at capture.
+        """
+        self._max_length = int(self.lengths.max()) if self.batch else 0
+
     def select(self, q: torch.Tensor) -> Selection:
         """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
         c = self.config
+        if ops.kernel_path(q, self.centroids) and (
+            self._selection is None or self._selection.counts.shape[1] != q.shape[1]
+        ):
+            H, M, C = q.shape[1], c.subvectors, 1 << c.bits
+            self._selection = Selection(
+                torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
+            )
+            self._workspace = torch.empty(self.batch * H * M * C, dtype=torch.float32, device=self.device)
         return ops.select_topk(
             q,
             self.centroids,
@@ -173,6 +203,8 @@ class PQIndex:
             window=c.window,
             heavy=c.heavy,
             init_offset=c.offset,
+            out=self._selection if ops.kernel_path(q, self.centroids) else None,
+            workspace=self._workspace,
         )
 
     def attend(

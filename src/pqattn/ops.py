@@ -4,8 +4,10 @@ Shapes: B batch, H query heads, Hkv key/value heads (H % Hkv == 0; query head h 
 h // (H / Hkv)), N tokens, D head dim, M sub-vectors (D % M == 0), C = 2**bits centroids.
 
 Each function validates its inputs once (raising ValueError/TypeError that names the argument,
-the expected and the given shape/dtype/device) and then runs. Where no Triton kernel covers a
-case the call runs the PyTorch reference in `pqattn.reference`, which computes the same answer.
+the expected and the given shape/dtype/device) and then runs. CUDA tensors go to the Triton
+kernels in `pqattn.kernels` where one covers the case; everything else (CPU tensors, a
+sub-vector width that is not a power of two) runs the PyTorch reference in `pqattn.reference`,
+which computes the same answer. `kernel_path` says which one a call takes.
 
 Decode-path functions (`pq_scores`, `select_topk`, `select_streaming`, `sparse_decode`) never read
 tensor values on the host, so they never synchronize: `lengths` must hold values <= N, which the
@@ -29,6 +31,88 @@ class PQCodebook(NamedTuple):
     centroids: torch.Tensor  # [B, Hkv, M, C, dsub] (euclidean) or [B, Hkv, M, C, dsub + 1] (ip)
     codes: torch.Tensor  # [B, Hkv, N, M] uint8, by absolute token position
     phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
+
+
+def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor) -> bool:
+    """True when selection / encoding of these tensors runs the Triton kernels (else the reference)."""
+    D, M = q_or_keys.shape[-1], centroids.shape[2]
+    dsub = D // M
+    return q_or_keys.is_cuda and dsub >= 2 and dsub & (dsub - 1) == 0
+
+
+def _select_kernel(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    cand_lo: int,
+    short_threshold: int,
+    out: Selection | None,
+    workspace: torch.Tensor | None,
+    weights: torch.Tensor | None = None,
+    code_base: int = 0,
+    n_tokens: int | None = None,
+) -> Selection:
+    """Run the fused selection kernel, into `out` / `workspace` when given (no allocation then).
+
+    codes row r holds token code_base + r (the original's codebook starts at init_offset);
+    n_tokens: the token axis length N (codes.shape[-2] + code_base by default).
+    """
+    from pqattn.kernels.select import pq_select
+
+    B, H, _ = q.shape
+    M, C = centroids.shape[2], centroids.shape[3]
+    N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
+    width = ref.selection_width(sink, window, heavy, min(short_threshold, N))
+    if out is None:
+        out = Selection(
+            torch.empty(B, H, width, dtype=torch.int32, device=q.device),
+            torch.empty(B, H, dtype=torch.int32, device=q.device),
+        )
+    else:
+        check.tensor(
+            "out.positions",
+            out.positions,
+            shape=(B, H, width),
+            dims="[B, H, L]",
+            dtypes=check.INT_DTYPES,
+            device=q.device,
+        )
+        check.tensor(
+            "out.counts", out.counts, shape=(B, H), dims="[B, H]", dtypes=check.INT_DTYPES, device=q.device
+        )
+        if not out.counts.is_contiguous():
+            raise ValueError("out.counts: expected a contiguous tensor")
+    if workspace is None:
+        workspace = torch.empty(B * H * M * C, dtype=torch.float32, device=q.device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < B * H * M * C or not workspace.is_cuda:
+        raise ValueError(
+            f"workspace: expected a float32 CUDA tensor of at least B*H*M*C={B * H * M * C} elements, "
+            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
+        )
+    pq_select(
+        q if q.stride(-1) == 1 else q.contiguous(),
+        centroids if centroids.stride(-1) == 1 else centroids.contiguous(),
+        codes,
+        lengths,
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        cand_lo=cand_lo,
+        short_threshold=short_threshold,
+        width=width,
+        positions=out.positions,
+        counts=out.counts,
+        lut=workspace,
+        weights=weights,
+        code_base=code_base,
+        n_bucket=1 << max(N - 1, 0).bit_length(),
+    )
+    return out
 
 
 def _check_keys(name: str, keys: torch.Tensor) -> torch.Tensor:
@@ -143,6 +227,12 @@ def encode_keys(
             raise ValueError("phi: the ip metric needs the build's phi [B, Hkv, M], got None")
         check.tensor("phi", phi, shape=(B, Hkv, M), dims="[B, Hkv, M]", dtypes=check.FLOAT_DTYPES)
     check.same_device("keys", keys, centroids=centroids, phi=phi)
+    if kernel_path(keys, centroids):
+        from pqattn.kernels.encode import pq_encode
+
+        out = torch.empty(B, Hkv, keys.shape[2], M, dtype=torch.uint8, device=keys.device)
+        pq_encode(keys.contiguous(), centroids.contiguous(), None if phi is None else phi.contiguous(), out)
+        return out
     return ref.encode(keys, centroids, phi, metric)
 
 
@@ -151,6 +241,11 @@ def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> 
 
     q: [B, H, D]; centroids: [B, Hkv, M, C, dsub(+1)]; codes: [B, Hkv, N, M] uint8.
     """
+    _check_score_inputs(q, centroids, codes)
+    return ref.pq_scores(q, centroids, codes)
+
+
+def _check_score_inputs(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> None:
     B, Hkv, M = _check_centroids(centroids, codes)
     _check_query(q, B, Hkv, None, centroids.device)
     check.subvectors(M, q.shape[-1])
@@ -160,7 +255,6 @@ def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> 
             f"centroids: expected last dim dsub={dsub} or dsub+1={dsub + 1} for D={q.shape[-1]}, "
             f"M={M}, got {centroids.shape[-1]}"
         )
-    return ref.pq_scores(q, centroids, codes)
 
 
 def select_topk(
@@ -173,6 +267,8 @@ def select_topk(
     window: int,
     heavy: int,
     init_offset: int = 0,
+    out: Selection | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> Selection:
     """PQ top-k selection for one decode query per sequence (SPEC §2, native rules).
 
@@ -182,12 +278,33 @@ def select_topk(
     [max(init_offset, sink), n - window); sequences with n <= sink + heavy + window keep all tokens.
     Returns Selection(positions [B, H, sink + heavy + window] int32 (-1 past the count),
     counts [B, H] int32). The order of positions carries no meaning.
+    Kernel path only: `out` (a Selection of that shape) and `workspace` (float32, >= B*H*M*C
+    elements) are written instead of allocating, for a decode loop with no allocation.
     """
-    scores = pq_scores(q, centroids, codes)
+    _check_score_inputs(q, centroids, codes)
     _check_lengths(lengths, q.shape[0], q.device)
     _check_sizes(sink, window, heavy, init_offset)
+    if kernel_path(q, centroids):
+        return _select_kernel(
+            q,
+            centroids,
+            codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=max(init_offset, sink),
+            short_threshold=sink + heavy + window,
+            out=out,
+            workspace=workspace,
+        )
     return ref.select_from_scores(
-        scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset
+        ref.pq_scores(q, centroids, codes),
+        lengths,
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        init_offset=init_offset,
     )
 
 

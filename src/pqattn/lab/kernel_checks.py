@@ -1,10 +1,269 @@
 """The `KernelCheck` of every Triton kernel family, fuzzed by `pqattn check` and by the tests.
 
-A family's check lands together with its kernel in `pqattn/kernels/`.
+A family's check lands together with its kernel in `pqattn/kernels/`. The comparison functions
+are the acceptance rules of SPEC.md in code: selections as sets (sink/window exactly, the heavy
+part as a multiset of float64 reference scores, ties broken any way), codes by distance.
 """
 
 from __future__ import annotations
 
+import torch
+import triton
+
+import pqattn.reference as ref
 from pqattn.lab.check import KernelCheck
 
-CHECKS: list[KernelCheck] = []
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _pick(gen: torch.Generator, options: list | tuple):
+    return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+
+def _int(gen: torch.Generator, lo: int, hi: int) -> int:
+    """Uniform in [lo, hi]."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+# ---- selection ---------------------------------------------------------------------------------
+
+
+def selection_problem(
+    sel_positions, sel_counts, scores, lengths, *, cand_lo, window, short_threshold, ref_sel
+):
+    """None when a selection obeys SPEC §2 against the reference selection, else what is wrong.
+
+    scores: float64 reference scores [B, H, N]; ref_sel: the reference Selection for the same call.
+    """
+    B, H, N = scores.shape
+    counts, want = sel_counts.long(), ref_sel.counts.long()
+    if not torch.equal(counts, want):
+        i = (counts != want).nonzero()[0].tolist()
+        return f"count at {i}: got {int(counts[tuple(i)])}, expected {int(want[tuple(i)])}"
+    L = sel_positions.shape[-1]
+    pos = sel_positions.long()
+    valid = torch.arange(L, device=pos.device) < counts[..., None]
+    if not (pos[~valid] == -1).all():
+        return "padding past the count is not -1"
+    if not ((pos[valid] >= 0) & (pos[valid] < N)).all():
+        return "a position is out of range"
+    mask = torch.zeros(B, H, N + 1, dtype=torch.int32, device=pos.device)
+    mask.scatter_add_(-1, torch.where(valid, pos, N), torch.ones_like(pos, dtype=torch.int32))
+    mask = mask[..., :N]
+    if (mask > 1).any():
+        return "duplicate positions"
+    ref_mask = torch.zeros(B, H, N + 1, dtype=torch.int32, device=pos.device)
+    ref_valid = torch.arange(ref_sel.positions.shape[-1], device=pos.device) < want[..., None]
+    ref_mask.scatter_(-1, torch.where(ref_valid, ref_sel.positions.long(), N), 1)
+    ref_mask = ref_mask[..., :N]
+    n = lengths.long().to(pos.device)[:, None, None]
+    p = torch.arange(N, device=pos.device)
+    cand = (p >= cand_lo) & (p < n - window) & (n > short_threshold)
+    if not torch.equal(mask * ~cand, ref_mask * ~cand):
+        return "sink / window / short-sequence positions differ from the reference"
+    got = scores.masked_fill(~(cand & (mask > 0)), float("-inf")).sort(-1, descending=True).values
+    exp = scores.masked_fill(~(cand & (ref_mask > 0)), float("-inf")).sort(-1, descending=True).values
+    finite = torch.isfinite(exp)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return "heavy part has the wrong size"
+    tol = 1e-5 * float(scores.abs().max()) + 1e-6 if scores.numel() else 0.0
+    err = (got[finite] - exp[finite]).abs()
+    if err.numel() and float(err.max()) > tol:
+        return f"heavy scores differ from the true top-k by up to {float(err.max()):.3g} (tol {tol:.3g})"
+    return None
+
+
+def _draw_select(gen: torch.Generator, device: torch.device, large: bool) -> dict:
+    if large:
+        B, Hkv, g, D = _pick(gen, [1, 2, 4]), 8, 4, _pick(gen, [64, 128, 256])
+        N = _pick(gen, [4096, 40_000, 200_000])
+        heavy, sink, window = _pick(gen, [128, 1024, 2048, 8192]), 128, 128
+        M, bits = _pick(gen, [1, 2, 4, 8, 16]), _int(gen, 4, 8)
+    else:
+        B, Hkv, g, D = _int(gen, 1, 3), _int(gen, 1, 2), _pick(gen, [1, 2, 4]), _pick(gen, [32, 64])
+        N = _int(gen, 1, 300)
+        heavy, sink, window = _int(gen, 0, 40), _int(gen, 0, 12), _int(gen, 0, 12)
+        M, bits = _pick(gen, [1, 2, 4, 8, 16]), _int(gen, 1, 8)
+    while D // M < 2:
+        M //= 2
+    C = 2**bits
+    init_offset = _int(gen, 0, 2 * sink + 2)
+    compat = bool(_int(gen, 0, 1))
+    threshold = heavy + init_offset + 1 + C if compat else sink + heavy + window
+    ip = bool(_int(gen, 0, 1))
+    dsub = D // M
+    # Few distinct centroid values make many exactly equal scores: ties must be handled.
+    cent = torch.randn(B, Hkv, M, C, dsub + ip, generator=gen)
+    if _int(gen, 0, 2) == 0:
+        cent = cent.round()
+    lengths = torch.randint(0, N + 1, (B,), generator=gen)
+    lengths[0] = N
+    codes = torch.randint(0, C, (B, Hkv, N, M), generator=gen, dtype=torch.uint8)
+    # The original's layout: int64 codebook [B, N - init_offset, Hkv, M] starting at init_offset.
+    code_base = init_offset if compat else 0
+    kernel_codes = codes.long().transpose(1, 2).contiguous().transpose(1, 2) if compat else codes
+    return {
+        "q": torch.randn(B, Hkv * g, D, generator=gen).to(_pick(gen, _FLOATS)).to(device),
+        "centroids": cent.to(device),
+        "codes": codes.to(device),
+        "kernel_codes": kernel_codes[:, :, code_base:].to(device),
+        "code_base": code_base,
+        "lengths": lengths.to(torch.int32 if _int(gen, 0, 1) else torch.int64).to(device),
+        "opts": dict(sink=sink, window=window, heavy=heavy, cand_lo=max(init_offset, sink)),
+        "short_threshold": threshold,
+        "width": ref.selection_width(sink, window, heavy, min(threshold, N)),
+        "weights_dtype": _pick(gen, [None, *_FLOATS]),
+        "desc": f"B{B} H{Hkv * g} Hkv{Hkv} N{N} D{D} M{M} C{C} heavy{heavy} sink{sink} window{window} "
+        f"io{init_offset} {'compat' if compat else 'native'}",
+    }
+
+
+def _run_select(case: dict, config: dict) -> tuple:
+    from pqattn.kernels.select import pq_select
+
+    q, cent = case["q"], case["centroids"]
+    B, H, _ = q.shape
+    M, C, N = cent.shape[2], cent.shape[3], case["codes"].shape[2]
+    positions = torch.empty(B, H, case["width"], dtype=torch.int32, device=q.device)
+    counts = torch.empty(B, H, dtype=torch.int32, device=q.device)
+    lut = torch.empty(B * H * M * C, dtype=torch.float32, device=q.device)
+    w = None
+    if case["weights_dtype"] is not None:
+        w = torch.empty(B, H, N, dtype=case["weights_dtype"], device=q.device)
+    pq_select(
+        q,
+        cent,
+        case["kernel_codes"],
+        case["lengths"],
+        **case["opts"],
+        short_threshold=case["short_threshold"],
+        width=case["width"],
+        positions=positions,
+        counts=counts,
+        lut=lut,
+        weights=w,
+        code_base=case["code_base"],
+        n_bucket=max(N, 1),
+        config=triton.Config({"BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"]),
+    )
+    return positions, counts, w
+
+
+def _reference_select(case: dict) -> tuple:
+    o = case["opts"]
+    scores = ref.pq_scores(case["q"].double(), case["centroids"].double(), case["codes"])
+    sel = ref.select_from_scores(
+        scores,
+        case["lengths"],
+        sink=o["sink"],
+        window=o["window"],
+        heavy=o["heavy"],
+        init_offset=o["cand_lo"],
+        short_threshold=case["short_threshold"],
+    )
+    return scores, sel
+
+
+def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
+    positions, counts, w = out
+    scores, sel = want
+    problem = selection_problem(
+        positions,
+        counts,
+        scores,
+        case["lengths"],
+        cand_lo=case["opts"]["cand_lo"],
+        window=case["opts"]["window"],
+        short_threshold=case["short_threshold"],
+        ref_sel=sel,
+    )
+    if problem is None and w is not None:
+        dense = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        ok = torch.arange(positions.shape[-1], device=w.device) < counts[..., None].long()
+        dense.scatter_add_(-1, torch.where(ok, positions.long(), 0), ok.float())
+        if not torch.equal(w.float(), dense.clamp_max(1)):
+            return "dense weights differ from the selected positions"
+    return problem
+
+
+def _select_configs() -> list[dict]:
+    from pqattn.kernels.select import SELECT_CONFIGS
+
+    return [{"BLOCK_N": c.kwargs["BLOCK_N"], "num_warps": c.num_warps} for c in SELECT_CONFIGS]
+
+
+# ---- encoding ----------------------------------------------------------------------------------
+
+
+def _draw_encode(gen: torch.Generator, device: torch.device, large: bool) -> dict:
+    B, Hkv = (_int(gen, 1, 4), 8) if large else (_int(gen, 1, 2), _int(gen, 1, 3))
+    D = _pick(gen, [64, 128, 256] if large else [16, 32, 64])
+    M = _pick(gen, [m for m in (1, 2, 4, 8, 16) if D // m >= 2])
+    C, T, ip = 2 ** _int(gen, 1, 8), _int(gen, 1, 64 if large else 5), bool(_int(gen, 0, 1))
+    dsub = D // M
+    keys = torch.randn(B, Hkv, T, D, generator=gen)
+    cent = torch.randn(B, Hkv, M, C, dsub + ip, generator=gen)
+    phi = (keys.reshape(B, Hkv, T, M, dsub) ** 2).sum(-1).amax(2) * 1.1 if ip else None
+    N = T + _int(gen, 0, 7)
+    lengths = torch.randint(0, N - T + 1, (B,), generator=gen)
+    return {
+        "keys": keys.to(_pick(gen, _FLOATS)).to(device),
+        "centroids": cent.to(device),
+        "phi": phi.to(device) if ip else None,
+        "lengths": lengths.to(device),
+        "N": N,
+        "metric": "ip" if ip else "euclidean",
+        "desc": f"B{B} Hkv{Hkv} T{T} D{D} M{M} C{C} {'ip' if ip else 'l2'}",
+    }
+
+
+def _run_encode(case: dict, config: dict) -> torch.Tensor:
+    from pqattn.kernels.encode import pq_encode
+
+    B, Hkv, _, _ = case["keys"].shape
+    M = case["centroids"].shape[2]
+    if config["layout"] == "native":
+        out = torch.empty(B, Hkv, case["N"], M, dtype=torch.uint8, device=case["keys"].device)
+    else:  # the original's int64 codebook [B, N, Hkv, M], written through strides
+        out = torch.empty(B, case["N"], Hkv, M, dtype=torch.int64, device=case["keys"].device).transpose(1, 2)
+    pq_encode(case["keys"], case["centroids"], case["phi"], out, base=case["lengths"])
+    return out
+
+
+def _code_distances(case: dict) -> torch.Tensor:
+    """Squared distances [B, Hkv, T, M, C] in float64, augmented for ip."""
+    keys, cent = case["keys"].double(), case["centroids"].double()
+    B, Hkv, T, D = keys.shape
+    M = cent.shape[2]
+    x = keys.reshape(B, Hkv, T, M, D // M).permute(0, 1, 3, 2, 4)
+    if case["metric"] == "ip":
+        x = ref.pq.augment_ip(x, case["phi"].double())
+    d = ((x[:, :, :, :, None, :] - cent[:, :, :, None]) ** 2).sum(-1)  # [B, Hkv, M, T, C]
+    return d.permute(0, 1, 3, 2, 4)
+
+
+def _compare_encode(case: dict, out: torch.Tensor, dist: torch.Tensor) -> str | None:
+    B, Hkv, T, M, C = dist.shape
+    rows = case["lengths"].long()[:, None] + torch.arange(T, device=out.device)  # [B, T]
+    codes = out.long().gather(2, rows[:, None, :, None].expand(B, Hkv, T, M))
+    if (codes >= C).any():
+        return "a code was not written (or is out of range)"
+    chosen = dist.gather(-1, codes[..., None])[..., 0]
+    best = dist.min(-1).values
+    tol = 1e-4 * (1 + best.abs())
+    if not (chosen <= best + tol).all():
+        return f"a code is not the nearest centroid (excess {float((chosen - best).max()):.3g})"
+    return None
+
+
+CHECKS: list[KernelCheck] = [
+    KernelCheck("pq_select", _select_configs, _draw_select, _run_select, _reference_select, _compare_select),
+    KernelCheck(
+        "pq_encode",
+        lambda: [{"layout": "native"}, {"layout": "compat"}],
+        _draw_encode,
+        _run_encode,
+        _code_distances,
+        _compare_encode,
+    ),
+]

@@ -17,6 +17,7 @@ import torch
 
 import pqattn.reference as ref
 from pqattn import ops
+from pqattn.integrations.sparse_attention_hub import _grown_codebook, indexer_next
 from pqattn.lab import baselines
 
 SIZES = ("full", "quick", "tiny")
@@ -65,6 +66,7 @@ def _too_big(need: int, device: torch.device, what: str) -> str | None:
 
 
 REFERENCE_NOTE = "pqattn.ops today routes to the PyTorch reference (no Triton kernel yet)"
+KERNEL_NOTE = "the Triton kernel on CUDA (the PyTorch reference on a CPU)"
 
 
 # ---- select: PQ top-k selection for one decode query per sequence (issue 4) -----------------------
@@ -85,6 +87,7 @@ def _select_case(
     window: int = 128,
     heavy: int = 128,
     q_dtype: torch.dtype = torch.bfloat16,
+    compat: bool = False,
 ) -> Case:
     C, dsub, L = 2**bits, D // M, sink + heavy + window
     params = dict(B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, sink=sink, window=window, heavy=heavy)
@@ -93,13 +96,20 @@ def _select_case(
 
     def make_inputs(seed: int) -> dict:
         g = _gen(seed, device)
-        return {
+        x = {
             "q": torch.randn(B, H, D, device=device, generator=g).to(q_dtype),
             "centroids": torch.randn(B, Hkv, M, C, dsub, device=device, generator=g),
             "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
             "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
             "scores": torch.randn(B * H, N, device=device, generator=g),
         }
+        if compat:  # the original's call: all but the newest key quantized, int64 codebook
+            x["query"] = x["q"][:, :, None].float()
+            x["key"] = torch.randn(B, Hkv, N, D, device=device, generator=g)
+            n_q = N - sink - 1
+            book = x["codes"][:, :, sink : sink + n_q].long().transpose(1, 2)
+            x["codebook"] = _grown_codebook(book, n_q + 1)[:, :n_q]  # room for the new row
+        return x
 
     select_bytes = (
         B * Hkv * N * M  # codes
@@ -122,8 +132,8 @@ def _select_case(
                 lambda x: ops.select_topk(x["q"], x["centroids"], x["codes"], x["lengths"], **opts),
                 select_bytes,
                 select_flops,
-                note=REFERENCE_NOTE,
-                skip=ref_skip,
+                note=KERNEL_NOTE,
+                skip=None if device.type == "cuda" else ref_skip,
             ),
             Impl(
                 "torch-ref",
@@ -132,6 +142,35 @@ def _select_case(
                 select_bytes,
                 select_flops,
                 skip=ref_skip,
+            ),
+            *(
+                [
+                    Impl(
+                        "compat",
+                        "pqattn",
+                        lambda x: indexer_next(
+                            x["query"],
+                            x["key"],
+                            torch.float32,
+                            sink,
+                            window,
+                            heavy,
+                            M,
+                            bits,
+                            0,
+                            sink,
+                            "euclidean",
+                            x["centroids"],
+                            x["codebook"],
+                            None,
+                        ),
+                        B * Hkv * N * M * 8 + B * H * N * 4 + B * H * L * 8,
+                        select_flops,
+                        note="indexer_next: int64 codebook, encodes the new key, dense float32 weights",
+                    )
+                ]
+                if compat
+                else []
             ),
             Impl(
                 "torch.topk",
@@ -148,10 +187,12 @@ def _select_case(
 def select_suite(size: str, device: torch.device) -> list[Case]:
     if size == "tiny":
         return [
-            _select_case(device, "tiny", B=2, H=4, Hkv=2, N=300, D=32, bits=4, sink=8, window=8, heavy=16)
+            _select_case(
+                device, "tiny", B=2, H=4, Hkv=2, N=300, D=32, bits=4, sink=8, window=8, heavy=16, compat=True
+            )
         ]
     cases = [
-        _select_case(device, "original", B=1, H=32, Hkv=32, N=32000, q_dtype=torch.float32),
+        _select_case(device, "original", B=1, H=32, Hkv=32, N=32000, q_dtype=torch.float32, compat=True),
     ]
     grid = (
         [(1, 32, 128), (8, 128, 1024)]
@@ -239,7 +280,7 @@ def _decode_case(
                 step,
                 attn_bytes + select_bytes,
                 attn_flops + select_flops,
-                note="select + sparse attention; " + REFERENCE_NOTE,
+                note="select (Triton kernel on CUDA) + sparse attention (reference until issue 5)",
                 versus=("sdpa",),
             ),
             Impl(

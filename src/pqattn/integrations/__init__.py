@@ -1,0 +1,1 @@
+"""Drop-in entry points for code written against other libraries."""

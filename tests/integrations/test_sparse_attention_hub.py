@@ -1,0 +1,135 @@
+"""The original's entry point: signature, layouts, the original's short rule, the checker's rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pqattn import reference as ref
+from pqattn.integrations.sparse_attention_hub import indexer_next
+from pqattn.lab.kernel_checks import selection_problem
+
+
+def make_call(
+    device,
+    *,
+    B=1,
+    H=8,
+    Hkv=4,
+    N=400,
+    D=32,
+    M=2,
+    bits=4,
+    io=8,
+    sink=8,
+    window=8,
+    heavy=16,
+    metric="euclidean",
+    fresh=1,
+):
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    lengths = torch.full((B,), N - fresh, device=device)
+    book = ref.build_pq(
+        keys[:, :, : N - fresh], lengths, subvectors=M, bits=bits, metric=metric, init_offset=io, iters=3
+    )
+    codebook = book.codes[:, :, io:].long().transpose(1, 2).contiguous()  # [B, n_quantized, Hkv, M]
+    phi = book.phi.reshape(-1) if metric == "ip" else None
+    query = torch.randn(B, H, 1, D, device=device)
+    args = (
+        query,
+        keys,
+        torch.float32,
+        sink,
+        window,
+        heavy,
+        M,
+        bits,
+        3,
+        io,
+        metric,
+        book.centroids,
+        codebook,
+        phi,
+    )
+    return args, keys, book
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "ip"])
+@pytest.mark.parametrize("fresh", [1, 5])
+def test_outputs_follow_the_original_contract(metric: str, fresh: int, device: torch.device) -> None:
+    args, keys, _ = make_call(device, metric=metric, fresh=fresh)
+    query, _, _, sink, window, heavy, M, bits, _, io, _, cent, codebook, phi = args
+    sparse_list, sparse_len, weights, cent_out, codebook_out, phi_out = indexer_next(*args)
+    B, H, N = 1, 8, keys.shape[2]
+    assert sparse_list.dtype == sparse_len.dtype == torch.int64 and weights.dtype == torch.float32
+    # L = sink + heavy + window, widened to the short rule's threshold when that is larger (here 41).
+    width = max(sink + heavy + window, min(heavy + io + 1 + 2**bits, N))
+    assert sparse_list.shape == (B, H, width) and weights.shape == (B, H, N)
+    assert cent_out is cent and phi_out is phi
+    # The codebook gains the codes of the keys after init_offset + n_quantized, encoded like the reference.
+    assert codebook_out.shape == (B, N - io, 4, M)
+    assert torch.equal(codebook_out[:, : codebook.shape[1]], codebook)
+    new = ref.encode(keys[:, :, N - fresh :], cent, None if phi is None else phi.reshape(B, 4, M), metric)
+    assert torch.equal(codebook_out[:, codebook.shape[1] :].transpose(1, 2), new.long())
+    # Selection by the checker's rules, heavy part as score multisets.
+    codes = torch.zeros(B, 4, N, M, dtype=torch.uint8, device=device)
+    codes[:, :, io:] = codebook_out.transpose(1, 2).to(torch.uint8)
+    q = query[:, :, -1]
+    threshold = heavy + io + 1 + 2**bits
+    scores = ref.pq_scores(q.double(), cent.double(), codes)
+    lengths = torch.full((B,), N, device=device)
+    want = ref.select_from_scores(
+        scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=io, short_threshold=threshold
+    )
+    assert torch.equal(sparse_len, want.counts.long())
+    assert (
+        selection_problem(
+            sparse_list,
+            sparse_len,
+            scores,
+            lengths,
+            cand_lo=max(io, sink),
+            window=window,
+            short_threshold=threshold,
+            ref_sel=want,
+        )
+        is None
+    )
+    assert torch.equal(weights, ref.dense_weights(ref.Selection(sparse_list, sparse_len), N))
+    assert (sparse_list[..., :sink] == torch.arange(sink, device=device)).all(), "sink positions come first"
+
+
+def test_original_short_rule(device: torch.device) -> None:
+    """n <= heavy + init_offset + 1 + C keeps every token, even when n > sink + heavy + window."""
+    args, keys, _ = make_call(
+        device, N=50, io=4, sink=4, window=4, heavy=8, bits=4
+    )  # threshold 29 + ... = 29
+    args = list(args)
+    args[1] = keys[:, :, :29]
+    args[12] = args[12][:, : 29 - 4 - 1]
+    sparse_list, sparse_len, weights, *_ = indexer_next(*args)
+    assert (sparse_len == 29).all() and sparse_list.shape[-1] == 29
+    assert (weights == 1).all()
+
+
+def test_codebook_grows_in_place(device: torch.device) -> None:
+    args, keys, _ = make_call(device, N=300, fresh=2)  # 290 keys quantized
+    args = list(args)
+    args[1] = keys[:, :, :299]
+    *_, cb1, _ = indexer_next(*args)
+    args[1], args[12] = keys, cb1
+    *_, cb2, _ = indexer_next(*args)
+    assert cb2.data_ptr() == cb1.data_ptr() and cb2.shape[1] == cb1.shape[1] + 1
+    assert cb1.shape[1] == 299 - 8
+
+
+def test_bad_inputs(device: torch.device) -> None:
+    args, _, _ = make_call(device)
+    bad = list(args)
+    bad[12] = bad[12].int()
+    with pytest.raises(TypeError, match="pq_codebook"):
+        indexer_next(*bad)
+    bad = list(args)
+    bad[10] = "ip"
+    with pytest.raises(ValueError, match=r"pq_centroids|pq_ip2l2_phi"):
+        indexer_next(*bad)

@@ -1,0 +1,258 @@
+"""The fused selection and encode kernels against the reference: named edge cases, every config.
+
+Runs under the Triton interpreter on a CPU (small shapes) and compiled on a GPU (also large ones).
+The random fuzz over all configs is `pqattn check` (tests/lab/test_check.py runs it too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+import pqattn
+from pqattn import reference as ref
+from pqattn.kernels.select import SELECT_CONFIGS, pq_select
+from pqattn.lab.kernel_checks import selection_problem
+
+CONFIG_IDS = [f"BLOCK_N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in SELECT_CONFIGS]
+
+
+def run_case(
+    device,
+    *,
+    B,
+    H,
+    Hkv,
+    N,
+    D,
+    M,
+    bits,
+    lengths,
+    sink,
+    window,
+    heavy,
+    init_offset,
+    config,
+    centroids=None,
+    q_dtype=torch.float32,
+    weights_dtype=None,
+) -> None:
+    C = 2**bits
+    q = torch.randn(B, H, D, device=device).to(q_dtype)
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device) if centroids is None else centroids.to(device)
+    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
+    lens = torch.tensor(lengths, device=device)
+    threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
+    width = ref.selection_width(sink, window, heavy, min(threshold, N))
+    pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
+    cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+    lut = torch.empty(B * H * M * C, device=device)
+    w = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
+    pq_select(
+        q,
+        cent,
+        codes,
+        lens,
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        cand_lo=cand_lo,
+        short_threshold=threshold,
+        width=width,
+        positions=pos,
+        counts=cnt,
+        lut=lut,
+        weights=w,
+        n_bucket=N,
+        config=config,
+    )
+    scores = ref.pq_scores(q.double(), cent.double(), codes)
+    want = ref.select_from_scores(scores, lens, sink=sink, window=window, heavy=heavy, init_offset=cand_lo)
+    problem = selection_problem(
+        pos, cnt, scores, lens, cand_lo=cand_lo, window=window, short_threshold=threshold, ref_sel=want
+    )
+    assert problem is None, problem
+    if w is not None:
+        assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
+
+
+@pytest.mark.parametrize("config", SELECT_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(
+            B=1,
+            H=2,
+            Hkv=2,
+            N=300,
+            D=32,
+            M=2,
+            bits=6,
+            lengths=[300],
+            sink=4,
+            window=8,
+            heavy=20,
+            init_offset=4,
+        ),
+        dict(
+            B=3,
+            H=8,
+            Hkv=2,
+            N=211,
+            D=64,
+            M=4,
+            bits=4,
+            lengths=[211, 97, 30],
+            sink=3,
+            window=5,
+            heavy=17,
+            init_offset=6,
+        ),  # ragged, GQA 4, one sequence under the short rule
+        dict(
+            B=2,
+            H=4,
+            Hkv=4,
+            N=64,
+            D=32,
+            M=8,
+            bits=3,
+            lengths=[64, 61],
+            sink=2,
+            window=2,
+            heavy=100,
+            init_offset=0,
+        ),  # heavy > candidates (and short)
+        dict(
+            B=2,
+            H=2,
+            Hkv=1,
+            N=150,
+            D=32,
+            M=16,
+            bits=1,
+            lengths=[150, 0],
+            sink=5,
+            window=5,
+            heavy=9,
+            init_offset=12,
+        ),  # C=2: scores take few values (ties everywhere); an empty sequence
+        dict(
+            B=1, H=4, Hkv=2, N=120, D=64, M=1, bits=8, lengths=[120], sink=0, window=0, heavy=7, init_offset=0
+        ),  # no sink, no window, M=1, C=256
+    ],
+    ids=["basic", "ragged-gqa-short", "heavy-exceeds", "ties-empty", "no-sink-window-M1"],
+)
+def test_select_cases(case: dict, config: triton.Config, device: torch.device) -> None:
+    run_case(device, **case, config=config)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_all_equal_scores_and_weights(q_dtype, weights_dtype, device: torch.device) -> None:
+    """Zero centroids: every score ties; any `heavy` candidates are a correct answer."""
+    run_case(
+        device,
+        B=2,
+        H=2,
+        Hkv=1,
+        N=90,
+        D=32,
+        M=2,
+        bits=2,
+        lengths=[90, 77],
+        sink=3,
+        window=4,
+        heavy=11,
+        init_offset=3,
+        centroids=torch.zeros(2, 1, 2, 4, 16),
+        q_dtype=q_dtype,
+        weights_dtype=weights_dtype,
+        config=SELECT_CONFIGS[0],
+    )
+
+
+def test_large_shapes_on_gpu(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("large shapes run compiled on the GPU")
+    for N, heavy in ((32000, 128), (131072, 2048), (1 << 20, 8192)):
+        run_case(
+            device,
+            B=2,
+            H=32,
+            Hkv=8,
+            N=N,
+            D=128,
+            M=2,
+            bits=6,
+            lengths=[N, N // 3],
+            sink=128,
+            window=128,
+            heavy=heavy,
+            init_offset=128,
+            config=None,
+            q_dtype=torch.bfloat16,
+        )
+
+
+def test_ops_routes_cuda_to_the_kernel_without_sync(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("the kernel path is taken for CUDA tensors")
+    B, H, Hkv, N, D = 2, 32, 8, 4096, 128
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    book = pqattn.build_index(keys, [N, 3000], subvectors=2, bits=6, init_offset=16, iters=2)
+    q = torch.randn(B, H, D, device=device, dtype=torch.bfloat16)
+    lens = torch.tensor([N, 3000], device=device)
+    kw = dict(sink=16, window=32, heavy=256, init_offset=16)
+    pqattn.select_topk(q, book.centroids, book.codes, lens, **kw)  # warm-up (autotune)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sel = pqattn.select_topk(q, book.centroids, book.codes, lens, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    scores = ref.pq_scores(q.double(), book.centroids.double(), book.codes)
+    want = ref.select_from_scores(scores, lens, sink=16, window=32, heavy=256, init_offset=16)
+    assert (
+        selection_problem(*sel, scores, lens, cand_lo=16, window=32, short_threshold=304, ref_sel=want)
+        is None
+    )
+
+
+def test_index_decode_step_in_a_cuda_graph(device: torch.device) -> None:
+    """append (encode kernel) + select (selection kernel) captured once, replayed per step."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    B, H, Hkv, N, D, steps = 2, 8, 2, 2048, 64, 4
+    keys = torch.randn(B, Hkv, N + steps, D, device=device)
+    config = pqattn.PQConfig(subvectors=4, bits=5, sink=8, window=16, heavy=64, iters=3)
+    index = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 100], capacity=N + steps, config=config)
+    shadow = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 100], capacity=N + steps, config=config)
+    k_new = torch.empty(B, Hkv, 1, D, device=device)
+    q = torch.empty(B, H, D, device=device)
+    k_new.copy_(keys[:, :, N : N + 1])
+    q.normal_()
+    index.select(q)  # warm-up: autotune and buffers
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        index.append(k_new)
+        sel = index.select(q)
+    for t in range(steps):
+        k_new.copy_(keys[:, :, N + t : N + t + 1])
+        q.normal_()
+        graph.replay()
+        shadow.append(keys[:, :, N + t : N + t + 1])
+        want = shadow.select(q)
+        torch.cuda.synchronize()
+        assert torch.equal(index.lengths, shadow.lengths)
+        assert torch.equal(index.codes, shadow.codes)
+        assert torch.equal(sel.counts, want.counts)
+        scores = ref.pq_scores(q.double(), index.centroids.double(), index.codes)
+        ref_sel = ref.select_from_scores(scores, index.lengths, sink=8, window=16, heavy=64, init_offset=8)
+        assert (
+            selection_problem(
+                *sel, scores, index.lengths, cand_lo=8, window=16, short_threshold=88, ref_sel=ref_sel
+            )
+            is None
+        )
+    index.sync_lengths()
+    assert index._max_length == N + steps
