@@ -24,9 +24,11 @@ import triton
 import triton.language as tl
 
 # The autotune space. Every config is exercised by the tests and by `pqattn check`.
+# DIGIT_BITS: radix digits of 8 bits (four histogram passes of 256 bins) or 12 (4096, 4096, 256).
 SELECT_CONFIGS = [
-    triton.Config({"BLOCK_N": block}, num_warps=warps)
+    triton.Config({"BLOCK_N": block, "DIGIT_BITS": digit}, num_warps=warps)
     for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16), (4096, 16))
+    for digit in (8, 12)
 ]
 
 
@@ -125,6 +127,7 @@ def _pq_select_kernel(
     BLOCK_D: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // H
@@ -176,40 +179,93 @@ def _pq_select_kernel(
         pmask = tl.full([], 0, tl.uint32)
         remaining = need
         done = (need == n_cand) | (heavy == 0)  # all or none of the candidates: no threshold to find
-        if not done:
-            prefix, pmask, remaining, done = _radix_pass(
-                codes_row,
-                lut_row,
-                stride_kn,
-                stride_km,
-                cand_lo,
-                hi,
-                prefix,
-                pmask,
-                remaining,
-                M,
-                C,
-                20,
-                12,
-                BLOCK_N,
-            )
-        if not done:
-            prefix, pmask, remaining, done = _radix_pass(
-                codes_row,
-                lut_row,
-                stride_kn,
-                stride_km,
-                cand_lo,
-                hi,
-                prefix,
-                pmask,
-                remaining,
-                M,
-                C,
-                8,
-                12,
-                BLOCK_N,
-            )
+        if DIGIT_BITS == 8:  # four passes of 256 bins
+            if not done:
+                prefix, pmask, remaining, done = _radix_pass(
+                    codes_row,
+                    lut_row,
+                    stride_kn,
+                    stride_km,
+                    cand_lo,
+                    hi,
+                    prefix,
+                    pmask,
+                    remaining,
+                    M,
+                    C,
+                    24,
+                    8,
+                    BLOCK_N,
+                )
+            if not done:
+                prefix, pmask, remaining, done = _radix_pass(
+                    codes_row,
+                    lut_row,
+                    stride_kn,
+                    stride_km,
+                    cand_lo,
+                    hi,
+                    prefix,
+                    pmask,
+                    remaining,
+                    M,
+                    C,
+                    16,
+                    8,
+                    BLOCK_N,
+                )
+            if not done:
+                prefix, pmask, remaining, done = _radix_pass(
+                    codes_row,
+                    lut_row,
+                    stride_kn,
+                    stride_km,
+                    cand_lo,
+                    hi,
+                    prefix,
+                    pmask,
+                    remaining,
+                    M,
+                    C,
+                    8,
+                    8,
+                    BLOCK_N,
+                )
+        else:  # three passes of 4096, 4096 and 256 bins
+            if not done:
+                prefix, pmask, remaining, done = _radix_pass(
+                    codes_row,
+                    lut_row,
+                    stride_kn,
+                    stride_km,
+                    cand_lo,
+                    hi,
+                    prefix,
+                    pmask,
+                    remaining,
+                    M,
+                    C,
+                    20,
+                    12,
+                    BLOCK_N,
+                )
+            if not done:
+                prefix, pmask, remaining, done = _radix_pass(
+                    codes_row,
+                    lut_row,
+                    stride_kn,
+                    stride_km,
+                    cand_lo,
+                    hi,
+                    prefix,
+                    pmask,
+                    remaining,
+                    M,
+                    C,
+                    8,
+                    12,
+                    BLOCK_N,
+                )
         if not done:
             prefix, pmask, remaining, done = _radix_pass(
                 codes_row,

@@ -144,7 +144,9 @@ def _run_select(case: dict, config: dict) -> tuple:
         weights=w,
         code_base=case["code_base"],
         n_bucket=max(N, 1),
-        config=triton.Config({"BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"]),
+        config=triton.Config(
+            {"BLOCK_N": config["BLOCK_N"], "DIGIT_BITS": config["DIGIT_BITS"]}, num_warps=config["num_warps"]
+        ),
     )
     return positions, counts, w
 
@@ -189,7 +191,7 @@ def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
 def _select_configs() -> list[dict]:
     from pqattn.kernels.select import SELECT_CONFIGS
 
-    return [{"BLOCK_N": c.kwargs["BLOCK_N"], "num_warps": c.num_warps} for c in SELECT_CONFIGS]
+    return [{**c.kwargs, "num_warps": c.num_warps} for c in SELECT_CONFIGS]
 
 
 # ---- encoding ----------------------------------------------------------------------------------
