@@ -28,8 +28,8 @@ test: $(STAMP)
 	TRITON_INTERPRET=$${TRITON_INTERPRET:-$$interp} $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -6,6 +6,7 @@ Usage on the GPU machine: PYTHONPATH=src python3 bench/select_configs.py [--json
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -37,27 +38,20 @@ def main() -> None:
         pos = torch.empty(B, H, width, dtype=torch.int32, device=dev)
         cnt = torch.empty(B, H, dtype=torch.int32, device=dev)
         lut = torch.empty(B * H * M * C, device=dev)
+        kw = dict(
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=sink,
+            short_threshold=sink + heavy + window,
+            width=width,
+            positions=pos,
+            counts=cnt,
+            lut=lut,
+            n_bucket=N,
+        )
         for cfg in SELECT_CONFIGS:
-
-            def call(cfg=cfg):
-                pq_select(
-                    q,
-                    cent,
-                    codes,
-                    lens,
-                    sink=sink,
-                    window=window,
-                    heavy=heavy,
-                    cand_lo=sink,
-                    short_threshold=sink + heavy + window,
-                    width=width,
-                    positions=pos,
-                    counts=cnt,
-                    lut=lut,
-                    n_bucket=N,
-                    config=cfg,
-                )
-
+            call = functools.partial(pq_select, q, cent, codes, lens, **kw, config=cfg)
             call()
             graph = timing.capture([call], dev, calls=10)
             t = timing.time_graph(graph, dev, repeats=20, calls=10)
