@@ -15,9 +15,7 @@ from pqattn import reference as ref
 from pqattn.kernels.select import SELECT_CONFIGS, pq_select
 from pqattn.lab.kernel_checks import selection_problem
 
-CONFIG_IDS = [
-    f"BLOCK_N{c.kwargs['BLOCK_N']}-w{c.num_warps}-d{c.kwargs['DIGIT_BITS']}" for c in SELECT_CONFIGS
-]
+CONFIG_IDS = [f"BLOCK_N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in SELECT_CONFIGS]
 
 
 def run_case(

@@ -24,12 +24,12 @@ import triton
 import triton.language as tl
 
 # The autotune space. Every config is exercised by the tests and by `pqattn check`.
-# DIGIT_BITS: radix digits of 8 bits (four histogram passes of 256 bins) or 12 (4096, 4096, 256).
-# tl.histogram's cost grows with the bin count: on an H200 the 12-bit variant measured 5-8x slower
-# at every shape (bench/select_configs.py), so the space keeps one 12-bit config for comparison.
+# The radix digits are 8 bits (four histogram passes of 256 bins): 12-bit digits (4096 bins)
+# measured 5-8x slower at every shape on an H200, tl.histogram's cost growing with the bin count
+# (bench/select_configs.py at commit 20bb2a5, results in bench/tuning/).
 SELECT_CONFIGS = [
-    triton.Config({"BLOCK_N": block, "DIGIT_BITS": digit}, num_warps=warps)
-    for block, warps, digit in ((1024, 4, 8), (1024, 8, 8), (2048, 8, 8), (4096, 16, 8), (2048, 8, 12))
+    triton.Config({"BLOCK_N": block}, num_warps=warps)
+    for block, warps in ((1024, 4), (1024, 8), (2048, 8), (4096, 16))
 ]
 
 
@@ -128,7 +128,6 @@ def _pq_select_kernel(
     BLOCK_D: tl.constexpr,
     HAS_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // H
@@ -180,7 +179,7 @@ def _pq_select_kernel(
         pmask = tl.full([], 0, tl.uint32)
         remaining = need
         done = (need == n_cand) | (heavy == 0)  # all or none of the candidates: no threshold to find
-        if DIGIT_BITS == 8:  # four passes of 256 bins
+        for p in tl.static_range(4):  # 8-bit digits, most significant first
             if not done:
                 prefix, pmask, remaining, done = _radix_pass(
                     codes_row,
@@ -194,96 +193,10 @@ def _pq_select_kernel(
                     remaining,
                     M,
                     C,
-                    24,
+                    24 - 8 * p,
                     8,
                     BLOCK_N,
                 )
-            if not done:
-                prefix, pmask, remaining, done = _radix_pass(
-                    codes_row,
-                    lut_row,
-                    stride_kn,
-                    stride_km,
-                    cand_lo,
-                    hi,
-                    prefix,
-                    pmask,
-                    remaining,
-                    M,
-                    C,
-                    16,
-                    8,
-                    BLOCK_N,
-                )
-            if not done:
-                prefix, pmask, remaining, done = _radix_pass(
-                    codes_row,
-                    lut_row,
-                    stride_kn,
-                    stride_km,
-                    cand_lo,
-                    hi,
-                    prefix,
-                    pmask,
-                    remaining,
-                    M,
-                    C,
-                    8,
-                    8,
-                    BLOCK_N,
-                )
-        else:  # three passes of 4096, 4096 and 256 bins
-            if not done:
-                prefix, pmask, remaining, done = _radix_pass(
-                    codes_row,
-                    lut_row,
-                    stride_kn,
-                    stride_km,
-                    cand_lo,
-                    hi,
-                    prefix,
-                    pmask,
-                    remaining,
-                    M,
-                    C,
-                    20,
-                    12,
-                    BLOCK_N,
-                )
-            if not done:
-                prefix, pmask, remaining, done = _radix_pass(
-                    codes_row,
-                    lut_row,
-                    stride_kn,
-                    stride_km,
-                    cand_lo,
-                    hi,
-                    prefix,
-                    pmask,
-                    remaining,
-                    M,
-                    C,
-                    8,
-                    12,
-                    BLOCK_N,
-                )
-        if not done:
-            prefix, pmask, remaining, done = _radix_pass(
-                codes_row,
-                lut_row,
-                stride_kn,
-                stride_km,
-                cand_lo,
-                hi,
-                prefix,
-                pmask,
-                remaining,
-                M,
-                C,
-                0,
-                8,
-                BLOCK_N,
-            )
 
         # 3. Positions: sink [0, n_sink), heavy, window [win_lo, n); count; -1 padding; weights.
         n_sink = tl.minimum(sink, n)

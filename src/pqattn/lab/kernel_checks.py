@@ -144,9 +144,7 @@ def _run_select(case: dict, config: dict) -> tuple:
         weights=w,
         code_base=case["code_base"],
         n_bucket=max(N, 1),
-        config=triton.Config(
-            {"BLOCK_N": config["BLOCK_N"], "DIGIT_BITS": config["DIGIT_BITS"]}, num_warps=config["num_warps"]
-        ),
+        config=triton.Config({"BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"]),
     )
     return positions, counts, w
 
