@@ -12,13 +12,15 @@ import json
 import torch
 
 from pqattn import reference as ref
-from pqattn.kernels.select import SELECT_CONFIGS, pq_select
+from pqattn.kernels.select import configs_for, pq_select, workspace_numel
 from pqattn.lab import timing
 
 SHAPES = [  # B, H, Hkv, N, heavy
     (1, 32, 32, 32000, 128),
+    (1, 32, 8, 524288, 128),
     (8, 32, 8, 131072, 1024),
     (32, 32, 8, 32768, 2048),
+    (32, 32, 8, 524288, 2048),
 ]
 
 
@@ -37,7 +39,7 @@ def main() -> None:
         width = ref.selection_width(sink, window, heavy)
         pos = torch.empty(B, H, width, dtype=torch.int32, device=dev)
         cnt = torch.empty(B, H, dtype=torch.int32, device=dev)
-        lut = torch.empty(B * H * M * C, device=dev)
+        ws = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=dev)
         kw = dict(
             sink=sink,
             window=window,
@@ -47,10 +49,10 @@ def main() -> None:
             width=width,
             positions=pos,
             counts=cnt,
-            lut=lut,
-            n_bucket=N,
+            workspace=ws,
+            n_tokens=N,
         )
-        for cfg in SELECT_CONFIGS:
+        for cfg in configs_for(heavy):
             call = functools.partial(pq_select, q, cent, codes, lens, **kw, config=cfg)
             call()
             graph = timing.capture([call], dev, calls=10)

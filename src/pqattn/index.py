@@ -185,15 +185,15 @@ class PQIndex:
     def select(self, q: torch.Tensor) -> Selection:
         """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
         c = self.config
-        if ops.kernel_path(q, self.centroids) and (
-            self._selection is None or self._selection.counts.shape[1] != q.shape[1]
-        ):
+        kernel = ops.kernel_path(q, self.centroids, c.heavy)
+        if kernel and (self._selection is None or self._selection.counts.shape[1] != q.shape[1]):
             H, M, C = q.shape[1], c.subvectors, 1 << c.bits
             self._selection = Selection(
                 torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
                 torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
             )
-            self._workspace = torch.empty(self.batch * H * M * C, dtype=torch.float32, device=self.device)
+            n = ops.select_workspace_numel(self.batch * H, M, C, self.codes.shape[2], c.heavy)
+            self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         return ops.select_topk(
             q,
             self.centroids,
@@ -203,7 +203,7 @@ class PQIndex:
             window=c.window,
             heavy=c.heavy,
             init_offset=c.offset,
-            out=self._selection if ops.kernel_path(q, self.centroids) else None,
+            out=self._selection if kernel else None,
             workspace=self._workspace,
         )
 

@@ -33,11 +33,27 @@ class PQCodebook(NamedTuple):
     phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
 
 
-def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor) -> bool:
-    """True when selection / encoding of these tensors runs the Triton kernels (else the reference)."""
+MAX_KERNEL_HEAVY = 8192  # the selection kernel's limit (pqattn.kernels.select.MAX_HEAVY)
+
+
+def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0) -> bool:
+    """True when selection / encoding of these tensors runs the Triton kernels (else the reference).
+
+    CUDA tensors with a power-of-two sub-vector width >= 2 and heavy <= MAX_KERNEL_HEAVY take
+    the kernels; anything else takes the PyTorch reference (same answer, slower).
+    """
     D, M = q_or_keys.shape[-1], centroids.shape[2]
     dsub = D // M
-    return q_or_keys.is_cuda and dsub >= 2 and dsub & (dsub - 1) == 0
+    return q_or_keys.is_cuda and dsub >= 2 and dsub & (dsub - 1) == 0 and heavy <= MAX_KERNEL_HEAVY
+
+
+def select_workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
+    """int32 elements of the selection kernel's workspace for rows = B * H query rows over a token
+    axis of n_tokens: the LUTs plus the merge tree's slots, about rows * (n_tokens / TILE) * heavy * 8
+    bytes. Allocate it zero-filled, once; the kernel leaves it reusable."""
+    from pqattn.kernels.select import workspace_numel
+
+    return workspace_numel(rows, M, C, n_tokens, heavy)
 
 
 def _select_kernel(
@@ -87,11 +103,13 @@ def _select_kernel(
         )
         if not out.counts.is_contiguous():
             raise ValueError("out.counts: expected a contiguous tensor")
+    need = select_workspace_numel(B * H, M, C, N, heavy)
     if workspace is None:
-        workspace = torch.empty(B * H * M * C, dtype=torch.float32, device=q.device)
-    elif workspace.dtype != torch.float32 or workspace.numel() < B * H * M * C or not workspace.is_cuda:
+        workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
         raise ValueError(
-            f"workspace: expected a float32 CUDA tensor of at least B*H*M*C={B * H * M * C} elements, "
+            f"workspace: expected a zero-filled int32 tensor on {q.device} of at least "
+            f"select_workspace_numel(B*H, M, C, N, heavy)={need} elements, "
             f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
         )
     pq_select(
@@ -107,10 +125,10 @@ def _select_kernel(
         width=width,
         positions=out.positions,
         counts=out.counts,
-        lut=workspace,
+        workspace=workspace,
+        n_tokens=N,
         weights=weights,
         code_base=code_base,
-        n_bucket=1 << max(N - 1, 0).bit_length(),
     )
     return out
 
@@ -278,13 +296,14 @@ def select_topk(
     [max(init_offset, sink), n - window); sequences with n <= sink + heavy + window keep all tokens.
     Returns Selection(positions [B, H, sink + heavy + window] int32 (-1 past the count),
     counts [B, H] int32). The order of positions carries no meaning.
-    Kernel path only: `out` (a Selection of that shape) and `workspace` (float32, >= B*H*M*C
-    elements) are written instead of allocating, for a decode loop with no allocation.
+    Kernel path only: `out` (a Selection of that shape) and `workspace` (zero-filled int32 of
+    select_workspace_numel(B * H, M, C, N, heavy) elements) are used instead of allocating, for a
+    decode loop with no allocation.
     """
     _check_score_inputs(q, centroids, codes)
     _check_lengths(lengths, q.shape[0], q.device)
     _check_sizes(sink, window, heavy, init_offset)
-    if kernel_path(q, centroids):
+    if kernel_path(q, centroids, heavy):
         return _select_kernel(
             q,
             centroids,

@@ -12,10 +12,10 @@ import triton
 
 import pqattn
 from pqattn import reference as ref
-from pqattn.kernels.select import SELECT_CONFIGS, pq_select
+from pqattn.kernels.select import MAX_HEAVY, SELECT_CONFIGS, configs_for, pq_select, workspace_numel
 from pqattn.lab.kernel_checks import selection_problem
 
-CONFIG_IDS = [f"BLOCK_N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in SELECT_CONFIGS]
+CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SELECT_CONFIGS]
 
 
 def run_case(
@@ -37,6 +37,9 @@ def run_case(
     centroids=None,
     q_dtype=torch.float32,
     weights_dtype=None,
+    lut_kernel=None,
+    workspace=None,
+    calls=1,
 ) -> None:
     C = 2**bits
     q = torch.randn(B, H, D, device=device).to(q_dtype)
@@ -47,34 +50,40 @@ def run_case(
     width = ref.selection_width(sink, window, heavy, min(threshold, N))
     pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
     cnt = torch.empty(B, H, dtype=torch.int32, device=device)
-    lut = torch.empty(B * H * M * C, device=device)
+    if workspace is None:
+        workspace = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=device)
     w = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
-    pq_select(
-        q,
-        cent,
-        codes,
-        lens,
-        sink=sink,
-        window=window,
-        heavy=heavy,
-        cand_lo=cand_lo,
-        short_threshold=threshold,
-        width=width,
-        positions=pos,
-        counts=cnt,
-        lut=lut,
-        weights=w,
-        n_bucket=N,
-        config=config,
-    )
-    scores = ref.pq_scores(q.double(), cent.double(), codes)
-    want = ref.select_from_scores(scores, lens, sink=sink, window=window, heavy=heavy, init_offset=cand_lo)
-    problem = selection_problem(
-        pos, cnt, scores, lens, cand_lo=cand_lo, window=window, short_threshold=threshold, ref_sel=want
-    )
-    assert problem is None, problem
-    if w is not None:
-        assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
+    for _ in range(calls):  # later calls reuse the workspace: the kernel must leave it reusable
+        q.normal_()
+        pq_select(
+            q,
+            cent,
+            codes,
+            lens,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
+            width=width,
+            positions=pos.fill_(-7),
+            counts=cnt.fill_(-7),
+            workspace=workspace,
+            n_tokens=N,
+            weights=w,
+            config=config,
+            lut_kernel=lut_kernel,
+        )
+        scores = ref.pq_scores(q.double(), cent.double(), codes)
+        want = ref.select_from_scores(
+            scores, lens, sink=sink, window=window, heavy=heavy, init_offset=cand_lo
+        )
+        problem = selection_problem(
+            pos, cnt, scores, lens, cand_lo=cand_lo, window=window, short_threshold=threshold, ref_sel=want
+        )
+        assert problem is None, problem
+        if w is not None:
+            assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
 
 
 @pytest.mark.parametrize("config", SELECT_CONFIGS, ids=CONFIG_IDS)
@@ -145,6 +154,83 @@ def run_case(
 )
 def test_select_cases(case: dict, config: triton.Config, device: torch.device) -> None:
     run_case(device, **case, config=config)
+
+
+@pytest.mark.parametrize("lut_kernel", [False, True], ids=["lut-in-leaves", "lut-kernel"])
+@pytest.mark.parametrize("config", SELECT_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("bits", [4, 2], ids=["C16", "C4-ties"])
+def test_select_merge_tree(bits: int, config: triton.Config, lut_kernel: bool, device: torch.device) -> None:
+    """Rows of 6-7 leaves merged over two levels (four children per merge), ragged, with weights,
+    called twice on one workspace. C=4, M=2: 16 distinct scores, ties across every leaf."""
+    tile = config.kwargs["TILE"]
+    N = tile * 6 + tile // 3
+    run_case(
+        device,
+        B=2,
+        H=4,
+        Hkv=2,
+        N=N,
+        D=32,
+        M=2,
+        bits=bits,
+        lengths=[N, N // 2 + 7],
+        sink=5,
+        window=9,
+        heavy=tile // 4 - 3,
+        init_offset=11,
+        config=config,
+        weights_dtype=torch.bfloat16,
+        lut_kernel=lut_kernel,
+        calls=2,
+    )
+
+
+def test_configs_for_heavy() -> None:
+    """At least four children per merge, except above 4096 where the largest tile merges two."""
+    for heavy in (1, 128, 511, 512, 1024, 4096, MAX_HEAVY):
+        tiles = [c.kwargs["TILE"] for c in configs_for(heavy)]
+        kp = 1 << max(heavy - 1, 0).bit_length()
+        assert tiles and all(t >= (4 * kp if heavy <= 4096 else 2 * kp) for t in tiles), (heavy, tiles)
+    assert configs_for(MAX_HEAVY + 1) == []
+    assert pqattn.ops.MAX_KERNEL_HEAVY == MAX_HEAVY
+
+
+def test_bad_workspace_and_config_are_refused() -> None:
+    q = torch.randn(1, 2, 32)
+    cent = torch.randn(1, 2, 2, 16, 16)
+    codes = torch.zeros(1, 2, 100, 2, dtype=torch.uint8)
+    kw = dict(
+        sink=1,
+        window=1,
+        heavy=900,
+        cand_lo=1,
+        short_threshold=902,
+        width=902,
+        positions=torch.empty(1, 2, 902, dtype=torch.int32),
+        counts=torch.empty(1, 2, dtype=torch.int32),
+        n_tokens=100,
+    )
+    with pytest.raises(ValueError, match="workspace"):
+        pq_select(q, cent, codes, torch.tensor([100]), **kw, workspace=torch.zeros(10, dtype=torch.int32))
+    with pytest.raises(ValueError, match="config"):
+        pq_select(
+            q,
+            cent,
+            codes,
+            torch.tensor([100]),
+            **kw,
+            workspace=torch.zeros(1, dtype=torch.int32),
+            config=SELECT_CONFIGS[0],
+        )
+    with pytest.raises(ValueError, match="heavy"):
+        pq_select(
+            q,
+            cent,
+            codes,
+            torch.tensor([100]),
+            **{**kw, "heavy": MAX_HEAVY + 1},
+            workspace=torch.zeros(1, dtype=torch.int32),
+        )
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -23,6 +23,20 @@ from pqattn.reference import Selection
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
 
 
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """The selection kernel's zero-filled workspace, kept per device across calls (the kernel leaves
+    it zeroed): the original's signature has no place for it. Calls on one device share it, so they
+    must not run concurrently on different streams."""
+    ws = _WORKSPACES.get(device)
+    if ws is None or ws.numel() < numel:
+        ws = torch.zeros(numel, dtype=torch.int32, device=device)
+        _WORKSPACES[device] = ws
+    return ws
+
+
 def _grown_codebook(codebook: torch.Tensor, rows: int) -> torch.Tensor:
     """A [B, rows, Hkv, M] int64 view whose first rows are `codebook`, in place when it has room."""
     B, n, Hkv, M = codebook.shape
@@ -134,7 +148,7 @@ def indexer_next(
     new_keys = key[:, :, init_offset + n_quantized :]
     codes = codebook.transpose(1, 2)  # [B, Hkv, rows, M] view: code of token init_offset + r
     lengths = torch.full((B,), N, dtype=torch.int64, device=query.device)
-    if ops.kernel_path(q, pq_centroids):
+    if ops.kernel_path(q, pq_centroids, heavy_size):
         from pqattn.kernels.encode import pq_encode
 
         pq_encode(new_keys.contiguous(), pq_centroids, phi, codes[:, :, n_quantized:])
@@ -155,7 +169,7 @@ def indexer_next(
             cand_lo=max(init_offset, sink_size),
             short_threshold=threshold,
             out=out,
-            workspace=None,
+            workspace=_workspace(query.device, ops.select_workspace_numel(B * H, M, C, N, heavy_size)),
             weights=weights,
             code_base=init_offset,
             n_tokens=N,

@@ -1,18 +1,23 @@
-"""Fused PQ top-k selection for one decode query per sequence (SPEC §2), and PQ encoding of new keys.
+"""Fused PQ top-k selection for one decode query per sequence (SPEC §2).
 
-Selection, one program per (sequence, query head):
-  1. the lookup table LUT[m, c] = <q_m, centroid[m, c]> (M x C floats, kept in a workspace that
-     stays in L1);
-  2. an exact radix select of the `heavy`-th largest score over the candidates: scores are
-     recomputed from the uint8 codes on every pass (2-16 bytes per token instead of 4 per token
-     per head for materialized scores), mapped to order-preserving uint32 keys, and histogrammed
-     12 + 12 + 8 bits at a time, each pass keeping only the keys that share the prefix found so
-     far; a pass is skipped once the threshold bin holds exactly the tokens still needed;
-  3. one collection pass writes sink, heavy (key above the threshold, or equal to it while ties
-     are still needed) and window positions, the count, -1 padding and, when asked, the dense 0/1
-     weight row.
-No host sync, no allocation beyond what the caller passes in, the same launch every step: the
-call can be captured in a CUDA graph.
+One launch, grid (leaves, B * H): each row (sequence, query head) is split into leaves of TILE
+tokens so that every SM has work even at B = 1, and the leaves of a row are merged by a tree
+inside the same launch:
+  1. leaf: the lookup table LUT[m, c] = <q_m, centroid[m, c]> of its row (a workspace that stays in
+     L1; the leaves of a row write identical values), the scores of its TILE tokens gathered from
+     it, mapped to order-preserving uint32 keys and kept in registers; an exact top-k of the tile
+     (k = heavy, or fewer when the tile has fewer candidates) by bisection on the key bits — each
+     step one compare and one block reduction, stopping as soon as exactly k keys lie at or above
+     the probe (tl.histogram measured 1.4 ns per token per pass on an H200: far slower);
+  2. the k (key, position) pairs go to the leaf's slot in the workspace, and an atomic counter of
+     the parent node says which child arrived last: that program loads its FAN = TILE / K_PAD
+     siblings' slots as one tile and selects again, up to the root (no second launch, no spin);
+  3. the root writes sink, heavy and window positions, the count, -1 padding and (when asked) the
+     1.0 weights of the heavy part; every leaf writes the 0/1 weights of its own tokens.
+Ties are broken arbitrarily (SPEC §2 compares score multisets). The union of the leaves' top-k
+holds a top-k of the row, so the merge is exact. No host sync, no allocation: the workspace is
+zeroed once by its owner and the kernel resets every counter it uses, so the same launch can be
+replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,14 +28,56 @@ import torch
 import triton
 import triton.language as tl
 
-# The autotune space. Every config is exercised by the tests and by `pqattn check`.
-# The radix digits are 8 bits (four histogram passes of 256 bins): 12-bit digits (4096 bins)
-# measured 5-8x slower at every shape on an H200, tl.histogram's cost growing with the bin count
-# (bench/select_configs.py at commit 20bb2a5, results in bench/tuning/).
+# The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
+# exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
+# least four children of K_PAD = next_pow2(heavy) candidates (which bounds the tree's depth and its
+# workspace); only when no config does (heavy > 4096) the largest tile merges two.
 SELECT_CONFIGS = [
-    triton.Config({"BLOCK_N": block}, num_warps=warps)
-    for block, warps in ((1024, 4), (1024, 8), (2048, 8), (4096, 16))
+    triton.Config({"TILE": tile}, num_warps=warps)
+    for tile, warps in ((2048, 4), (4096, 8), (8192, 8), (16384, 16))
 ]
+MAX_HEAVY = 8192
+LUT_KERNEL_ABOVE = 65536
+
+
+def k_pad(heavy: int) -> int:
+    """Slot width of a tree node: heavy rounded up to a power of two (at least 1)."""
+    return 1 << max(heavy - 1, 0).bit_length()
+
+
+def _valid_tiles(kp: int) -> list[int]:
+    tiles = [c.kwargs["TILE"] for c in SELECT_CONFIGS]
+    return [t for t in tiles if t >= 4 * kp] or [t for t in tiles if t >= 2 * kp]
+
+
+def configs_for(heavy: int) -> list[triton.Config]:
+    """The configs that serve this heavy size (see SELECT_CONFIGS); empty above MAX_HEAVY."""
+    tiles = _valid_tiles(k_pad(heavy))
+    return [c for c in SELECT_CONFIGS if c.kwargs["TILE"] in tiles]
+
+
+def tree_nodes(leaves: int, fan: int) -> int:
+    """Nodes of the merge tree over `leaves` leaves (the root included)."""
+    total, size = 1, leaves
+    while size > 1:
+        total += size
+        size = -(-size // fan)
+    return total
+
+
+def workspace_row_words(n_tokens: int, heavy: int) -> int:
+    """int32 words per row of the tree workspace: counters + slots (keys, positions, count)."""
+    kp = k_pad(heavy)
+    words = 0
+    for c in configs_for(heavy):
+        nodes = tree_nodes(max(-(-n_tokens // c.kwargs["TILE"]), 1), c.kwargs["TILE"] // kp)
+        words = max(words, nodes * (2 * kp + 2))
+    return words
+
+
+def workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
+    """int32 elements of the selection workspace: the LUTs (rows * M * C) then the tree rows."""
+    return rows * M * C + rows * workspace_row_words(n_tokens, heavy)
 
 
 @triton.jit
@@ -44,47 +91,94 @@ def _scores(codes_row, lut_row, offs, in_range, stride_kn, stride_km, M: tl.cons
 
 
 @triton.jit
+def _write_lut(
+    q_row,
+    cent,
+    lut_row,
+    stride_cm,
+    stride_cc,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """LUT[m, c] = <q_m, centroid[m, c, :DSUB]> in float32."""
+    c_idx = tl.arange(0, C)
+    d_idx = tl.arange(0, BLOCK_D)
+    for m in tl.static_range(M):
+        acc = tl.zeros([C], dtype=tl.float32)
+        for d0 in tl.static_range(0, DSUB, BLOCK_D):
+            qv = tl.load(q_row + m * DSUB + d0 + d_idx).to(tl.float32)
+            cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
+                tl.float32
+            )
+            acc += tl.sum(cv * qv[None, :], axis=1)
+        tl.store(lut_row + m * C + c_idx, acc)
+
+
+@triton.jit
+def _pq_lut_kernel(
+    q_ptr,
+    cent_ptr,
+    lut_ptr,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ck,
+    stride_cm,
+    stride_cc,
+    H,
+    G,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per row: its LUT, for long rows whose many leaves would each re-read the centroids."""
+    row = tl.program_id(0)
+    b = row // H
+    h = row % H
+    _write_lut(
+        q_ptr + b * stride_qb + h * stride_qh,
+        cent_ptr + b * stride_cb + (h // G) * stride_ck,
+        lut_ptr + row * (M * C),
+        stride_cm,
+        stride_cc,
+        M,
+        C,
+        DSUB,
+        BLOCK_D,
+    )
+
+
+@triton.jit
 def _order_key(s):
-    """uint32 keys ordered like the float32 scores (flip negatives, set the sign bit of positives)."""
+    """uint32 keys ordered like the float32 scores; every score maps above 0 (0 = not a candidate)."""
     bits = s.to(tl.uint32, bitcast=True)
     return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
 
 @triton.jit
-def _radix_pass(
-    codes_row,
-    lut_row,
-    stride_kn,
-    stride_km,
-    lo,
-    hi,
-    prefix,
-    pmask,
-    remaining,
-    M: tl.constexpr,
-    C: tl.constexpr,
-    SHIFT: tl.constexpr,
-    NBITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Histogram the next NBITS of the keys that share `prefix`; narrow the prefix to the threshold bin."""
-    NB: tl.constexpr = 1 << NBITS
-    hist = tl.zeros([NB], dtype=tl.int32)
-    for start in range(lo, hi, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        inside = offs < hi
-        key = _order_key(_scores(codes_row, lut_row, offs, inside, stride_kn, stride_km, M, C))
-        match = inside & ((key & pmask) == prefix)
-        digit = ((key >> SHIFT) & (NB - 1)).to(tl.int32)
-        hist += tl.histogram(digit, NB, mask=match)
-    at_or_above = tl.cumsum(hist, 0, reverse=True)  # tokens with a digit >= d
-    bins = tl.arange(0, NB)
-    d = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1
-    in_bin = tl.sum(tl.where(bins == d, hist, 0))
-    above = tl.sum(tl.where(bins == d, at_or_above, 0)) - in_bin
-    prefix = prefix | (d.to(tl.uint32) << SHIFT)
-    pmask = pmask | tl.full([], (NB - 1) << SHIFT, tl.uint32)
-    return prefix, pmask, remaining - above, in_bin == remaining - above
+def _top_k(key, k):
+    """Mask of k entries of `key` holding the k largest values (k <= number of keys > 0).
+
+    Bisection on the bits, most significant first: `res` grows to the largest value with at least
+    k keys at or above it, i.e. the k-th largest key; the loop ends early once a probe has exactly
+    k keys at or above it. Keys equal to the threshold are taken in tile order until k are taken.
+    """
+    res = tl.zeros([], dtype=tl.uint32)
+    step = tl.full([], 0x80000000, tl.uint32)
+    go = k > 0
+    while go:
+        probe = res | step
+        c = tl.sum((key >= probe).to(tl.int32))
+        res = tl.where(c >= k, probe, res)
+        step = step >> 1
+        go = (step != 0) & (c != k)
+    n_gt = tl.sum((key > res).to(tl.int32))
+    tie = key == res
+    tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
+    return ((key > res) | (tie & (tie_rank < k - n_gt))) & (k > 0)
 
 
 @triton.jit
@@ -94,6 +188,7 @@ def _pq_select_kernel(
     codes_ptr,
     len_ptr,
     lut_ptr,
+    ws_ptr,
     pos_ptr,
     cnt_ptr,
     w_ptr,
@@ -121,124 +216,152 @@ def _pq_select_kernel(
     short_threshold,
     width,
     code_base,
-    n_bucket,  # autotune key only: the power of two above the longest sequence
+    ws_row,
+    n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_W: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    K_PAD: tl.constexpr,
+    LUT_READY: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    FAN: tl.constexpr = TILE // K_PAD
+    leaf = tl.program_id(0)
+    n_leaves = tl.num_programs(0)
+    row = tl.program_id(1)
     b = row // H
     h = row % H
     kvh = h // G
     n = tl.load(len_ptr + b).to(tl.int32)
     pos_row = pos_ptr + b * stride_pb + h * stride_ph
     w_row = w_ptr + b * stride_wb + h * stride_wh
-    lane = tl.arange(0, BLOCK_N)
+    lane = tl.arange(0, TILE)
+    offs = leaf * TILE + lane
 
-    if n <= short_threshold:  # short sequence: every token
-        for start in range(0, width, BLOCK_N):
-            offs = start + lane
-            tl.store(pos_row + offs, tl.where(offs < n, offs, -1), mask=offs < width)
-        tl.store(cnt_ptr + b * H + h, n)
+    if n <= short_threshold:  # short sequence: every token; each leaf writes its part
+        tl.store(pos_row + offs, tl.where(offs < n, offs, -1), mask=offs < width)
+        if leaf == n_leaves - 1:
+            for start in range(n_leaves * TILE, width, TILE):
+                tail = start + lane
+                tl.store(pos_row + tail, tl.full([TILE], -1, tl.int32), mask=tail < width)
+            tl.store(cnt_ptr + b * H + h, n)
         if HAS_W:
-            for start in range(0, n_weights, BLOCK_N):
-                offs = start + lane
-                tl.store(
-                    w_row + offs,
-                    tl.where(offs < n, 1.0, 0.0).to(w_ptr.dtype.element_ty),
-                    mask=offs < n_weights,
-                )
+            tl.store(
+                w_row + offs, tl.where(offs < n, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=offs < n_weights
+            )
     else:
-        # 1. LUT[m, c] = <q_m, centroid[m, c, :DSUB]>, written once, gathered from L1 below.
-        lut_row = lut_ptr + row * (M * C)
-        c_idx = tl.arange(0, C)
-        d_idx = tl.arange(0, BLOCK_D)
-        q_row = q_ptr + b * stride_qb + h * stride_qh
-        cent = cent_ptr + b * stride_cb + kvh * stride_ck
-        for m in tl.static_range(M):
-            acc = tl.zeros([C], dtype=tl.float32)
-            for d0 in tl.static_range(0, DSUB, BLOCK_D):
-                qv = tl.load(q_row + m * DSUB + d0 + d_idx).to(tl.float32)
-                cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
-                    tl.float32
-                )
-                acc += tl.sum(cv * qv[None, :], axis=1)
-            tl.store(lut_row + m * C + c_idx, acc)
-        tl.debug_barrier()
+        hi = n - window
+        need = tl.minimum(heavy, tl.maximum(hi - cand_lo, 0))
+        n_sink = tl.minimum(sink, n)
+        win_lo = tl.maximum(hi, n_sink)
+        if HAS_W:  # sink and window here; the root adds the heavy part after every leaf is done
+            keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
+            tl.store(w_row + offs, tl.where(keep, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=offs < n_weights)
 
-        # 2. Threshold of the heavy part by radix select over the candidates [cand_lo, n - window).
+        # 1. Leaf: keys of this tile's candidates (0 elsewhere).
+        cand = (offs >= cand_lo) & (offs < hi)
+        n_valid = tl.sum(cand.to(tl.int32))
+        lut_row = lut_ptr + row * (M * C)
+        if (n_valid > 0) & (need > 0) & (not LUT_READY):
+            _write_lut(
+                q_ptr + b * stride_qb + h * stride_qh,
+                cent_ptr + b * stride_cb + kvh * stride_ck,
+                lut_row,
+                stride_cm,
+                stride_cc,
+                M,
+                C,
+                DSUB,
+                BLOCK_D,
+            )
+            tl.debug_barrier()
         # Row r of the codes holds token code_base + r; only tokens >= cand_lo >= code_base are read.
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        hi = n - window
-        n_cand = tl.maximum(hi - cand_lo, 0)
-        need = tl.minimum(heavy, n_cand)
-        prefix = tl.full([], 0, tl.uint32)
-        pmask = tl.full([], 0, tl.uint32)
-        remaining = need
-        done = (need == n_cand) | (heavy == 0)  # all or none of the candidates: no threshold to find
-        for p in tl.static_range(4):  # 8-bit digits, most significant first
-            if not done:
-                prefix, pmask, remaining, done = _radix_pass(
-                    codes_row,
-                    lut_row,
-                    stride_kn,
-                    stride_km,
-                    cand_lo,
-                    hi,
-                    prefix,
-                    pmask,
-                    remaining,
-                    M,
-                    C,
-                    24 - 8 * p,
-                    8,
-                    BLOCK_N,
-                )
+        cand = cand & (need > 0)
+        key = tl.where(
+            cand, _order_key(_scores(codes_row, lut_row, offs, cand, stride_kn, stride_km, M, C)), 0
+        )
+        pos = offs
+        k = tl.minimum(need, n_valid)
 
-        # 3. Positions: sink [0, n_sink), heavy, window [win_lo, n); count; -1 padding; weights.
-        n_sink = tl.minimum(sink, n)
-        win_lo = tl.maximum(n - window, n_sink)
-        for start in range(0, n_sink, BLOCK_N):
-            offs = start + lane
-            tl.store(pos_row + offs, offs, mask=offs < n_sink)
-        base = n_sink
-        ties_taken = 0
-        end = hi
-        if HAS_W:
-            end = n_weights
-        for start in range(0, end, BLOCK_N):
-            offs = start + lane
-            cand = (offs >= cand_lo) & (offs < hi)
-            key = _order_key(_scores(codes_row, lut_row, offs, cand, stride_kn, stride_km, M, C)) & pmask
-            tie = cand & (key == prefix)
-            tie_rank = ties_taken + tl.cumsum(tie.to(tl.int32), 0) - 1
-            take = (cand & (key > prefix)) | (tie & (tie_rank < remaining))
-            slot = base + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(pos_row + slot, offs, mask=take)
-            base += tl.sum(take.to(tl.int32))
-            ties_taken += tl.sum(tie.to(tl.int32))
+        # 2. Merge tree: write this node's top-k to its slot; the last child to arrive merges.
+        n_nodes = 1
+        size = n_leaves
+        while size > 1:
+            n_nodes += size
+            size = (size + FAN - 1) // FAN
+        ws = ws_ptr + row.to(tl.int64) * ws_row
+        slot_key = ws + n_nodes
+        slot_pos = slot_key + n_nodes * K_PAD
+        slot_cnt = slot_pos + n_nodes * K_PAD
+        level_off = 0
+        level_size = n_leaves
+        idx = leaf
+        is_root = n_leaves == 1
+        active = n_leaves > 1
+        while active:
+            take = _top_k(key, k)
+            rank = tl.cumsum(take.to(tl.int32), 0) - 1
+            node = level_off + idx
+            tl.store(slot_key + node * K_PAD + rank, key.to(tl.int32, bitcast=True), mask=take)
+            tl.store(slot_pos + node * K_PAD + rank, pos, mask=take)
+            tl.store(slot_cnt + node, k)
+            tl.debug_barrier()  # every thread's slot stores precede the release below
+            parent = idx // FAN
+            first = level_off + parent * FAN  # slot of the parent's first child
+            n_child = tl.minimum(FAN, level_size - parent * FAN)
+            level_off += level_size
+            level_size = (level_size + FAN - 1) // FAN
+            idx = parent
+            arrived = tl.atomic_add(ws + level_off + parent, 1, sem="acq_rel")
+            last = arrived == n_child - 1
+            if last:
+                tl.atomic_xchg(ws + level_off + parent, 0)  # ready for the next call
+                child = lane // K_PAD
+                e = lane % K_PAD
+                got = tl.load(slot_cnt + first + child, mask=child < n_child, other=0, cache_modifier=".cg")
+                ok = e < got
+                key = tl.load(slot_key + first * K_PAD + lane, mask=ok, other=0, cache_modifier=".cg").to(
+                    tl.uint32, bitcast=True
+                )
+                pos = tl.load(slot_pos + first * K_PAD + lane, mask=ok, other=0, cache_modifier=".cg")
+                k = tl.minimum(need, tl.sum(ok.to(tl.int32)))
+            is_root = last & (level_size == 1)
+            active = last & (level_size > 1)
+        # 3. Root: positions sink | heavy | window, the count, -1 padding, heavy weights.
+        if is_root:
+            tl.debug_barrier()  # this program's leaf weight stores precede the root's
+            take = _top_k(key, k)
+            rank = tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(pos_row + n_sink + rank, pos, mask=take)
             if HAS_W:
-                keep = take | (offs < n_sink) | ((offs >= win_lo) & (offs < n))
-                tl.store(
-                    w_row + offs, tl.where(keep, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=offs < n_weights
-                )
-        n_win = n - win_lo
-        for start in range(0, n_win, BLOCK_N):
-            offs = start + lane
-            tl.store(pos_row + base + offs, win_lo + offs, mask=offs < n_win)
-        count = base + n_win
-        for start in range(count, width, BLOCK_N):
-            offs = start + lane
-            tl.store(pos_row + offs, tl.full([BLOCK_N], -1, tl.int32), mask=offs < width)
-        tl.store(cnt_ptr + b * H + h, count)
+                tl.store(w_row + pos, tl.full([TILE], 1.0, tl.float32).to(w_ptr.dtype.element_ty), mask=take)
+            for start in range(0, n_sink, TILE):
+                o = start + lane
+                tl.store(pos_row + o, o, mask=o < n_sink)
+            n_win = n - win_lo
+            for start in range(0, n_win, TILE):
+                o = start + lane
+                tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
+            count = n_sink + k + n_win
+            for start in range(count, width, TILE):
+                o = start + lane
+                tl.store(pos_row + o, tl.full([TILE], -1, tl.int32), mask=o < width)
+            tl.store(cnt_ptr + b * H + h, count)
 
 
-_pq_select_autotuned = triton.autotune(configs=SELECT_CONFIGS, key=["n_bucket", "H", "M", "C", "HAS_W"])(
-    _pq_select_kernel
-)
+def _prune(configs, named_args, **kwargs):
+    tiles = _valid_tiles(kwargs.get("K_PAD", named_args.get("K_PAD", 1)))
+    return [c for c in configs if c.kwargs["TILE"] in tiles]
+
+
+_pq_select_autotuned = triton.autotune(
+    configs=SELECT_CONFIGS,
+    key=["n_bucket", "H", "M", "C", "HAS_W", "K_PAD", "LUT_READY"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_pq_select_kernel)
 
 
 def interpreted() -> bool:
@@ -259,26 +382,47 @@ def pq_select(
     width: int,
     positions: torch.Tensor,
     counts: torch.Tensor,
-    lut: torch.Tensor,
+    workspace: torch.Tensor,
+    n_tokens: int,
     weights: torch.Tensor | None = None,
     code_base: int = 0,
-    n_bucket: int,
     config: triton.Config | None = None,
+    lut_kernel: bool | None = None,
 ) -> None:
     """Launch the selection on validated inputs, writing `positions`, `counts` (and `weights`).
 
     q [B, H, D]; centroids [B, Hkv, M, C, >= dsub] (last dim contiguous); codes: any strides with
-    codes[b, kvh, n, m] addressed by `codes.stride()` in the order (B, Hkv, N, M); lengths [B];
-    positions [B, H, width] int32; counts [B, H] int32 contiguous; lut [B * H * M * C] float32;
-    weights [B, H, n_weights] or None; codes row r holds token code_base + r (needs
-    cand_lo >= code_base). `config` forces one config of SELECT_CONFIGS; by default
-    the autotuner picks (the first config under the Triton interpreter).
+    codes[b, kvh, r, m] addressed by `codes.stride()` in the order (B, Hkv, N, M), row r holding
+    token code_base + r (needs cand_lo >= code_base); lengths [B] (<= n_tokens); positions
+    [B, H, width] int32/int64; counts [B, H] contiguous; workspace: int32, zero-filled once, at
+    least workspace_numel(B * H, M, C, n_tokens, heavy) elements (the kernel leaves its counters
+    at zero); weights [B, H, n_weights] or None. `config` forces one config of SELECT_CONFIGS; by
+    default the autotuner picks among configs_for(heavy) (the first of them under the interpreter).
+    `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens > LUT_KERNEL_ABOVE,
+    where the leaves of a row are many and re-reading the centroids in each would cost more).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
+    kp = k_pad(heavy)
+    valid = configs_for(heavy)
+    if not valid:
+        raise ValueError(f"heavy: expected at most {MAX_HEAVY} for the selection kernel, got {heavy}")
+    if config is not None and config not in valid:
+        raise ValueError(
+            f"config: TILE={config.kwargs['TILE']} does not serve heavy={heavy} (see configs_for)"
+        )
     if interpreted() and config is None:
-        config = SELECT_CONFIGS[0]
+        config = valid[0]
+    rows = B * H
+    need = workspace_numel(rows, M, C, n_tokens, heavy)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
+            f"with {workspace.numel()}"
+        )
+    lut = workspace[: rows * M * C].view(torch.float32)
+    tree = workspace[rows * M * C :]
     w = weights if weights is not None else counts
     args = (
         q,
@@ -286,6 +430,7 @@ def pq_select(
         codes,
         lengths,
         lut,
+        tree,
         positions,
         counts,
         w,
@@ -310,11 +455,20 @@ def pq_select(
         short_threshold,
         width,
         code_base,
-        n_bucket,
+        workspace_row_words(n_tokens, heavy),
+        1 << max(n_tokens - 1, 0).bit_length(),
     )
-    meta = dict(M=M, C=C, DSUB=dsub, BLOCK_D=min(dsub, 64), HAS_W=weights is not None)
-    grid = (B * H,)
+    if lut_kernel is None:
+        lut_kernel = n_tokens > LUT_KERNEL_ABOVE
+    meta = dict(M=M, C=C, DSUB=dsub, BLOCK_D=min(dsub, 64))
+    if lut_kernel:
+        _pq_lut_kernel[(rows,)](
+            q, centroids, lut, q.stride(0), q.stride(1), *centroids.stride()[:4], H, H // Hkv, **meta
+        )
+    meta.update(HAS_W=weights is not None, K_PAD=kp, LUT_READY=lut_kernel)
+    n_tok = max(n_tokens, 1)
     if config is None:
-        _pq_select_autotuned[grid](*args, **meta)
+        _pq_select_autotuned[lambda m: (triton.cdiv(n_tok, m["TILE"]), rows)](*args, **meta)
     else:
+        grid = (triton.cdiv(n_tok, config.kwargs["TILE"]), rows)
         _pq_select_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps)

@@ -27,6 +27,8 @@ class KernelCheck:
     run: Callable[[dict, dict], object]  # (case, config) -> the kernel's output
     reference: Callable[[dict], object]  # case -> the reference's output
     compare: Callable[[dict, object, object], str | None]  # (case, out, ref) -> None or what is wrong
+    # (case, config) -> whether the config serves the case; cases it does not serve are redrawn
+    fits: Callable[[dict, dict], bool] = lambda case, config: True
 
 
 def registered() -> list[KernelCheck]:
@@ -77,6 +79,8 @@ def run_checks(
             for i in range(cases):
                 gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + ci * 1009 + i)
                 case = check.draw(gen, device, large)
+                while not check.fits(case, config):
+                    case = check.draw(gen, device, large)
                 try:
                     with poisoned_allocations():
                         out = check.run(case, config)

@@ -81,7 +81,7 @@ def _draw_select(gen: torch.Generator, device: torch.device, large: bool) -> dic
         M, bits = _pick(gen, [1, 2, 4, 8, 16]), _int(gen, 4, 8)
     else:
         B, Hkv, g, D = _int(gen, 1, 3), _int(gen, 1, 2), _pick(gen, [1, 2, 4]), _pick(gen, [32, 64])
-        N = _int(gen, 1, 300)
+        N = _int(gen, 1, 300) if _int(gen, 0, 2) else _int(gen, 2000, 5000)  # sometimes several leaves
         heavy, sink, window = _int(gen, 0, 40), _int(gen, 0, 12), _int(gen, 0, 12)
         M, bits = _pick(gen, [1, 2, 4, 8, 16]), _int(gen, 1, 8)
     while D // M < 2:
@@ -113,6 +113,7 @@ def _draw_select(gen: torch.Generator, device: torch.device, large: bool) -> dic
         "short_threshold": threshold,
         "width": ref.selection_width(sink, window, heavy, min(threshold, N)),
         "weights_dtype": _pick(gen, [None, *_FLOATS]),
+        "lut_kernel": bool(_int(gen, 0, 1)),
         "desc": f"B{B} H{Hkv * g} Hkv{Hkv} N{N} D{D} M{M} C{C} heavy{heavy} sink{sink} window{window} "
         f"io{init_offset} {'compat' if compat else 'native'}",
     }
@@ -126,7 +127,10 @@ def _run_select(case: dict, config: dict) -> tuple:
     M, C, N = cent.shape[2], cent.shape[3], case["codes"].shape[2]
     positions = torch.empty(B, H, case["width"], dtype=torch.int32, device=q.device)
     counts = torch.empty(B, H, dtype=torch.int32, device=q.device)
-    lut = torch.empty(B * H * M * C, dtype=torch.float32, device=q.device)
+    from pqattn.kernels.select import workspace_numel
+
+    heavy = case["opts"]["heavy"]
+    workspace = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=q.device)
     w = None
     if case["weights_dtype"] is not None:
         w = torch.empty(B, H, N, dtype=case["weights_dtype"], device=q.device)
@@ -140,11 +144,12 @@ def _run_select(case: dict, config: dict) -> tuple:
         width=case["width"],
         positions=positions,
         counts=counts,
-        lut=lut,
+        workspace=workspace,
+        n_tokens=N,
         weights=w,
         code_base=case["code_base"],
-        n_bucket=max(N, 1),
-        config=triton.Config({"BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"]),
+        config=triton.Config({"TILE": config["TILE"]}, num_warps=config["num_warps"]),
+        lut_kernel=case["lut_kernel"],
     )
     return positions, counts, w
 
@@ -184,6 +189,12 @@ def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
         if not torch.equal(w.float(), dense.clamp_max(1)):
             return "dense weights differ from the selected positions"
     return problem
+
+
+def _select_fits(case: dict, config: dict) -> bool:
+    from pqattn.kernels.select import configs_for
+
+    return config["TILE"] in [c.kwargs["TILE"] for c in configs_for(case["opts"]["heavy"])]
 
 
 def _select_configs() -> list[dict]:
@@ -257,7 +268,15 @@ def _compare_encode(case: dict, out: torch.Tensor, dist: torch.Tensor) -> str | 
 
 
 CHECKS: list[KernelCheck] = [
-    KernelCheck("pq_select", _select_configs, _draw_select, _run_select, _reference_select, _compare_select),
+    KernelCheck(
+        "pq_select",
+        _select_configs,
+        _draw_select,
+        _run_select,
+        _reference_select,
+        _compare_select,
+        _select_fits,
+    ),
     KernelCheck(
         "pq_encode",
         lambda: [{"layout": "native"}, {"layout": "compat"}],

@@ -102,6 +102,14 @@ def _select_case(
             "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
             "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
             "scores": torch.randn(B * H, N, device=device, generator=g),
+            # the decode-loop pattern: output buffers and workspace allocated once (PQIndex does this)
+            "out": ref.Selection(
+                torch.empty(B, H, L, device=device, dtype=torch.int32),
+                torch.empty(B, H, device=device, dtype=torch.int32),
+            ),
+            "workspace": torch.zeros(
+                ops.select_workspace_numel(B * H, M, C, N, heavy), device=device, dtype=torch.int32
+            ),
         }
         if compat:  # the original's call: all but the newest key quantized, int64 codebook
             x["query"] = x["q"][:, :, None].float()
@@ -129,7 +137,15 @@ def _select_case(
             Impl(
                 "pqattn",
                 "pqattn",
-                lambda x: ops.select_topk(x["q"], x["centroids"], x["codes"], x["lengths"], **opts),
+                lambda x: ops.select_topk(
+                    x["q"],
+                    x["centroids"],
+                    x["codes"],
+                    x["lengths"],
+                    **opts,
+                    out=x["out"],
+                    workspace=x["workspace"],
+                ),
                 select_bytes,
                 select_flops,
                 note=KERNEL_NOTE,
