@@ -99,3 +99,79 @@ def test_default_init_offset_is_sink() -> None:
 def test_public_names() -> None:
     for name in pqattn.__all__:
         assert hasattr(pqattn, name), name
+
+
+def _step_setup(device, *, B=2, H=8, Hkv=2, N=600, D=64, steps=3, dtype=torch.float32):
+    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=32, iters=3)
+    keys = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
+    values = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
+    lengths = [N, N - 50]
+    index = pqattn.PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config)
+    k_cache = torch.zeros(B, Hkv, N + steps, D, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    for b, n in enumerate(lengths):
+        k_cache[b, :, :n] = keys[b, :, :n]
+        v_cache[b, :, :n] = values[b, :, :n]
+    return index, k_cache, v_cache, lengths
+
+
+def test_decode_step_stores_indexes_selects_attends(device: torch.device) -> None:
+    B, H, D, steps = 2, 8, 64, 3
+    index, k_cache, v_cache, lengths = _step_setup(device, steps=steps)
+    for t in range(steps):
+        q = torch.randn(B, H, D, device=device)
+        k_new = torch.randn(B, 2, 1, D, device=device)
+        v_new = torch.randn(B, 2, 1, D, device=device)
+        out = pqattn.decode_step(index, q, k_new, v_new, k_cache, v_cache).clone()
+        for b, n in enumerate(lengths):
+            assert torch.equal(k_cache[b, :, n + t], k_new[b, :, 0])
+            assert torch.equal(v_cache[b, :, n + t], v_new[b, :, 0])
+        assert index.lengths.tolist() == [n + t + 1 for n in lengths]
+        sel = index.select(q)
+        newest = (sel.positions == index.lengths[:, None, None] - 1).any(-1)
+        assert newest.all(), "the new token is in the window"
+        want = ref.sparse_decode(q.double(), k_cache.double(), v_cache.double(), sel.positions, sel.counts)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_step_refuses_bad_input(device: torch.device) -> None:
+    index, k_cache, v_cache, _ = _step_setup(device)
+    q = torch.randn(2, 8, 64, device=device)
+    k_new = torch.randn(2, 2, 1, 64, device=device)
+    with pytest.raises(ValueError, match="k_new"):
+        index.decode_step(q, k_new[:, :, :, :32], k_new, k_cache, v_cache)
+    with pytest.raises(ValueError, match="v_cache"):
+        index.decode_step(q, k_new, k_new, k_cache, v_cache[:, :, :10])
+
+
+def test_decode_step_in_a_cuda_graph(device: torch.device) -> None:
+    """The whole step (store, encode, select, attend) captured once and replayed per token."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    B, H, D, steps = 2, 8, 64, 4
+    index, k_cache, v_cache, _ = _step_setup(device, steps=steps + 1)
+    shadow, k_shadow, v_shadow, _ = _step_setup(device, steps=steps + 1)
+    shadow.codes.copy_(index.codes)
+    shadow.centroids.copy_(index.centroids)
+    k_shadow.copy_(k_cache)
+    v_shadow.copy_(v_cache)
+    q = torch.randn(B, H, D, device=device)
+    k_new = torch.randn(B, 2, 1, D, device=device)
+    v_new = torch.randn(B, 2, 1, D, device=device)
+    # warm-up on a throwaway copy (autotune, buffers), then capture on the real index
+    index.decode_step(q, k_new, v_new, k_cache.clone(), v_cache.clone())
+    index.lengths -= 1
+    index._max_length -= 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = index.decode_step(q, k_new, v_new, k_cache, v_cache)
+    for _ in range(steps):
+        q.normal_()
+        k_new.normal_()
+        v_new.normal_()
+        graph.replay()
+        want = shadow.decode_step(q, k_new, v_new, k_shadow, v_shadow)
+        torch.cuda.synchronize()
+        assert torch.equal(index.lengths, shadow.lengths)
+        assert torch.equal(k_cache, k_shadow)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ from pqattn.index import PQConfig, PQIndex
 from pqattn.ops import (
     PQCodebook,
     build_index,
+    decode_step,
     dense_attention,
     encode_keys,
     pq_scores,
@@ -29,6 +30,7 @@ __all__ = [
     "Selection",
     "__version__",
     "build_index",
+    "decode_step",
     "dense_attention",
     "encode_keys",
     "pq_scores",

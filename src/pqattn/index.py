@@ -108,6 +108,8 @@ class PQIndex:
         self._max_length = 0
         self._selection: Selection | None = None  # decode-step output buffers (kernel path)
         self._workspace: torch.Tensor | None = None
+        self._attn_out: torch.Tensor | None = None  # decode_step output and attention workspace
+        self._attn_workspace: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -218,7 +220,8 @@ class PQIndex:
     ) -> torch.Tensor:
         """Sparse attention of q [B, H, D] over the selected tokens of k/v_cache [B, Hkv, Ncache, D].
 
-        Selects first when `selection` is None. Returns [B, H, D] in q's dtype.
+        Selects first when `selection` is None. Returns [B, H, D] in q's dtype; on the kernel path
+        the result lives in a buffer the index owns and reuses on the next call (copy it to keep it).
         """
         if k_cache.dim() == 4 and k_cache.shape[2] < self._max_length:
             raise ValueError(
@@ -226,4 +229,67 @@ class PQIndex:
                 f"got {k_cache.shape[2]}"
             )
         sel = self.select(q) if selection is None else selection
-        return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)
+        if not ops.decode_kernel_path(q):
+            return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)
+        B, H, D = q.shape
+        L = sel.positions.shape[-1]
+        if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
+            self._attn_out = torch.empty_like(q)
+        need = ops.decode_workspace_numel(B * H, L, D)
+        if self._attn_workspace is None or self._attn_workspace.numel() < need:
+            self._attn_workspace = torch.zeros(need, dtype=torch.int32, device=self.device)
+        return ops.sparse_decode(
+            q,
+            k_cache,
+            v_cache,
+            sel.positions,
+            sel.counts,
+            scale=scale,
+            out=self._attn_out,
+            workspace=self._attn_workspace,
+        )
+
+    def decode_step(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One decode step of a layer: store the new key/value, index the key, select, attend.
+
+        q [B, H, D]; k_new, v_new [B, Hkv, 1, D]; k_cache, v_cache [B, Hkv, capacity, D] (or longer).
+        Writes k_new / v_new into the caches at position lengths[b] (read on the device: no sync),
+        appends the key to the index (lengths += 1), selects for q and attends over the selection
+        (the new token is in the window when window >= 1). Returns out [B, H, D] in q's dtype. With
+        CUDA tensors every step is the same launches on the same buffers: capture one call in a
+        CUDA graph and replay it per token (call `sync_lengths()` after replays).
+        """
+        kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check.tensor(
+                name, t, shape=kv_shape, dims="[B, Hkv, 1, D]", dtypes=check.FLOAT_DTYPES, device=self.device
+            )
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check.tensor(
+                name,
+                t,
+                shape=(self.batch, self.kv_heads, None, self.head_dim),
+                dims="[B, Hkv, Ncache, D]",
+                dtypes=check.FLOAT_DTYPES,
+                device=self.device,
+            )
+            if t.shape[2] < self.capacity:
+                raise ValueError(
+                    f"{name}: expected at least capacity={self.capacity} tokens on axis 2, got {t.shape[2]}"
+                )
+        if self._max_length + 1 > self.capacity:
+            raise ValueError(f"k_new: the index is full (capacity={self.capacity})")
+        slot = self.lengths.view(-1, 1, 1, 1).long().expand(kv_shape)
+        k_cache.scatter_(2, slot, k_new.to(k_cache.dtype))
+        v_cache.scatter_(2, slot, v_new.to(v_cache.dtype))
+        self.append(k_new)
+        return self.attend(q, k_cache, v_cache, scale=scale)

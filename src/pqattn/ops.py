@@ -16,13 +16,16 @@ caller (or `PQIndex`, which tracks lengths on the host) guarantees.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pqattn import _validate as check
 from pqattn import reference as ref
 from pqattn.reference import Selection
+
+if TYPE_CHECKING:
+    from pqattn.index import PQIndex
 
 
 class PQCodebook(NamedTuple):
@@ -369,6 +372,20 @@ def selection_weights(
     return ref.dense_weights(selection, n_tokens, dtype)
 
 
+def decode_kernel_path(q: torch.Tensor) -> bool:
+    """True when sparse_decode of this query runs the Triton kernel: CUDA, D a power of two in 16..256."""
+    D = q.shape[-1]
+    return q.is_cuda and 16 <= D <= 256 and D & (D - 1) == 0
+
+
+def decode_workspace_numel(rows: int, width: int, D: int) -> int:
+    """int32 elements of the sparse decode kernel's workspace for rows = B * H, list width L, head
+    dim D. Allocate it zero-filled, once; the kernel leaves it reusable."""
+    from pqattn.kernels.decode import workspace_numel
+
+    return workspace_numel(rows, width, D)
+
+
 def sparse_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -379,13 +396,20 @@ def sparse_decode(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    dense_weights: bool = False,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Weighted attention of one query per sequence over selected tokens (SPEC §3).
 
     q: [B, H, D]; k, v: [B, Hkv, N, D] (the cache); positions: [B, H, L] int32/int64 with the first
-    counts[b, h] entries valid (each in [0, N)); counts: [B, H]; weights: [B, H, L] > 0 or None.
-    scale defaults to 1/sqrt(D). Returns out [B, H, D] in q's dtype, plus lse [B, H] (float32)
-    when `return_lse`. An empty selection gives a zero row (lse -inf).
+    counts[b, h] entries valid (each in [0, N)); counts: [B, H]; weights: [B, H, L] > 0 per entry,
+    or [B, H, N] by token position when `dense_weights` (the original's weight_list; a weight of 0
+    drops the token), or None. scale defaults to 1/sqrt(D). Returns out [B, H, D] in q's dtype,
+    plus lse [B, H] (float32) when `return_lse`. An empty selection gives a zero row (lse -inf).
+    `out` ([B, H, D], q's dtype, last dim contiguous) receives the result when given; on the kernel
+    path (`decode_kernel_path`) `workspace` (zero-filled int32 of decode_workspace_numel(B * H, L, D)
+    elements) is used instead of allocating, so a decode loop allocates nothing.
     """
     _check_keys("k", k)
     B, Hkv, N, D = k.shape
@@ -400,12 +424,55 @@ def sparse_decode(
         check.tensor(
             "weights",
             weights,
-            shape=positions.shape,
-            dims="[B, H, L]",
+            shape=(B, H, N) if dense_weights else positions.shape,
+            dims="[B, H, N]" if dense_weights else "[B, H, L]",
             dtypes=check.FLOAT_DTYPES,
             device=k.device,
         )
-    return ref.sparse_decode(q, k, v, positions, counts, weights, scale=scale, return_lse=return_lse)
+    if out is not None:
+        check.tensor("out", out, shape=(B, H, D), dims="[B, H, D]", dtypes=(q.dtype,), device=q.device)
+        if out.stride(-1) != 1:
+            raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
+    if not decode_kernel_path(q):
+        if dense_weights and weights is not None:
+            weights = weights.gather(-1, positions.long().clamp(0, N - 1))
+        res = ref.sparse_decode(q, k, v, positions, counts, weights, scale=scale, return_lse=True)
+        if out is not None:
+            out.copy_(res[0])
+        res = (res[0] if out is None else out, res[1].float())
+        return res if return_lse else res[0]
+    from pqattn.kernels.decode import sparse_decode as launch
+
+    if out is None:
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    need = decode_workspace_numel(B * H, positions.shape[-1], D)
+    if workspace is None:
+        workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
+        raise ValueError(
+            f"workspace: expected a zero-filled int32 tensor on {q.device} of at least "
+            f"decode_workspace_numel(B*H, L, D)={need} elements, "
+            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
+        )
+    lse = torch.empty(B * H, dtype=torch.float32, device=q.device) if return_lse else None
+
+    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    launch(
+        last_contiguous(q),
+        last_contiguous(k),
+        last_contiguous(v),
+        positions,
+        counts,
+        out=out,
+        workspace=workspace,
+        weights=weights,
+        dense_weights=dense_weights,
+        lse=lse,
+        scale=scale,
+    )
+    return (out, lse.view(B, H)) if return_lse else out
 
 
 def dense_attention(
@@ -429,3 +496,18 @@ def dense_attention(
     )
     check.gqa(q.shape[1], Hkv, kv_name="k")
     return ref.dense_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+
+
+def decode_step(
+    index: PQIndex,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Functional form of `PQIndex.decode_step`: store k_new/v_new [B, Hkv, 1, D] in the caches at
+    each sequence's length, index the key, select for q [B, H, D], attend; returns [B, H, D]."""
+    return index.decode_step(q, k_new, v_new, k_cache, v_cache, scale=scale)

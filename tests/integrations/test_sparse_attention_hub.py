@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pqattn import reference as ref
-from pqattn.integrations.sparse_attention_hub import indexer_next
+from pqattn.integrations.sparse_attention_hub import indexer_next, sparse_attention
 from pqattn.lab.kernel_checks import selection_problem
 
 
@@ -133,3 +133,22 @@ def test_bad_inputs(device: torch.device) -> None:
     bad[10] = "ip"
     with pytest.raises(ValueError, match=r"pq_centroids|pq_ip2l2_phi"):
         indexer_next(*bad)
+
+
+def test_sparse_attention_takes_the_originals_outputs(device: torch.device) -> None:
+    """indexer_next's (sparse_list, sparse_len, weight_list) feed the attention call directly."""
+    args, keys, _ = make_call(device, N=500)
+    sparse_list, sparse_len, weight_list, *_ = indexer_next(*args)
+    query = args[0][:, :, -1]
+    values = torch.randn_like(keys)
+    got = sparse_attention(query, keys, values, sparse_list, sparse_len, weight_list)
+    want = ref.sparse_decode(query.double(), keys.double(), values.double(), sparse_list, sparse_len)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # a zero weight drops its token, as the original's weight list does
+    dropped = weight_list.clone()
+    dropped[..., :8] = 0.0
+    got = sparse_attention(query, keys, values, sparse_list, sparse_len, dropped)
+    keep = torch.where(sparse_list >= 8, sparse_list, -1)
+    order = keep.sort(-1, descending=True).values
+    want = ref.sparse_decode(query.double(), keys.double(), values.double(), order, (order >= 0).sum(-1))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

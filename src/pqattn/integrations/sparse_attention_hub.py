@@ -192,3 +192,20 @@ def indexer_next(
     )
     weights = ref.dense_weights(sel, N, weight_list_dtype)
     return sel.positions.long(), sel.counts.long(), weights, pq_centroids, codebook, pq_ip2l2_phi
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sparse_list: torch.Tensor,
+    sparse_len: torch.Tensor,
+    weight_list: torch.Tensor,
+) -> torch.Tensor:
+    """The original's sparse attention call (SPEC §5) on pqattn's split-K decode kernel.
+
+    query [B, H, D]; key, value [B, Hkv, N, D]; sparse_list [B, H, L] int64 (first sparse_len valid);
+    sparse_len [B, H] int64; weight_list [B, H, N] (dense, by token position; 0 drops a token).
+    Returns [B, H, D] in query's dtype. No host sync (the original read the longest list on the host).
+    """
+    return ops.sparse_decode(query, key, value, sparse_list, sparse_len, weight_list, dense_weights=True)

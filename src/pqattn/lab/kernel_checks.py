@@ -7,6 +7,8 @@ part as a multiset of float64 reference scores, ties broken any way), codes by d
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
@@ -267,6 +269,122 @@ def _compare_encode(case: dict, out: torch.Tensor, dist: torch.Tensor) -> str | 
     return None
 
 
+# ---- sparse decode attention -------------------------------------------------------------------
+
+# Output tolerance per dtype of q/k/v (the kernel accumulates in float32; the reference in float64).
+DECODE_ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def draw_decode(gen: torch.Generator, device: torch.device, large: bool) -> dict:
+    """A random sparse decode problem: ragged counts (some 0, some full), -1 padding, GQA."""
+    if large:
+        B, Hkv, g, D = _pick(gen, [1, 2, 8]), 8, 4, _pick(gen, [64, 128, 256])
+        N, L = _pick(gen, [4096, 32768, 131072]), _pick(gen, [384, 1280, 2304])
+    else:
+        B, Hkv, g, D = _int(gen, 1, 3), _int(gen, 1, 2), _pick(gen, [1, 2, 4]), _pick(gen, [16, 32, 64])
+        N, L = _int(gen, 1, 400), _int(gen, 1, 150)
+    L = min(L, N)
+    H = Hkv * g
+    dtype = _pick(gen, _FLOATS)
+    counts = torch.randint(0, L + 1, (B, H), generator=gen)
+    counts.view(-1)[0] = L
+    if B * H > 1:
+        counts.view(-1)[-1] = 0
+    positions = torch.rand(B, H, N, generator=gen).argsort(-1)[..., :L]
+    positions = torch.where(torch.arange(L) < counts[..., None], positions, -1)
+    weights_kind = _pick(gen, ["none", "entry", "dense"])
+    weights = None
+    if weights_kind == "entry":
+        weights = torch.rand(B, H, L, generator=gen) + 0.05
+    elif weights_kind == "dense":
+        weights = (torch.rand(B, H, N, generator=gen) + 0.05) * (torch.rand(B, H, N, generator=gen) > 0.2)
+    scale = None if _int(gen, 0, 1) else 0.5 / math.sqrt(D)
+    k = torch.randn(B, Hkv, N, D, generator=gen) * _pick(gen, [1.0, 4.0])
+    return {
+        "q": torch.randn(B, H, D, generator=gen).to(dtype).to(device),
+        "k": k.to(dtype).to(device),
+        "v": torch.randn(B, Hkv, N, D, generator=gen).to(dtype).to(device),
+        "positions": positions.to(_pick(gen, [torch.int32, torch.int64])).to(device),
+        "counts": counts.to(torch.int32).to(device),
+        "weights": None if weights is None else weights.to(_pick(gen, _FLOATS)).to(device),
+        "dense": weights_kind == "dense",
+        "scale": scale,
+        "desc": f"B{B} H{H} Hkv{Hkv} N{N} L{L} D{D} {str(dtype).removeprefix('torch.')} w={weights_kind}",
+    }
+
+
+def run_decode(case: dict, config: dict) -> tuple:
+    from pqattn.kernels.decode import sparse_decode, workspace_numel
+
+    q = case["q"]
+    B, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B * H, dtype=torch.float32, device=q.device)
+    ws = torch.zeros(
+        workspace_numel(B * H, case["positions"].shape[-1], D), dtype=torch.int32, device=q.device
+    )
+    for _ in range(2):  # the second call reuses the workspace: the kernel must leave it reusable
+        sparse_decode(
+            q,
+            case["k"],
+            case["v"],
+            case["positions"],
+            case["counts"],
+            out=out,
+            workspace=ws,
+            weights=case["weights"],
+            dense_weights=case["dense"],
+            lse=lse,
+            scale=case["scale"],
+            config=triton.Config(
+                {"BLOCK_L": config["BLOCK_L"], "BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"]
+            ),
+        )
+    return out, lse.view(B, H)
+
+
+def reference_decode(case: dict) -> tuple:
+    w = case["weights"]
+    if w is not None:
+        w = w.double()
+        if case["dense"]:
+            w = w.gather(-1, case["positions"].long().clamp_min(0))
+    return ref.sparse_decode(
+        case["q"].double(),
+        case["k"].double(),
+        case["v"].double(),
+        case["positions"],
+        case["counts"],
+        w,
+        scale=case["scale"],
+        return_lse=True,
+    )
+
+
+def compare_decode(case: dict, out: tuple, want: tuple) -> str | None:
+    got, lse = out
+    exp, exp_lse = want
+    atol = DECODE_ATOL[case["q"].dtype]
+    err = (got.double() - exp).abs()
+    if not torch.isfinite(got).all():
+        return "non-finite output (an unwritten or NaN element)"
+    if float(err.max()) > atol:
+        return f"output differs by up to {float(err.max()):.3g} (atol {atol:g})"
+    empty = torch.isinf(exp_lse)
+    if not torch.equal(torch.isinf(lse), empty):
+        return "log-sum-exp of empty rows is not -inf (or a non-empty row's is)"
+    lerr = (lse[~empty].double() - exp_lse[~empty]).abs()
+    if lerr.numel() and float(lerr.max()) > 1e-4 * (1 + float(exp_lse[~empty].abs().max())):
+        return f"log-sum-exp differs by up to {float(lerr.max()):.3g}"
+    return None
+
+
+def _decode_configs() -> list[dict]:
+    from pqattn.kernels.decode import DECODE_CONFIGS
+
+    return [{**c.kwargs, "num_warps": c.num_warps} for c in DECODE_CONFIGS]
+
+
 CHECKS: list[KernelCheck] = [
     KernelCheck(
         "pq_select",
@@ -285,4 +403,5 @@ CHECKS: list[KernelCheck] = [
         _code_distances,
         _compare_encode,
     ),
+    KernelCheck("sparse_decode", _decode_configs, draw_decode, run_decode, reference_decode, compare_decode),
 ]

@@ -1,0 +1,261 @@
+"""Sparse (weighted) decode attention (SPEC §3): split-K flash decoding over gathered positions.
+
+Grid (splits, B * H): each program takes BLOCK_L consecutive entries of one row's selection list,
+gathers their key and value rows (BLOCK_N at a time, one coalesced row of D elements each), and
+keeps an online softmax (max, sum, weighted values) in float32 with exp2. Splits past the row's
+count do nothing but report an empty partial. With one split the program writes the output; with
+several, each writes its partial to the workspace and the last one to arrive at the row's counter
+combines them (no second launch, no spin). The grid depends only on the list width L, never on
+the counts: no host sync, and the same launch replays from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.kernels.select import interpreted
+
+# The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
+# by the tests and by `pqattn check`.
+DECODE_CONFIGS = [
+    triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
+    for bl, bn, w in ((32, 32, 4), (64, 32, 4), (128, 64, 4), (256, 64, 8))
+]
+_COMBINE = 16  # partials combined per step by the last program of a row
+_LOG2E = 1.4426950408889634
+
+
+def split_count(width: int, block_l: int) -> int:
+    return max(triton.cdiv(width, block_l), 1)
+
+
+def workspace_numel(rows: int, width: int, D: int) -> int:
+    """int32 elements of the decode workspace: a counter per row, then float32 partials
+    (D values, max, sum) for every split of the smallest BLOCK_L."""
+    splits = split_count(width, min(c.kwargs["BLOCK_L"] for c in DECODE_CONFIGS))
+    return rows + rows * splits * (D + 2)
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cnt_ptr,
+    w_ptr,
+    out_ptr,
+    lse_ptr,
+    lock_ptr,
+    part_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_pb,
+    stride_ph,
+    stride_cb,
+    stride_ch,
+    stride_wb,
+    stride_wh,
+    stride_wl,
+    stride_ob,
+    stride_oh,
+    H,
+    G,
+    width,
+    qk_scale,  # scale * log2(e): the logits live in base 2
+    D: tl.constexpr,
+    HAS_W: tl.constexpr,
+    W_DENSE: tl.constexpr,  # weights indexed by token position [B, H, N] instead of by entry [B, H, L]
+    HAS_LSE: tl.constexpr,
+    COMBINE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    split = tl.program_id(0)
+    n_splits = tl.num_programs(0)
+    row = tl.program_id(1)
+    b = row // H
+    h = row % H
+    kvh = h // G
+    cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + h * stride_ch).to(tl.int32), width)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32) * qk_scale
+    k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+    v_row = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    pos_row = pos_ptr + b * stride_pb + h * stride_ph
+    w_row = w_ptr + b * stride_wb + h * stride_wh
+
+    m = tl.full([], float("-inf"), tl.float32)
+    s_sum = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    lo = split * BLOCK_L
+    hi = tl.minimum(lo + BLOCK_L, cnt)
+    for start in range(lo, hi, BLOCK_N):
+        e = start + tl.arange(0, BLOCK_N)
+        ok = e < hi
+        p = tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
+        kt = tl.load(k_row + p[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)
+        if HAS_W:
+            if W_DENSE:
+                w = tl.load(w_row + p * stride_wl, mask=ok, other=1.0)
+            else:
+                w = tl.load(w_row + e * stride_wl, mask=ok, other=1.0)
+            s += tl.log2(w.to(tl.float32))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no NaN from -inf - -inf
+        alpha = tl.exp2(m - m_safe)
+        pr = tl.exp2(s - m_safe)
+        vt = tl.load(v_row + p[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
+        s_sum = s_sum * alpha + tl.sum(pr, axis=0)
+        m = m_new
+
+    out_row = out_ptr + b * stride_ob + h * stride_oh
+    if n_splits == 1:
+        _finish(out_row, lse_ptr + row, acc, m, s_sum, D, HAS_LSE)
+    else:
+        part = part_ptr + (row.to(tl.int64) * n_splits + split) * (D + 2)
+        tl.store(part + d, acc)
+        tl.store(part + D, m)
+        tl.store(part + D + 1, s_sum)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(lock_ptr + row, 1, sem="acq_rel")
+        if arrived == n_splits - 1:  # the last split of the row combines
+            tl.atomic_xchg(lock_ptr + row, 0)  # ready for the next call
+            rows = part_ptr + row.to(tl.int64) * n_splits * (D + 2)
+            c = tl.arange(0, COMBINE)
+            m_all = tl.full([], float("-inf"), tl.float32)
+            for s0 in range(0, n_splits, COMBINE):
+                ms = tl.load(rows + (s0 + c) * (D + 2) + D, mask=s0 + c < n_splits, other=float("-inf"))
+                m_all = tl.maximum(m_all, tl.max(ms, axis=0))
+            m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+            acc = tl.zeros([D], dtype=tl.float32)
+            s_sum = tl.zeros([], dtype=tl.float32)
+            for s0 in range(0, n_splits, COMBINE):
+                here = s0 + c < n_splits
+                base = rows + (s0 + c) * (D + 2)
+                ms = tl.load(base + D, mask=here, other=float("-inf"), cache_modifier=".cg")
+                ls = tl.load(base + D + 1, mask=here, other=0.0, cache_modifier=".cg")
+                accs = tl.load(
+                    base[:, None] + d[None, :], mask=here[:, None], other=0.0, cache_modifier=".cg"
+                )
+                f = tl.exp2(ms - m_safe)
+                acc += tl.sum(accs * f[:, None], axis=0)
+                s_sum += tl.sum(ls * f, axis=0)
+            _finish(out_row, lse_ptr + row, acc, m_all, s_sum, D, HAS_LSE)
+
+
+@triton.jit
+def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constexpr):
+    """out = acc / sum (a zero row when nothing was attended); lse in natural log (-inf when empty)."""
+    d = tl.arange(0, D)
+    inv = tl.where(s_sum > 0, 1.0 / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
+    tl.store(out_row + d, (acc * inv).to(out_row.dtype.element_ty))
+    if HAS_LSE:
+        lse = tl.where(s_sum > 0, (m + tl.log2(s_sum)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_at, lse)
+
+
+_sparse_decode_autotuned = triton.autotune(
+    configs=DECODE_CONFIGS, key=["width", "D", "H", "G", "HAS_W", "W_DENSE"]
+)(_sparse_decode_kernel)
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    dense_weights: bool = False,
+    lse: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: triton.Config | None = None,
+) -> None:
+    """Launch on validated inputs, writing `out` (and `lse`).
+
+    q [B, H, D] (D a power of two, last dim contiguous); k, v [B, Hkv, N, D] (last dim contiguous);
+    positions [B, H, L] int32/int64, the first counts[b, h] entries valid; counts [B, H]; out
+    [B, H, D] (last dim contiguous); workspace: int32, zero-filled once, at least
+    workspace_numel(B * H, L, D) elements (the kernel leaves its counters at zero); weights
+    [B, H, L] per entry, or [B, H, N] by token position when `dense_weights`; lse [B * H] float32
+    contiguous or None. `config` forces one config of DECODE_CONFIGS (the first under the
+    interpreter); by default the autotuner picks.
+    """
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    width = positions.shape[-1]
+    need = workspace_numel(B * H, width, D)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
+            f"with {workspace.numel()}"
+        )
+    if interpreted() and config is None:
+        config = DECODE_CONFIGS[0]
+    rows = B * H
+    lock = workspace[:rows]
+    part = workspace[rows:].view(torch.float32)
+    w = weights if weights is not None else counts.reshape(B, H, 1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    args = (
+        q,
+        k,
+        v,
+        positions,
+        counts,
+        w,
+        out,
+        lse if lse is not None else part,
+        lock,
+        part,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        positions.stride(0),
+        positions.stride(1),
+        counts.stride(0),
+        counts.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        H,
+        H // Hkv,
+        width,
+        scale * _LOG2E,
+    )
+    meta = dict(
+        D=D,
+        HAS_W=weights is not None,
+        W_DENSE=dense_weights,
+        HAS_LSE=lse is not None,
+        COMBINE=_COMBINE,
+    )
+    if config is None:
+        _sparse_decode_autotuned[lambda c: (split_count(width, c["BLOCK_L"]), rows)](*args, **meta)
+    else:
+        grid = (split_count(width, config.kwargs["BLOCK_L"]), rows)
+        _sparse_decode_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps)

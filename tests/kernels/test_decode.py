@@ -1,0 +1,121 @@
+"""The sparse decode kernel against the reference: every config, named cases, the GPU at full shapes.
+
+Runs under the Triton interpreter on a CPU (small shapes) and compiled on a GPU. The random fuzz
+over all configs is `pqattn check` (tests/lab/test_check.py runs it too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+
+import pqattn
+from pqattn import reference as ref
+from pqattn.kernels.decode import DECODE_CONFIGS
+from pqattn.lab.kernel_checks import compare_decode, draw_decode, reference_decode, run_decode
+
+CONFIG_IDS = [f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in DECODE_CONFIGS]
+
+
+def _case(device, *, B, H, Hkv, N, L, D, dtype, counts, weights=None, dense=False, scale=None) -> dict:
+    counts = torch.tensor(counts, dtype=torch.int32).reshape(B, H)
+    positions = torch.rand(B, H, N).argsort(-1)[..., :L]
+    positions = torch.where(torch.arange(L) < counts[..., None], positions, -1)
+    return {
+        "q": torch.randn(B, H, D).to(dtype).to(device),
+        "k": (3 * torch.randn(B, Hkv, N, D)).to(dtype).to(device),
+        "v": torch.randn(B, Hkv, N, D).to(dtype).to(device),
+        "positions": positions.to(torch.int32).to(device),
+        "counts": counts.to(device),
+        "weights": None if weights is None else weights.to(device),
+        "dense": dense,
+        "scale": scale,
+    }
+
+
+def _check(case: dict, config: triton.Config) -> None:
+    cfg = {**config.kwargs, "num_warps": config.num_warps}
+    problem = compare_decode(case, run_decode(case, cfg), reference_decode(case))
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_ragged_gqa_splits(config: triton.Config, dtype: torch.dtype, device: torch.device) -> None:
+    """Counts of 0, 1, one split, several splits and the full width; GQA 4; -1 padding."""
+    L = 3 * config.kwargs["BLOCK_L"] + 5
+    counts = [0, 1, config.kwargs["BLOCK_L"], L, L - 7, 2 * config.kwargs["BLOCK_L"] + 1, 3, 0]
+    _check(_case(device, B=2, H=4, Hkv=1, N=L + 40, L=L, D=32, dtype=dtype, counts=counts), config)
+
+
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=CONFIG_IDS)
+def test_weights_entry_and_dense(config: triton.Config, device: torch.device) -> None:
+    B, H, L = 1, 2, 2 * config.kwargs["BLOCK_L"] + 3
+    N = L + 40
+    entry = torch.rand(B, H, L) + 0.1
+    _check(
+        _case(device, B=B, H=H, Hkv=2, N=N, L=L, D=64, dtype=torch.float32, counts=[L, 17], weights=entry),
+        config,
+    )
+    dense = (torch.rand(B, H, N) + 0.1) * (torch.rand(B, H, N) > 0.3)  # weight 0 drops a token
+    dense[0, 1] = 0.0  # every token of a row dropped: a zero row, lse -inf
+    case = _case(
+        device, B=B, H=H, Hkv=1, N=N, L=L, D=16, dtype=torch.float16, counts=[L, L], weights=dense, dense=True
+    )
+    _check({**case, "scale": 0.3}, config)
+
+
+def test_single_split_and_one_token(device: torch.device) -> None:
+    """One selected token: the output is its value row exactly (up to the dtype's rounding)."""
+    case = _case(device, B=1, H=1, Hkv=1, N=10, L=1, D=32, dtype=torch.float32, counts=[1])
+    out, lse = run_decode(case, {**DECODE_CONFIGS[0].kwargs, "num_warps": DECODE_CONFIGS[0].num_warps})
+    p = int(case["positions"][0, 0, 0])
+    torch.testing.assert_close(out[0, 0], case["v"][0, 0, p], atol=1e-6, rtol=1e-6)
+    logit = float((case["q"][0, 0] * case["k"][0, 0, p]).sum()) / math.sqrt(32)
+    assert abs(float(lse[0, 0]) - logit) < 1e-4
+
+
+def test_ops_route_and_preallocated_buffers(device: torch.device) -> None:
+    """ops.sparse_decode: reference on CPU, kernel on CUDA into the given out/workspace, same answer."""
+    case = _case(device, B=2, H=8, Hkv=2, N=500, L=96, D=64, dtype=torch.bfloat16, counts=[96] * 8 + [50] * 8)
+    want = reference_decode(case)[0]
+    out = torch.empty_like(case["q"])
+    ws = torch.zeros(pqattn.ops.decode_workspace_numel(16, 96, 64), dtype=torch.int32, device=device)
+    got = pqattn.sparse_decode(
+        case["q"], case["k"], case["v"], case["positions"], case["counts"], out=out, workspace=ws
+    )
+    assert torch.allclose(got.double(), want, atol=2e-2)
+    if device.type == "cuda":
+        assert got.data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError, match="out"):
+        pqattn.sparse_decode(
+            case["q"], case["k"], case["v"], case["positions"], case["counts"], out=out.transpose(0, 1)
+        )
+
+
+def test_full_shapes_on_gpu(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("full shapes run compiled on the GPU")
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    for config in DECODE_CONFIGS:
+        cfg = {**config.kwargs, "num_warps": config.num_warps}
+        for _ in range(3):
+            case = draw_decode(gen, device, large=True)
+            problem = compare_decode(case, run_decode(case, cfg), reference_decode(case))
+            assert problem is None, (case["desc"], problem)
+
+
+def test_sparse_decode_equals_dense_when_everything_is_selected(device: torch.device) -> None:
+    """Selecting every token reproduces dense attention (SDPA semantics) of one query."""
+    B, H, Hkv, N, D = 2, 8, 2, 200, 64
+    q = torch.randn(B, H, D, device=device)
+    k = torch.randn(B, Hkv, N, D, device=device)
+    v = torch.randn(B, Hkv, N, D, device=device)
+    positions = torch.arange(N, device=device, dtype=torch.int32).expand(B, H, N)
+    counts = torch.full((B, H), N, device=device, dtype=torch.int32)
+    got = pqattn.sparse_decode(q, k, v, positions, counts)
+    dense = ref.dense_attention(q[:, :, None], k, v)[:, :, 0]
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
