@@ -158,10 +158,8 @@ def test_decode_step_in_a_cuda_graph(device: torch.device) -> None:
     q = torch.randn(B, H, D, device=device)
     k_new = torch.randn(B, 2, 1, D, device=device)
     v_new = torch.randn(B, 2, 1, D, device=device)
-    # warm-up on a throwaway copy (autotune, buffers), then capture on the real index
-    index.decode_step(q, k_new, v_new, k_cache.clone(), v_cache.clone())
-    index.lengths -= 1
-    index._max_length -= 1
+    index.decode_step(q, k_new, v_new, k_cache, v_cache)  # the first token eagerly (the README's pattern)
+    shadow.decode_step(q, k_new, v_new, k_shadow, v_shadow)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = index.decode_step(q, k_new, v_new, k_cache, v_cache)
