@@ -210,7 +210,15 @@ def _build(
     tol: float,
     seed: int,
 ) -> PQCodebook:
-    """`build_index` on arguments already validated (PQIndex.build checks them once itself)."""
+    """`build_index` on arguments already validated (PQIndex.build checks them once itself).
+
+    CUDA keys (not float64) run the Lloyd iterations on the fused Triton step
+    (pqattn.kernels.kmeans); initialisation, the ip augmentation and the code layout are the
+    reference's, so both paths start from the same centres for a seed.
+    """
+    lloyd_impl = None
+    if keys.is_cuda and keys.dtype != torch.float64:
+        from pqattn.kernels.kmeans import lloyd as lloyd_impl
     res = ref.build_pq(
         keys,
         lengths,
@@ -221,6 +229,7 @@ def _build(
         iters=iters,
         tol=tol,
         seed=seed,
+        lloyd_impl=lloyd_impl,
     )
     return PQCodebook(res.centroids, res.codes, res.phi)
 

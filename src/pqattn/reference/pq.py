@@ -13,6 +13,7 @@ Layout conventions (the native ones every kernel follows):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -203,12 +204,14 @@ def build_pq(
     tol: float = 1e-4,
     seed: int = 0,
     init: torch.Tensor | None = None,
+    lloyd_impl: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] | None = None,
 ) -> KMeansResult:
     """k-means PQ index of keys [B, Hkv, N, D] over tokens init_offset..lengths[b] (SPEC §1).
 
     Init: C data points drawn uniformly without replacement from each group with a CPU generator
     seeded by `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
-    implementations from one init).
+    implementations from one init). `lloyd_impl`: another implementation of `lloyd` with its
+    signature (the GPU kernel's), everything around it staying this reference.
     """
     B, Hkv, N, _ = keys.shape
     M, C = subvectors, 1 << bits
@@ -223,7 +226,7 @@ def build_pq(
         c0 = _random_init(x, valid, n_valid, C, seed)
     else:
         c0 = init.reshape(B * Hkv * M, C, x.shape[-1]).to(x.dtype)
-    c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol)
+    c, idx, history, done = (lloyd_impl or lloyd)(x, valid, c0, iters=iters, tol=tol)
 
     codes = torch.zeros((B, Hkv, N, M), dtype=torch.uint8, device=keys.device)
     quantized = idx.masked_fill(~valid, 0).to(torch.uint8).reshape(B, Hkv, M, -1).permute(0, 1, 3, 2)
