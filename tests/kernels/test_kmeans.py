@@ -35,11 +35,12 @@ def test_step_assigns_and_sums_like_the_reference(C: int, d: int, config: triton
         .sum(-1)
         .gather(2, codes.long()[..., None])[..., 0]
     )
-    assert torch.allclose(chosen[valid], want_dist[valid], rtol=1e-4, atol=1e-4)
-    assert torch.allclose(dist.double()[valid], want_dist[valid], rtol=1e-3, atol=1e-3)
+    # tolerances: the products run in tf32 on a GPU (10-bit mantissa inputs, float32 sums)
+    assert torch.allclose(chosen[valid], want_dist[valid], rtol=1e-3, atol=1e-2)
+    assert torch.allclose(dist.double()[valid], want_dist[valid], rtol=1e-3, atol=1e-2)
     want_sums, want_counts = ref_pq._segment_sums(x.double() * valid[..., None], codes.long(), valid, C)
     assert torch.equal(counts.sum(1)[:, :C].double(), want_counts)
-    assert torch.allclose(sums.sum(1)[:, :C, :d].double(), want_sums, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(sums.sum(1)[:, :C, :d].double(), want_sums, rtol=1e-3, atol=2e-2)
     assert (sums.sum(1)[:, C:] == 0).all() and (sums.sum(1)[:, :, d:] == 0).all()
     assert (codes[valid] < C).all()
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pqattn import reference as ref
+from pqattn.reference import pq as ref_pq
 from pqattn.reference.pq import augment_ip
 from tests.helpers import assert_close
 
@@ -234,3 +235,18 @@ def test_empty_clusters_are_reseeded_from_farthest_points() -> None:
     assert_close(res.centroids[0, 0, 0], cents, atol=1e-9, rtol=0, what="centroids")
     assert res.codes[0, 0, :, 0].tolist() == codes
     assert len(set(codes)) == 4, "every cluster should own points after re-seeding"
+
+
+def test_random_init_draws_distinct_valid_points() -> None:
+    """Uniform without replacement over each group's valid prefix; cycling below C points."""
+    G, n, d, C = 3, 500, 4, 64
+    x = torch.arange(G * n, dtype=torch.float64).reshape(G, n, 1).expand(G, n, d).contiguous()
+    n_valid = torch.tensor([500, 70, 10])
+    valid = torch.arange(n) < n_valid[:, None]
+    init = ref_pq._random_init(x, valid, n_valid, C, seed=3)
+    point = init[..., 0].long() - torch.arange(G)[:, None] * n  # the index each centre came from
+    assert ((point >= 0) & (point < n_valid[:, None])).all()
+    assert point[0].unique().numel() == C and point[1].unique().numel() == C
+    assert point[2].unique().numel() == 10, "fewer points than C: every point, cycling"
+    assert torch.equal(init, ref_pq._random_init(x, valid, n_valid, C, seed=3)), "a seed fixes the init"
+    assert not torch.equal(init, ref_pq._random_init(x, valid, n_valid, C, seed=4))

@@ -7,8 +7,11 @@ from a prepared float32 array (the ip metric's augmented points):
      added for the reported distance), nearest centre, and its squared distance;
   2. the chosen centres as a one-hot [BLOCK_N, C] matrix, whose transposed product with the
      points accumulates per-centre sums (and counts) in registers;
-and writes codes, distances and its partial sums. Partials are summed over the (few) programs of
-a group by the caller: no atomics, so a seeded build gives the same index on every run.
+and writes codes, distances and its partial sums. Both products run in tf32 (exact for keys that
+come from bf16/fp16; for float32 keys an error of about 1e-3 relative in a distance, which can
+only swap near-tied centres): tf32x3 doubled the registers and spilled. Partials are summed over
+the (few) programs of a group by the caller: no atomics, so a seeded build gives the same index
+on every run.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ KMEANS_CONFIGS = [
 
 
 def programs_per_group(G: int, n: int, sm_count: int = 132) -> int:
-    """About two programs per SM in all, at least one per group, none without points to read."""
-    return max(1, min(triton.cdiv(2 * sm_count, max(G, 1)), triton.cdiv(n, 64)))
+    """About one program per SM in all (each holds a whole SM's registers), at least one per group."""
+    return max(1, min(triton.cdiv(sm_count, max(G, 1)), triton.cdiv(n, 64)))
 
 
 @triton.jit
@@ -72,13 +75,13 @@ def _kmeans_step_kernel(
         x = tl.load(
             x_base + t[:, None] * stride_xn + dd[None, :], mask=valid[:, None] & (dd[None, :] < d), other=0.0
         ).to(tl.float32)
-        score = c_norm[None, :] - 2.0 * tl.dot(x, tl.trans(cent))  # [BLOCK_N, CP]
+        score = c_norm[None, :] - 2.0 * tl.dot(x, tl.trans(cent), input_precision="tf32")  # [BLOCK_N, CP]
         best = tl.argmin(score, axis=1)
         dist = tl.maximum(tl.sum(x * x, axis=1) + tl.min(score, axis=1), 0.0)
         tl.store(code_ptr + g.to(tl.int64) * n + t, best, mask=t < n)
         tl.store(dist_ptr + g.to(tl.int64) * n + t, dist, mask=t < n)
         onehot = tl.where((best[:, None] == cc[None, :]) & valid[:, None], 1.0, 0.0)
-        sums += tl.dot(tl.trans(onehot), x)
+        sums += tl.dot(tl.trans(onehot), x, input_precision="tf32")
         counts += tl.sum(onehot, axis=0)
     part = g.to(tl.int64) * n_prog + p
     tl.store(sums_ptr + part * CP * BD + cc[:, None] * BD + dd[None, :], sums)

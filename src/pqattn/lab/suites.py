@@ -408,7 +408,8 @@ def _build_case(
                 lambda x: ops.build_index(x["keys"], tol=0.0, **opts),
                 build_bytes,
                 build_flops,
-                note="fused Triton Lloyd step on CUDA (assignment + centre sums, one launch per iteration), the reference on a CPU",
+                note="fused Triton Lloyd step on CUDA (assignment + centre sums, one launch per "
+                "iteration), the reference on a CPU",
                 skip=_too_big(dist_bytes, device, "the reference's distance blocks"),
             ),
             Impl(

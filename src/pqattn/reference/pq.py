@@ -75,19 +75,35 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
 def _random_init(
     x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, C: int, seed: int
 ) -> torch.Tensor:
-    """C distinct data points per group (cycling when a group has fewer than C points).
+    """C distinct data points per group, uniformly without replacement (cycling when a group has
+    fewer than C points).
 
-    The random draw is made on the CPU so a seed gives the same init on every device.
+    The draw is made on the CPU so a seed gives the same init on every device, and it costs O(C)
+    per group, not O(n): the first C distinct values of 4C i.i.d. uniform draws from the group's
+    valid points form a uniform C-subset. A group where 4C draws give fewer than C distinct points
+    (only when it has not many more than C) takes a uniformly random permutation of its points.
     """
     G, n, d = x.shape
     if n == 0:
         return x.new_zeros((G, C, d))
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    keys = torch.rand((G, n), generator=gen, dtype=torch.float64).to(x.device)
-    keys = keys.masked_fill(~valid, 2.0)  # invalid points sort last
-    order = keys.argsort(dim=1)
-    j = torch.arange(C, device=x.device)
-    pick = order.gather(1, (j[None, :] % n_valid.clamp_min(1)[:, None]).clamp_max(n - 1))
+    nv = n_valid.cpu().clamp_min(1)
+    draws = torch.randint(0, 1 << 62, (G, 4 * C), generator=gen) % nv[:, None]
+    srt, order = draws.sort(dim=1, stable=True)
+    first_sorted = torch.ones_like(srt, dtype=torch.bool)
+    first_sorted[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first = torch.zeros_like(first_sorted).scatter_(1, order, first_sorted)  # first occurrences
+    rank = first.long().cumsum(1) - 1
+    take = first & (rank < C)
+    pick = torch.zeros(G, C + 1, dtype=torch.long).scatter_(1, torch.where(take, rank, C), draws)[:, :C]
+    short = take.sum(1) < C
+    if bool(short.any()):
+        keys = torch.rand((int(short.sum()), n), generator=gen, dtype=torch.float64)
+        keys = keys.masked_fill(torch.arange(n) >= nv[short, None], 2.0)  # invalid points sort last
+        perm = keys.argsort(dim=1)
+        j = torch.arange(C)
+        pick[short] = perm.gather(1, (j[None, :] % nv[short, None]).clamp_max(n - 1))
+    pick = pick.to(x.device)
     init = x.gather(1, pick[..., None].expand(G, C, d))
     return init * (n_valid > 0)[:, None, None]
 
