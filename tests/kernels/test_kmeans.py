@@ -36,8 +36,8 @@ def test_step_assigns_and_sums_like_the_reference(C: int, d: int, config: triton
         .gather(2, codes.long()[..., None])[..., 0]
     )
     # tolerances: the products run in tf32 on a GPU (10-bit mantissa inputs, float32 sums)
-    assert torch.allclose(chosen[valid], want_dist[valid], rtol=1e-3, atol=1e-2)
-    assert torch.allclose(dist.double()[valid], want_dist[valid], rtol=1e-3, atol=1e-2)
+    assert torch.allclose(chosen[valid], want_dist[valid], rtol=5e-3, atol=1e-2)
+    assert torch.allclose(dist.double()[valid], want_dist[valid], rtol=5e-3, atol=1e-2)
     want_sums, want_counts = ref_pq._segment_sums(x.double() * valid[..., None], codes.long(), valid, C)
     assert torch.equal(counts.sum(1)[:, :C].double(), want_counts)
     assert torch.allclose(sums.sum(1)[:, :C, :d].double(), want_sums, rtol=1e-3, atol=2e-2)
