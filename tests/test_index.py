@@ -19,8 +19,10 @@ def test_build_append_select_attend(device: torch.device, metric: str) -> None:
     v = torch.randn_like(k)
     lengths = torch.tensor([120, 77, 30], device=device)
     index = PQIndex.build(k[:, :, :N], lengths, capacity=N + steps, config=cfg)
-    built = ref.build_pq(k[:, :, :N], lengths, subvectors=4, bits=3, metric=metric, init_offset=4, iters=5)
-    assert torch.equal(index.centroids, built.centroids)
+    built = pqattn.build_index(
+        k[:, :, :N], lengths, subvectors=4, bits=3, metric=metric, init_offset=4, iters=5
+    )
+    assert torch.equal(index.centroids, built.centroids)  # (the kernel build vs the reference: test_kmeans)
     assert index.codes.shape == (B, Hkv, N + steps, 4)
 
     # Ragged append: each sequence's new key lands at its own length.
