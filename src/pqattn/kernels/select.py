@@ -175,10 +175,11 @@ def _top_k(key, k):
         res = tl.where(c >= k, probe, res)
         step = step >> 1
         go = (step != 0) & (c != k)
+    res = tl.where(k > 0, res, tl.full([], 0xFFFFFFFF, tl.uint32))  # k = 0: nothing above, no tie taken
     n_gt = tl.sum((key > res).to(tl.int32))
     tie = key == res
     tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
-    return ((key > res) | (tie & (tie_rank < k - n_gt))) & (k > 0)
+    return (key > res) | (tie & (tie_rank < k - n_gt))
 
 
 @triton.jit
@@ -279,7 +280,7 @@ def _pq_select_kernel(
             tl.debug_barrier()
         # Row r of the codes holds token code_base + r; only tokens >= cand_lo >= code_base are read.
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        cand = cand & (need > 0)
+        cand = (offs >= cand_lo) & (offs < tl.where(need > 0, hi, cand_lo))  # no candidates when heavy = 0
         key = tl.where(
             cand, _order_key(_scores(codes_row, lut_row, offs, cand, stride_kn, stride_km, M, C)), 0
         )
