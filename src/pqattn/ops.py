@@ -496,6 +496,8 @@ def dense_attention(
     """Softmax attention (SPEC §4): q [B, H, Sq, D], k/v [B, Hkv, Sk, D] -> [B, H, Sq, D].
 
     causal: query i sees keys j <= i + (Sk - Sq). GQA when H is a multiple of Hkv.
+    Returns [B, H, Sq, D] in q's dtype (plus lse [B, H, Sq] float32 when `return_lse`). CUDA
+    fp16/bf16 with a power-of-two D runs the Triton flash kernel (`attention_kernel_path`).
     """
     _check_keys("k", k)
     B, Hkv, Sk, D = k.shape
@@ -504,7 +506,40 @@ def dense_attention(
         "q", q, shape=(B, None, None, D), dims="[B, H, Sq, D]", dtypes=check.FLOAT_DTYPES, device=k.device
     )
     check.gqa(q.shape[1], Hkv, kv_name="k")
-    return ref.dense_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    if not attention_kernel_path(q, k):
+        return ref.dense_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
+    from pqattn.kernels.attention import flash_forward
+
+    B, H, Sq, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
+
+    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    flash_forward(
+        last_contiguous(q),
+        last_contiguous(k),
+        last_contiguous(v),
+        out=out,
+        causal=causal,
+        scale=scale,
+        lse=lse,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention_kernel_path(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when dense_attention runs the Triton flash kernel: CUDA, fp16/bf16 q and k of one dtype,
+    D a power of two in 16..256 (anything else: the reference)."""
+    D = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and k.dtype == q.dtype
+        and 16 <= D <= 256
+        and D & (D - 1) == 0
+    )
 
 
 def decode_step(

@@ -1,0 +1,175 @@
+"""Dense flash-attention forward (SPEC §4): prefill, full or causal, GQA, any sequence length.
+
+Grid (query blocks, B * H): a program keeps BLOCK_M query rows in registers and streams the key
+and value blocks of its kv head, BLOCK_N rows at a time, with an online softmax in float32 (exp2
+of logits pre-scaled by log2 e) and tensor-core products in the input dtype. Causal attention is
+bottom-right aligned (query i sees keys j <= i + Sk - Sq), so the loop stops at the last visible
+key block; every block is masked against Sk and the diagonal, so lengths need not be multiples
+of the block sizes. A row that sees no key is a zero row with log-sum-exp -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.kernels.select import interpreted
+
+# The autotune space; every config is exercised by the tests (interpreter and GPU) and the
+# config chosen per shape is recorded by the bench (`chosen_config`).
+ATTENTION_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))
+]
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _flash_forward_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    H,
+    G,
+    Sq,
+    Sk,
+    qk_scale,  # scale * log2(e)
+    seq_bucket,  # autotune key only
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    row = tl.program_id(1)
+    b = row // H
+    h = row % H
+    kvh = h // G
+    rows = start_m + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :],
+        mask=rows[:, None] < Sq,
+        other=0.0,
+    )
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    hi = Sk
+    if CAUSAL:  # keys past the last row's diagonal are never visible to this block
+        hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + Sk - Sq, 0))
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + cols[:, None] * stride_ks + d[None, :], mask=cols[:, None] < Sk, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = cols[None, :] < Sk
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + (Sk - Sq))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet: no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :], mask=cols[:, None] < Sk, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    out = acc * inv[:, None]
+    tl.store(
+        o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_os + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=rows[:, None] < Sq,
+    )
+    if HAS_LSE:
+        lse = tl.where(
+            l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+        )
+        tl.store(lse_ptr + row.to(tl.int64) * Sq + rows, lse, mask=rows < Sq)
+
+
+_flash_forward_autotuned = triton.autotune(
+    configs=ATTENTION_CONFIGS, key=["seq_bucket", "D", "CAUSAL", "HAS_LSE", "H", "G"]
+)(_flash_forward_kernel)
+
+
+def chosen_configs() -> list[dict]:
+    """The autotuner's choice per tuned key (seq_bucket, D, CAUSAL, HAS_LSE, H, G, dtypes...)."""
+    return [
+        {"key": [str(x) for x in key], **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        for key, cfg in _flash_forward_autotuned.cache.items()
+    ]
+
+
+def flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+    lse: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+) -> None:
+    """Launch on validated inputs: q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (last dims contiguous, D a
+    power of two in 16..256, fp16/bf16/fp32), out like q, lse [B, H, Sq] float32 contiguous or
+    None. `config` forces one of ATTENTION_CONFIGS (the first under the interpreter)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if interpreted() and config is None:
+        config = ATTENTION_CONFIGS[0]
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse if lse is not None else out,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        H,
+        H // Hkv,
+        Sq,
+        Sk,
+        scale * _LOG2E,
+        triton.next_power_of_2(max(Sq, Sk)),
+    )
+    meta = dict(D=D, CAUSAL=causal, HAS_LSE=lse is not None)
+    if config is None:
+        _flash_forward_autotuned[lambda c: (triton.cdiv(Sq, c["BLOCK_M"]), B * H)](*args, **meta)
+    else:
+        grid = (triton.cdiv(Sq, config.kwargs["BLOCK_M"]), B * H)
+        _flash_forward_kernel[grid](
+            *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+        )

@@ -1,0 +1,97 @@
+"""The flash-attention forward kernel against the reference: every config, full and causal.
+
+Runs under the Triton interpreter on a CPU (small shapes) and compiled on a GPU (also the
+benchmark shapes). Lengths are deliberately not multiples of any block size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from pqattn import ops
+from pqattn import reference as ref
+from pqattn.kernels.attention import ATTENTION_CONFIGS, flash_forward
+
+CONFIG_IDS = [
+    f"M{c.kwargs['BLOCK_M']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}" for c in ATTENTION_CONFIGS
+]
+ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # vs float64, outputs of magnitude <= ~1
+
+
+def _run(device, *, B, H, Hkv, Sq, Sk, D, dtype, causal, config, scale=None) -> None:
+    q = torch.randn(B, H, Sq, D, device=device).to(dtype)
+    k = (2 * torch.randn(B, Hkv, Sk, D, device=device)).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, device=device).to(dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, device=device)
+    flash_forward(q, k, v, out=out, causal=causal, scale=scale, lse=lse, config=config)
+    want, want_lse = ref.dense_attention(
+        q.double(), k.double(), v.double(), causal=causal, scale=scale, return_lse=True
+    )
+    assert torch.isfinite(out).all(), "an output element was not written"
+    err = float((out.double() - want).abs().max())
+    assert err <= ATOL[dtype], f"output differs by {err:.3g}"
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    if (~empty).any():
+        assert float((lse[~empty].double() - want_lse[~empty]).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(B=1, H=2, Hkv=2, Sq=77, Sk=77, D=32),
+        dict(B=2, H=4, Hkv=1, Sq=33, Sk=150, D=16),  # GQA 4, Sq < Sk: bottom-right causal
+        dict(B=1, H=2, Hkv=1, Sq=70, Sk=40, D=64),  # Sq > Sk: causal rows that see no key
+    ],
+    ids=["square", "gqa-short-q", "long-q"],
+)
+def test_every_config(shape: dict, causal: bool, config: triton.Config, device: torch.device) -> None:
+    _run(device, **shape, dtype=torch.float16, causal=causal, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtypes_and_scale(dtype: torch.dtype, device: torch.device) -> None:
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot on raw bits (compiled on the GPU)")
+    _run(
+        device,
+        B=1,
+        H=2,
+        Hkv=1,
+        Sq=50,
+        Sk=61,
+        D=32,
+        dtype=dtype,
+        causal=True,
+        config=ATTENTION_CONFIGS[0],
+        scale=0.3,
+    )
+
+
+def test_ops_routes_cuda_fp16_to_the_kernel(device: torch.device) -> None:
+    q = torch.randn(1, 4, 40, 64, device=device, dtype=torch.float16)
+    k = torch.randn(1, 2, 40, 64, device=device, dtype=torch.float16)
+    assert ops.attention_kernel_path(q, k) == (device.type == "cuda")
+    assert not ops.attention_kernel_path(q.float(), k.float()), "float32 takes the reference"
+    out, lse = ops.dense_attention(q, k, k, causal=True, return_lse=True)
+    want, want_lse = ref.dense_attention(q.double(), k.double(), k.double(), causal=True, return_lse=True)
+    assert float((out.double() - want).abs().max()) < 3e-3
+    assert lse.shape == (1, 4, 40) and float((lse.double() - want_lse).abs().max()) < 1e-3
+
+
+def test_benchmark_shapes_on_gpu(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("full shapes run compiled on the GPU")
+    for config in ATTENTION_CONFIGS:
+        _run(device, B=2, H=8, Hkv=8, Sq=512, Sk=512, D=64, dtype=torch.float16, causal=False, config=config)
+        _run(
+            device, B=1, H=8, Hkv=2, Sq=1000, Sk=1000, D=128, dtype=torch.bfloat16, causal=True, config=config
+        )
+        _run(
+            device, B=1, H=4, Hkv=4, Sq=129, Sk=4097, D=128, dtype=torch.bfloat16, causal=True, config=config
+        )
