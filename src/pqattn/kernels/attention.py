@@ -28,6 +28,52 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_block(
+    q,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_vs,
+    start_n,
+    rows,
+    acc,
+    l_i,
+    m_i,
+    qk_scale,
+    Sq,
+    Sk,
+    D: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One key/value block of the online softmax; MASK: apply the Sk bound and the causal band."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    if MASK:
+        k = tl.load(k_base + cols[:, None] * stride_ks + d[None, :], mask=cols[:, None] < Sk, other=0.0)
+    else:
+        k = tl.load(k_base + cols[:, None] * stride_ks + d[None, :])
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        visible = cols[None, :] < Sk
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + (Sk - Sq))
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet: no NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    if MASK:
+        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :], mask=cols[:, None] < Sk, other=0.0)
+    else:
+        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _flash_forward_kernel(
     q_ptr,
     k_ptr,
@@ -75,25 +121,53 @@ def _flash_forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    # Key blocks before `full_end` are visible to every row of this block and lie inside Sk: no
+    # masks there; the blocks from there to `hi` (the diagonal band and the tail) are masked.
     hi = Sk
+    full_end = (Sk // BLOCK_N) * BLOCK_N
     if CAUSAL:  # keys past the last row's diagonal are never visible to this block
         hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + Sk - Sq, 0))
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + cols[:, None] * stride_ks + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = cols[None, :] < Sk
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + (Sk - Sq))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet: no NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        full_end = tl.minimum(full_end, (tl.maximum(start_m + Sk - Sq + 1, 0) // BLOCK_N) * BLOCK_N)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_block(
+            q,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_vs,
+            start_n,
+            rows,
+            acc,
+            l_i,
+            m_i,
+            qk_scale,
+            Sq,
+            Sk,
+            D,
+            False,
+            CAUSAL,
+            BLOCK_N,
+        )
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_block(
+            q,
+            k_base,
+            v_base,
+            stride_ks,
+            stride_vs,
+            start_n,
+            rows,
+            acc,
+            l_i,
+            m_i,
+            qk_scale,
+            Sq,
+            Sk,
+            D,
+            True,
+            CAUSAL,
+            BLOCK_N,
+        )
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     tl.store(
