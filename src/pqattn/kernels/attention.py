@@ -4,8 +4,9 @@ Grid (query blocks, B * H): a program keeps BLOCK_M query rows in registers and 
 and value blocks of its kv head, BLOCK_N rows at a time, with an online softmax in float32 (exp2
 of logits pre-scaled by log2 e) and tensor-core products in the input dtype. Causal attention is
 bottom-right aligned (query i sees keys j <= i + Sk - Sq), so the loop stops at the last visible
-key block; every block is masked against Sk and the diagonal, so lengths need not be multiples
-of the block sizes. A row that sees no key is a zero row with log-sum-exp -inf.
+key block; the blocks every row of the program sees whole run without masks, the diagonal band
+and the tail are masked against Sk and the diagonal, so lengths need not be multiples of the
+block sizes. A row that sees no key is a zero row with log-sum-exp -inf.
 """
 
 from __future__ import annotations
