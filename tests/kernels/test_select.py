@@ -185,6 +185,31 @@ def test_select_merge_tree(bits: int, config: triton.Config, lut_kernel: bool, d
     )
 
 
+def test_configs_share_one_workspace(device: torch.device) -> None:
+    """Every config, one after another, on one workspace (what the autotuner's trials do): the
+    counters of one config must never be written over by another config's slots."""
+    B, H, M, bits, N, heavy = 1, 2, 2, 4, 5 * 2048 + 100, 100
+    ws = torch.zeros(workspace_numel(B * H, M, 2**bits, N, heavy), dtype=torch.int32, device=device)
+    for config in [*reversed(SELECT_CONFIGS), *SELECT_CONFIGS]:
+        run_case(
+            device,
+            B=B,
+            H=H,
+            Hkv=1,
+            N=N,
+            D=16,
+            M=M,
+            bits=bits,
+            lengths=[N],
+            sink=2,
+            window=3,
+            heavy=heavy,
+            init_offset=2,
+            config=config,
+            workspace=ws,
+        )
+
+
 def test_configs_for_heavy() -> None:
     """At least four children per merge, except above 4096 where the largest tile merges two."""
     for heavy in (1, 128, 511, 512, 1024, 4096, MAX_HEAVY):

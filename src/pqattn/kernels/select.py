@@ -65,14 +65,20 @@ def tree_nodes(leaves: int, fan: int) -> int:
     return total
 
 
-def workspace_row_words(n_tokens: int, heavy: int) -> int:
-    """int32 words per row of the tree workspace: counters + slots (keys, positions, count)."""
+def max_tree_nodes(n_tokens: int, heavy: int) -> int:
+    """The most tree nodes any config serving `heavy` builds over n_tokens."""
     kp = k_pad(heavy)
-    words = 0
-    for c in configs_for(heavy):
-        nodes = tree_nodes(max(-(-n_tokens // c.kwargs["TILE"]), 1), c.kwargs["TILE"] // kp)
-        words = max(words, nodes * (2 * kp + 2))
-    return words
+    return max(
+        tree_nodes(max(-(-n_tokens // c.kwargs["TILE"]), 1), c.kwargs["TILE"] // kp)
+        for c in configs_for(heavy)
+    )
+
+
+def workspace_row_words(n_tokens: int, heavy: int) -> int:
+    """int32 words per row of the tree workspace: a counter per node, then the slots (keys,
+    positions, count). The layout is the same for every config (sized by the largest tree), so the
+    autotuner's trial runs of one config never write over another config's counters."""
+    return max_tree_nodes(n_tokens, heavy) * (2 * k_pad(heavy) + 2)
 
 
 def workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
@@ -218,6 +224,7 @@ def _pq_select_kernel(
     width,
     code_base,
     ws_row,
+    n_nodes,
     n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
     C: tl.constexpr,
@@ -288,13 +295,8 @@ def _pq_select_kernel(
         k = tl.minimum(need, n_valid)
 
         # 2. Merge tree: write this node's top-k to its slot; the last child to arrive merges.
-        n_nodes = 1
-        size = n_leaves
-        while size > 1:
-            n_nodes += size
-            size = (size + FAN - 1) // FAN
         ws = ws_ptr + row.to(tl.int64) * ws_row
-        slot_key = ws + n_nodes
+        slot_key = ws + n_nodes  # n_nodes: the largest tree of any config (a fixed layout)
         slot_pos = slot_key + n_nodes * K_PAD
         slot_cnt = slot_pos + n_nodes * K_PAD
         level_off = 0
@@ -457,6 +459,7 @@ def pq_select(
         width,
         code_base,
         workspace_row_words(n_tokens, heavy),
+        max_tree_nodes(n_tokens, heavy),
         1 << max(n_tokens - 1, 0).bit_length(),
     )
     if lut_kernel is None:
