@@ -14,7 +14,9 @@ CONFIG_IDS = [f"N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in KMEANS_CONFIGS]
 
 
 @pytest.mark.parametrize("config", KMEANS_CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("C, d", [(4, 8), (64, 16), (16, 33)], ids=["C4-d8", "C64-d16", "C16-d33"])
+@pytest.mark.parametrize(
+    "C, d", [(4, 8), (64, 16), (16, 33), (256, 32)], ids=["C4-d8", "C64-d16", "C16-d33", "C256-d32"]
+)
 def test_step_assigns_and_sums_like_the_reference(C: int, d: int, config: triton.Config, device) -> None:
     """Codes, distances and per-centre sums/counts of one step; ragged groups, padding not counted."""
     G, n, P = 3, 300, 2

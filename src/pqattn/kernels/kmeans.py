@@ -118,7 +118,9 @@ def kmeans_step(
     P = sums.shape[1]
     if config is None:
         config = KMEANS_CONFIGS[0] if interpreted() else KMEANS_CONFIGS[2]  # fewest spills in tf32x3
-    block = config.kwargs["BLOCK_N"]
+    # The one-hot product stages [BLOCK_N, CP] tf32x3 operands in shared memory: cap the step so
+    # that C = 256 fits (H200: 393 KB needed at 128 x 256, 227 KB available).
+    block = min(config.kwargs["BLOCK_N"], max(16, 8192 // sums.shape[2]))
     chunk = triton.cdiv(triton.cdiv(n, P), block) * block
     _kmeans_step_kernel[(P, G)](
         x,
