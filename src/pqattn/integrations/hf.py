@@ -1,0 +1,164 @@
+"""Hugging Face transformers integration: dense prefill, then PQ sparse decoding, per layer.
+
+    import pqattn.integrations.hf as pq_hf
+    pq_hf.enable(model, pq_hf.HFConfig(heavy=1024, sink=128, window=128))
+    model.generate(input_ids, max_new_tokens=256)
+
+`enable` registers the attention implementation "pqattn" with transformers and switches the
+model to it. Any call with more than one query token (prefill) runs SDPA over the cache and then
+(re)builds that layer's `PQIndex` from the cached keys; a call with one query token (a decode
+step) appends the new key to the index, selects sink + heavy + window tokens per query head and
+runs the sparse decode kernel over the cache (`pqattn.ops.sparse_decode`). Layers listed in
+`dense_layers` always use SDPA. The KV cache stays transformers' own (DynamicCache); the index
+lives on each attention module.
+
+Explicitly routed to SDPA (documented, not approximated): a padding mask during decode (the
+index does not know padded positions), and layers without `layer_idx`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pqattn import ops
+from pqattn.index import PQConfig, PQIndex
+
+NAME = "pqattn"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfig:
+    """What `enable` applies to every attention layer.
+
+    heavy: tokens chosen by the PQ scores, or heavy_fraction of the prompt length (at most one
+    of the two; 1024 tokens when neither is given);
+    sink / window: always kept; subvectors (M), bits, metric, iters: the index (SPEC §1);
+    dense_layers: layer indices that never go sparse; capacity: decode tokens the index has room
+    for after the prompt.
+    """
+
+    heavy: int | None = None
+    heavy_fraction: float | None = None
+    sink: int = 128
+    window: int = 128
+    subvectors: int = 2
+    bits: int = 6
+    metric: str = "euclidean"
+    iters: int = 10
+    dense_layers: tuple[int, ...] = ()
+    capacity: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.heavy is not None and self.heavy_fraction is not None:
+            raise ValueError(
+                f"heavy / heavy_fraction: expected at most one of them, got heavy={self.heavy}, "
+                f"heavy_fraction={self.heavy_fraction}"
+            )
+        if self.heavy_fraction is not None and not 0.0 < self.heavy_fraction <= 1.0:
+            raise ValueError(f"heavy_fraction: expected a value in (0, 1], got {self.heavy_fraction}")
+
+    def heavy_for(self, prompt_len: int) -> int:
+        if self.heavy_fraction is not None:
+            return max(1, int(self.heavy_fraction * prompt_len))
+        return 1024 if self.heavy is None else self.heavy
+
+
+@dataclasses.dataclass
+class _LayerState:
+    config: HFConfig
+    index: PQIndex | None = None
+    padded: bool = False  # the prompt had padding: decode stays dense
+    sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
+
+
+def _sdpa(module, query, key, value, attention_mask, scaling, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def pq_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: query [B, H, q_len, D], key/value [B, Hkv, S, D] (the
+    whole cache after this step's update). Returns ([B, q_len, H, D], None) like SDPA's."""
+    state: _LayerState | None = getattr(module, "_pqattn_state", None)
+    layer = getattr(module, "layer_idx", None)
+    if state is None or layer is None or layer in state.config.dense_layers:
+        return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+    B, q_len, S = query.shape[0], query.shape[2], key.shape[2]
+    if q_len > 1:  # prefill: dense, then the index of the whole prompt
+        out = _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+        c = state.config
+        pq = PQConfig(
+            subvectors=c.subvectors,
+            bits=c.bits,
+            metric=c.metric,
+            sink=c.sink,
+            window=c.window,
+            heavy=c.heavy_for(S),
+            iters=c.iters,
+        )
+        # Padding shows as masked keys in the last prompt row (one host read, at prefill only).
+        state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
+        state.index = PQIndex.build(key, [S] * B, capacity=S + c.capacity, config=pq)
+        return out
+    index = state.index
+    if index is None or state.padded or index.capacity < S:
+        return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+    index.append(key[:, :, -1:])
+    sel = index.select(query[:, :, 0])
+    out = ops.sparse_decode(query[:, :, 0], key, value, sel.positions, sel.counts, scale=scaling)
+    state.sparse_steps += 1
+    return out[:, None], None
+
+
+def _last_row_sees_all(mask: torch.Tensor) -> torch.Tensor:
+    last = mask[..., -1, :]
+    return last.all() if last.dtype == torch.bool else (last == 0).all()
+
+
+def register() -> None:
+    """Register "pqattn" with transformers' attention (and mask) interfaces; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, pq_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
+    """Switch a transformers model to PQ sparse decoding; returns the layer indices that go sparse.
+
+    Works with any model whose attention modules carry `layer_idx` and call transformers' attention
+    interface (Llama, Mistral, Qwen2/3 and their GQA variants).
+    """
+    register()
+    sparse = []
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if layer is not None and hasattr(module, "scaling"):
+            module._pqattn_state = _LayerState(config)
+            if layer not in config.dense_layers:
+                sparse.append(layer)
+    if not sparse and not config.dense_layers:
+        raise ValueError("model: found no attention module with `layer_idx` and `scaling` to switch")
+    model.set_attn_implementation(NAME)
+    return sorted(set(sparse))
+
+
+def disable(model: torch.nn.Module, implementation: str = "sdpa") -> None:
+    """Drop the indexes and go back to `implementation`."""
+    for module in model.modules():
+        if hasattr(module, "_pqattn_state"):
+            del module._pqattn_state
+    model.set_attn_implementation(implementation)
