@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -234,10 +235,76 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quality(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quality",
+        help="PQ vs streaming vs oracle selection quality over a sweep of densities",
+        description="Captured attention mass, oracle recall and output error vs dense attention, on the "
+        "demo workload or on the KV cache of a local transformers model (--model PATH, no download).",
+    )
+    p.add_argument("--model", help="a local transformers model directory (default: the demo workload)")
+    p.add_argument("--prompt-tokens", type=int, default=4096, help="random prompt length for --model")
+    p.add_argument("--layers", help="comma-separated layer indices for --model (default: all)")
+    p.add_argument("--tokens", type=int, default=16384, help="workload cache length (no --model)")
+    p.add_argument("--densities", default="0.005,0.01,0.02,0.05,0.1,0.2")
+    p.add_argument("--sink", type=int, default=16)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--subvectors", type=int, default=2)
+    p.add_argument("--bits", type=int, default=6)
+    p.add_argument("--metric", choices=["euclidean", "ip"], default="euclidean")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PATH", help="PNG of output error vs density")
+    p.set_defaults(func=_run_quality)
+
+
+def _run_quality(args: argparse.Namespace) -> int:
+    from pqattn.lab import quality
+    from pqattn.lab.env import environment, resolve_device
+
+    device = resolve_device(args.device)
+    settings = quality.QualitySettings(
+        densities=tuple(float(d) for d in args.densities.split(",")),
+        sink=args.sink,
+        window=args.window,
+        subvectors=args.subvectors,
+        bits=args.bits,
+        metric=args.metric,
+        iters=args.iters,
+    )
+    if args.model:
+        layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
+        problems = quality.model_problems(
+            args.model, prompt_tokens=args.prompt_tokens, layers=layers, device=device
+        )
+        title = f"{args.model}: {len(problems)} layers, {args.prompt_tokens} tokens"
+    else:
+        problems = [quality.workload_problem(args.tokens, device)]
+        title = f"demo workload, {args.tokens} tokens"
+    rows = [r for p in problems for r in quality.sweep(p, settings)]
+    summary = quality.average(rows)
+    print(f"pqattn quality: {title}")
+    print(quality.format_table(summary))
+    if args.json:
+        doc = {
+            "source": args.model or "workload",
+            "settings": dataclasses.asdict(settings),
+            "environment": environment(device),
+            "summary": summary,
+            "rows": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        quality.plot(summary, args.plot, title)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pqattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_bench, _add_compare, _add_check, _add_report):
+    for add in (_add_demo, _add_bench, _add_compare, _add_check, _add_report, _add_quality):
         add(sub)
     args = parser.parse_args(argv)
     try:
