@@ -24,19 +24,24 @@ def test_sweep_rows_and_their_invariants() -> None:
     assert by[(0.1, "oracle")]["rel_err"] <= by[(0.01, "oracle")]["rel_err"] + 1e-9
 
 
-def test_cli_on_a_local_model(tmp_path) -> None:
+def _save_model(path, layers: int) -> str:
     config = transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_cli_on_a_local_model(tmp_path) -> None:
+    model = _save_model(tmp_path / "model", layers=3)
     out, png = tmp_path / "q.json", tmp_path / "q.png"
-    argv = ["quality", "--model", str(tmp_path / "model"), "--prompt-tokens", "300", "--layers", "0,2"]
+    argv = ["quality", "--model", model, "--prompt-tokens", "300", "--layers", "0,2"]
     argv += [
         "--densities",
         "0.02,0.2",
@@ -51,29 +56,11 @@ def test_cli_on_a_local_model(tmp_path) -> None:
     ]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
-    assert doc["source"].endswith("model") and {r["problem"] for r in doc["rows"]} == {"layer0", "layer2"}
+    assert doc["source"] == model and {r["problem"] for r in doc["rows"]} == {"layer0", "layer2"}
     assert all(r["problems"] == 2 for r in doc["summary"]) and png.stat().st_size > 0
 
 
 def test_cli_rejects_unknown_layers(tmp_path) -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
-    argv = [
-        "quality",
-        "--model",
-        str(tmp_path / "m"),
-        "--prompt-tokens",
-        "50",
-        "--layers",
-        "3",
-        "--device",
-        "cpu",
-    ]
+    model = _save_model(tmp_path / "m", layers=1)
+    argv = ["quality", "--model", model, "--prompt-tokens", "50", "--layers", "3", "--device", "cpu"]
     assert main(argv) == 2  # pqattn quality: layers: expected indices in [0], got [3]
