@@ -385,6 +385,85 @@ def _decode_configs() -> list[dict]:
     return [{**c.kwargs, "num_warps": c.num_warps} for c in DECODE_CONFIGS]
 
 
+# ---- dense flash attention ---------------------------------------------------------------------
+
+ATTENTION_ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def draw_attention(gen: torch.Generator, device: torch.device, large: bool) -> dict:
+    """Random prefill attention: any lengths (Sq <= Sk or not), GQA, full or causal, lse."""
+    if large:
+        B, Hkv, g, D = _pick(gen, [1, 2]), _pick(gen, [2, 8]), _pick(gen, [1, 4]), _pick(gen, [64, 128])
+        Sq, Sk = _int(gen, 1, 3000), _int(gen, 1, 3000)
+        dtype = _pick(gen, [torch.float16, torch.bfloat16])
+    else:  # fp16 only: Triton 3.6's interpreter computes bf16 tl.dot on raw bits
+        B, Hkv, g, D = _int(gen, 1, 2), _int(gen, 1, 2), _pick(gen, [1, 2]), _pick(gen, [16, 32])
+        Sq, Sk = _int(gen, 1, 150), _int(gen, 1, 150)
+        dtype = torch.float16
+    causal = bool(_int(gen, 0, 1))
+    return {
+        "q": torch.randn(B, Hkv * g, Sq, D, generator=gen).to(dtype).to(device),
+        "k": (2 * torch.randn(B, Hkv, Sk, D, generator=gen)).to(dtype).to(device),
+        "v": torch.randn(B, Hkv, Sk, D, generator=gen).to(dtype).to(device),
+        "causal": causal,
+        "scale": None if _int(gen, 0, 1) else 0.7 / math.sqrt(D),
+        "desc": f"B{B} H{Hkv * g} Hkv{Hkv} Sq{Sq} Sk{Sk} D{D} {str(dtype).removeprefix('torch.')} "
+        f"{'causal' if causal else 'full'}",
+    }
+
+
+def run_attention(case: dict, config: dict) -> tuple:
+    from pqattn.kernels.attention import flash_forward
+
+    q = case["q"]
+    B, H, Sq, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    cfg = triton.Config(
+        {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]},
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    flash_forward(
+        q, case["k"], case["v"], out=out, causal=case["causal"], scale=case["scale"], lse=lse, config=cfg
+    )
+    return out, lse
+
+
+def reference_attention(case: dict) -> tuple:
+    return ref.dense_attention(
+        case["q"].double(),
+        case["k"].double(),
+        case["v"].double(),
+        causal=case["causal"],
+        scale=case["scale"],
+        return_lse=True,
+    )
+
+
+def compare_attention(case: dict, out: tuple, want: tuple) -> str | None:
+    got, lse = out
+    exp, exp_lse = want
+    if not torch.isfinite(got).all():
+        return "non-finite output (an unwritten or NaN element)"
+    atol = ATTENTION_ATOL[case["q"].dtype]
+    err = float((got.double() - exp).abs().max()) if got.numel() else 0.0
+    if err > atol:
+        return f"output differs by up to {err:.3g} (atol {atol:g})"
+    empty = torch.isinf(exp_lse)
+    if not torch.equal(torch.isinf(lse), empty):
+        return "log-sum-exp of rows that see no key is not -inf (or a row's that does is)"
+    if (~empty).any() and float((lse[~empty].double() - exp_lse[~empty]).abs().max()) > 2e-3:
+        return "log-sum-exp differs"
+    return None
+
+
+def _attention_configs() -> list[dict]:
+    from pqattn.kernels.attention import ATTENTION_CONFIGS
+
+    return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in ATTENTION_CONFIGS]
+
+
 CHECKS: list[KernelCheck] = [
     KernelCheck(
         "pq_select",
@@ -404,4 +483,12 @@ CHECKS: list[KernelCheck] = [
         _compare_encode,
     ),
     KernelCheck("sparse_decode", _decode_configs, draw_decode, run_decode, reference_decode, compare_decode),
+    KernelCheck(
+        "flash_attention",
+        _attention_configs,
+        draw_attention,
+        run_attention,
+        reference_attention,
+        compare_attention,
+    ),
 ]
