@@ -71,6 +71,20 @@ KERNEL_NOTE = "the Triton kernel on CUDA (the PyTorch reference on a CPU)"
 # ---- select: PQ top-k selection for one decode query per sequence (issue 4) -----------------------
 
 
+def _selection_buffers(
+    B: int, H: int, L: int, M: int, C: int, N: int, heavy: int, device: torch.device
+) -> tuple[ref.Selection, torch.Tensor]:
+    """Output buffers and zeroed workspace of the selection kernel, allocated once per input set
+    (the decode-loop pattern that PQIndex follows)."""
+    out = ref.Selection(
+        torch.empty(B, H, L, device=device, dtype=torch.int32),
+        torch.empty(B, H, device=device, dtype=torch.int32),
+    )
+    return out, torch.zeros(
+        ops.select_workspace_numel(B * H, M, C, N, heavy), device=device, dtype=torch.int32
+    )
+
+
 def _select_case(
     device: torch.device,
     name: str,
@@ -101,15 +115,8 @@ def _select_case(
             "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
             "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
             "scores": torch.randn(B * H, N, device=device, generator=g),
-            # the decode-loop pattern: output buffers and workspace allocated once (PQIndex does this)
-            "out": ref.Selection(
-                torch.empty(B, H, L, device=device, dtype=torch.int32),
-                torch.empty(B, H, device=device, dtype=torch.int32),
-            ),
-            "workspace": torch.zeros(
-                ops.select_workspace_numel(B * H, M, C, N, heavy), device=device, dtype=torch.int32
-            ),
         }
+        x["out"], x["workspace"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
         if compat:  # the original's call: all but the newest key quantized, int64 codebook
             x["query"] = x["q"][:, :, None].float()
             x["key"] = torch.randn(B, Hkv, N, D, device=device, generator=g)
@@ -254,7 +261,7 @@ def _decode_case(
             ],
             dim=-1,
         )
-        return {
+        x = {
             "q": torch.randn(B, H, D, device=device, generator=g).to(dtype),
             "k": torch.randn(B, Hkv, N, D, device=device, generator=g).to(dtype),
             "v": torch.randn(B, Hkv, N, D, device=device, generator=g).to(dtype),
@@ -264,16 +271,11 @@ def _decode_case(
             "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
             "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
             # the decode-loop pattern: buffers and workspaces allocated once (PQIndex does this)
-            "sel": ref.Selection(
-                torch.empty(B, H, L, device=device, dtype=torch.int32),
-                torch.empty(B, H, device=device, dtype=torch.int32),
-            ),
-            "select_ws": torch.zeros(
-                ops.select_workspace_numel(B * H, M, C, N, heavy), device=device, dtype=torch.int32
-            ),
             "out": torch.empty(B, H, D, device=device, dtype=dtype),
             "attn_ws": torch.zeros(ops.decode_workspace_numel(B * H, L, D), device=device, dtype=torch.int32),
         }
+        x["sel"], x["select_ws"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
+        return x
 
     def attend(x: dict, positions: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return ops.sparse_decode(
