@@ -60,7 +60,7 @@ def main() -> None:
             rows.append(
                 {
                     "shape": [B, H, Hkv, N, heavy],
-                    "config": {**cfg.kwargs, "num_warps": cfg.num_warps},
+                    "config": {**cfg.kwargs, "num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg},
                     "median_us": t["median_us"],
                 }
             )

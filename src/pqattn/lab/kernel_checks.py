@@ -150,7 +150,9 @@ def _run_select(case: dict, config: dict) -> tuple:
         n_tokens=N,
         weights=w,
         code_base=case["code_base"],
-        config=triton.Config({"TILE": config["TILE"]}, num_warps=config["num_warps"]),
+        config=triton.Config(
+            {"TILE": config["TILE"]}, num_warps=config["num_warps"], maxnreg=config["maxnreg"]
+        ),
         lut_kernel=case["lut_kernel"],
     )
     return positions, counts, w
@@ -202,7 +204,7 @@ def _select_fits(case: dict, config: dict) -> bool:
 def _select_configs() -> list[dict]:
     from pqattn.kernels.select import SELECT_CONFIGS
 
-    return [{**c.kwargs, "num_warps": c.num_warps} for c in SELECT_CONFIGS]
+    return [{**c.kwargs, "num_warps": c.num_warps, "maxnreg": c.maxnreg} for c in SELECT_CONFIGS]
 
 
 # ---- encoding ----------------------------------------------------------------------------------
