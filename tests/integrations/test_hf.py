@@ -48,6 +48,34 @@ def test_greedy_generation_equals_dense_when_heavy_covers_every_token(
     assert all(s.sparse_steps == 11 for s in _states(model)), "every decode step went through the index"
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_prefill_through_pqattn_dense_attention(kind: str, device: torch.device, monkeypatch) -> None:
+    """prefill="pqattn": every sparse layer's prompt goes through pqattn.ops.dense_attention (the
+    flash kernel on CUDA fp16/bf16) and generation matches dense; a padded prompt goes to SDPA."""
+    calls = []
+    dense_attention = pq_hf.ops.dense_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return dense_attention(*args, **kwargs)
+
+    monkeypatch.setattr(pq_hf.ops, "dense_attention", spy)
+    model = _model(kind, device)
+    ids = torch.randint(0, 128, (2, 70), device=device)
+    mask = torch.ones_like(ids)
+    cfg = pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3, prefill="pqattn", dense_layers=(2,))
+    with torch.no_grad():
+        dense = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        pq_hf.enable(model, cfg)
+        sparse = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(sparse, dense)
+        assert len(calls) == 2 and all(c["causal"] for c in calls), "layers 0 and 1 prefilled by pqattn"
+        mask[1, :5] = 0  # left padding: the mask is not the causal one
+        pq_hf.enable(model, cfg)
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert len(calls) == 2
+
+
 def _decode_logits_error(model, ids: torch.Tensor, config: pq_hf.HFConfig | None) -> float:
     """Relative error of one decode step's logits against dense attention."""
     nxt = ids[:, :1]
@@ -88,5 +116,7 @@ def test_config_is_validated() -> None:
         pq_hf.HFConfig(heavy=10, heavy_fraction=0.5)
     with pytest.raises(ValueError, match="heavy_fraction"):
         pq_hf.HFConfig(heavy_fraction=1.5)
+    with pytest.raises(ValueError, match="prefill"):
+        pq_hf.HFConfig(prefill="flash")
     assert pq_hf.HFConfig().heavy_for(10_000) == 1024
     assert pq_hf.HFConfig(heavy_fraction=0.1).heavy_for(10_000) == 1000

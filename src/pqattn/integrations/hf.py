@@ -36,7 +36,9 @@ class HFConfig:
     of the two; 1024 tokens when neither is given);
     sink / window: always kept; subvectors (M), bits, metric, iters: the index (SPEC §1);
     dense_layers: layer indices that never go sparse; capacity: decode tokens the index has room
-    for after the prompt.
+    for after the prompt; prefill: "sdpa" (PyTorch's SDPA) or "pqattn" (`pqattn.dense_attention`:
+    the Triton flash kernel for CUDA fp16/bf16, the reference elsewhere). Prompts with padding,
+    and prompts longer than a sliding window, prefill through SDPA, which applies their mask.
     """
 
     heavy: int | None = None
@@ -49,8 +51,11 @@ class HFConfig:
     iters: int = 10
     dense_layers: tuple[int, ...] = ()
     capacity: int = 4096
+    prefill: str = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.prefill not in PREFILL:
+            raise ValueError(f"prefill: expected one of {PREFILL}, got {self.prefill!r}")
         if self.heavy is not None and self.heavy_fraction is not None:
             raise ValueError(
                 f"heavy / heavy_fraction: expected at most one of them, got heavy={self.heavy}, "
@@ -63,6 +68,9 @@ class HFConfig:
         if self.heavy_fraction is not None:
             return max(1, int(self.heavy_fraction * prompt_len))
         return 1024 if self.heavy is None else self.heavy
+
+
+PREFILL = ("sdpa", "pqattn")
 
 
 @dataclasses.dataclass
@@ -97,8 +105,18 @@ def pq_attention_forward(
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
     B, q_len, S = query.shape[0], query.shape[2], key.shape[2]
     if q_len > 1:  # prefill: dense, then the index of the whole prompt
-        out = _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
         c = state.config
+        # Padding shows as masked keys in the last prompt row (one host read, at prefill only).
+        state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
+        window = _sliding_window(module)
+        plain_causal = getattr(module, "is_causal", True) and (window is None or window >= S)
+        if c.prefill == "pqattn" and plain_causal and not state.padded:
+            # Without padding, and with no sliding window shorter than the sequence, the mask is
+            # the bottom-right causal one.
+            attn = ops.dense_attention(query, key, value, causal=True, scale=scaling)
+            out = (attn.transpose(1, 2).contiguous(), None)
+        else:
+            out = _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
         pq = PQConfig(
             subvectors=c.subvectors,
             bits=c.bits,
@@ -108,8 +126,6 @@ def pq_attention_forward(
             heavy=c.heavy_for(S),
             iters=c.iters,
         )
-        # Padding shows as masked keys in the last prompt row (one host read, at prefill only).
-        state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
         state.index = PQIndex.build(key, [S] * B, capacity=S + c.capacity, config=pq)
         return out
     index = state.index
@@ -120,6 +136,11 @@ def pq_attention_forward(
     out = ops.sparse_decode(query[:, :, 0], key, value, sel.positions, sel.counts, scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
+
+
+def _sliding_window(module: torch.nn.Module) -> int | None:
+    window = getattr(module, "sliding_window", None)
+    return getattr(getattr(module, "config", None), "sliding_window", None) if window is None else window
 
 
 def _last_row_sees_all(mask: torch.Tensor) -> torch.Tensor:
