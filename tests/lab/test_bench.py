@@ -65,6 +65,13 @@ def test_table_and_plot(tiny_doc, tmp_path) -> None:
     pytest.importorskip("matplotlib")
     plot(tiny_doc, str(tmp_path / "b.png"))
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    sweep = []  # the decode rows as an N sweep: drawn as lines in an extra panel
+    for n in (100, 200, 400):
+        for r in tiny_doc["results"]:
+            if r["suite"] == "decode":
+                sweep.append({**r, "case": f"{suites.SWEEP}N{n}", "params": {**r["params"], "N": n}})
+    plot({**tiny_doc, "results": tiny_doc["results"] + sweep}, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > (tmp_path / "b.png").stat().st_size
 
 
 def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
@@ -73,13 +80,16 @@ def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
     assert "original" in full and len(full) == 1 + 27
     orig = suites.select_suite("full", meta)[0].params
     assert (orig["B"], orig["H"], orig["Hkv"], orig["N"], orig["heavy"]) == (1, 32, 32, 32000, 128)
-    assert [c.name for c in suites.decode_suite("full", meta)] == [
-        "B1-N32K-heavy128",
-        "B1-N128K-heavy2048",
-        "B8-N32K-heavy1024",
+    decode = [c.name for c in suites.decode_suite("full", meta)]
+    assert decode[:3] == ["B1-N32K-heavy128", "B1-N128K-heavy2048", "B8-N32K-heavy1024"]
+    assert [c.params["N"] for c in suites.decode_suite("full", meta)[3:]] == [
+        n * 1024 for n in (4, 8, 16, 32, 64, 128, 256)
     ]
+    assert all(name.startswith(suites.SWEEP) for name in decode[3:])
     assert len(suites.build_suite("full", meta)) == 9
     assert len(suites.prefill_suite("full", meta)) == 5
+    gen = suites.generate_suite("quick", meta)[0]
+    assert gen.params["context"] == 32 * 1024 and all(i.no_graph for i in gen.impls)
     for name, make in suites.SUITES.items():
         quick = {c.name for c in make("quick", meta)}
         assert quick and quick <= {c.name for c in make("full", meta)}, name

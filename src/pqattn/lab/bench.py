@@ -21,7 +21,7 @@ from pqattn.lab import timing
 from pqattn.lab.env import environment, l2_bytes
 from pqattn.lab.roofline import measure_ceilings, rates
 from pqattn.lab.schema import BENCH_SCHEMA
-from pqattn.lab.suites import Case, Impl, make_cases, rotation
+from pqattn.lab.suites import SWEEP, Case, Impl, make_cases, rotation
 
 MODES = ("graph", "eager", "pipelined")
 
@@ -105,6 +105,8 @@ def run_impl(
     out["graph_error"] = None
     if device.type != "cuda":
         out["graph_error"] = "no CUDA device"
+    elif impl.no_graph is not None:
+        out["graph_error"] = "not captured: " + impl.no_graph
     elif out["host_sync"] is not None:
         out["graph_error"] = "not capturable: the call synchronizes with the host"
     else:
@@ -295,9 +297,37 @@ def plot(doc: dict, path: str) -> None:
     except ImportError as e:
         raise ValueError("plot: matplotlib is not installed (pip install matplotlib)") from e
     suites = list(dict.fromkeys(r["suite"] for r in doc["results"]))
-    fig, axes = plt.subplots(len(suites), 1, figsize=(10, 1 + 0.3 * len(doc["results"])), squeeze=False)
-    for ax, suite in zip(axes[:, 0], suites, strict=True):
-        rows = [r for r in doc["results"] if r["suite"] == suite and not r["skipped"]]
+    sweep = [
+        r
+        for r in doc["results"]
+        if r["suite"] == "decode" and r["case"].startswith(SWEEP) and not r["skipped"]
+    ]
+    n_ax = len(suites) + bool(sweep)
+    fig, axes = plt.subplots(
+        n_ax, 1, figsize=(10, 1 + 0.3 * len(doc["results"]) + 4 * bool(sweep)), squeeze=False
+    )
+    if sweep:
+        ax = axes[-1, 0]
+        for impl in dict.fromkeys(r["impl"] for r in sweep):
+            pts = sorted(
+                (r["params"]["N"], r["timings"][r["primary"]]["median_us"])
+                for r in sweep
+                if r["impl"] == impl
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        p = sweep[0]["params"]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N (tokens in the cache)")
+        ax.set_ylabel("us per decode step")
+        ax.set_title(
+            f"decode step vs N: B{p['B']} H{p['H']} Hkv{p['Hkv']} D{p['D']}, "
+            f"sink {p['sink']} + heavy {p['heavy']} + window {p['window']}"
+        )
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax, suite in zip(axes[: len(suites), 0], suites, strict=True):
+        rows = [r for r in doc["results"] if r["suite"] == suite and not r["skipped"] and r not in sweep]
         labels = [f"{r['case']} {r['impl']}" for r in rows]
         values = [r["timings"][r["primary"]]["median_us"] for r in rows]
         colors = ["tab:blue" if r["role"] == "pqattn" else "tab:gray" for r in rows]

@@ -34,6 +34,7 @@ class Impl:
     note: str = ""
     skip: str | None = None  # why it is not run at this shape (e.g. the reference would not fit)
     versus: tuple[str, ...] | None = None  # baselines that do the same work (None: every baseline)
+    no_graph: str | None = None  # why the call must not be captured (timed eager and pipelined only)
 
 
 @dataclass
@@ -65,6 +66,7 @@ def _too_big(need: int, device: torch.device, what: str) -> str | None:
     return None
 
 
+SWEEP = "sweep-"  # decode cases that vary N only; `pqattn.lab.bench.plot` draws them as lines
 KERNEL_NOTE = "the Triton kernel on CUDA (the PyTorch reference on a CPU)"
 
 
@@ -358,10 +360,16 @@ def decode_suite(size: str, device: torch.device) -> list[Case]:
     shapes = [(1, 32, 128), (1, 128, 2048), (8, 32, 1024)]
     if size == "quick":
         shapes = shapes[:2]
-    return [
+    cases = [
         _decode_case(device, f"B{b}-N{n}K-heavy{h}", B=b, H=32, Hkv=8, N=n * KiB, heavy=h)
         for b, n, h in shapes
     ]
+    if size == "full":  # step time against N at a fixed budget (the line chart of `plot`)
+        cases += [
+            _decode_case(device, f"{SWEEP}B1-N{n}K-heavy1024", B=1, H=32, Hkv=8, N=n * KiB, heavy=1024)
+            for n in (4, 8, 16, 32, 64, 128, 256)
+        ]
+    return cases
 
 
 # ---- build: PQ index build after prefill (issue 6) -------------------------------------------------
@@ -566,11 +574,132 @@ def prefill_suite(size: str, device: torch.device) -> list[Case]:
     return cases
 
 
+# ---- generate: one decode step of a transformers model over a long prompt (issue 8) ---------------
+
+
+def _generate_case(
+    device: torch.device,
+    name: str,
+    *,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    H: int,
+    Hkv: int,
+    vocab: int,
+    context: int,
+    heavy: int,
+    sink: int = 128,
+    window: int = 128,
+) -> Case:
+    """A randomly initialised Llama-style model (no download) prefilled with `context` random
+    tokens, timed per generated token: dense SDPA decoding vs pqattn's HF integration (dense prefill,
+    PQ index per layer, sparse decode). Each call appends one token to the model's own cache."""
+    import transformers
+
+    import pqattn.integrations.hf as pq_hf
+
+    D = hidden // H
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    params = dict(layers=layers, hidden=hidden, H=H, Hkv=Hkv, D=D, vocab=vocab, context=context, heavy=heavy)
+    params.update(sink=sink, window=window, dtype=str(dtype).removeprefix("torch."))
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=H,
+        num_key_value_heads=Hkv,
+        max_position_embeddings=context + 8192,
+    )
+    n_params = (
+        layers * (2 * hidden * hidden + 2 * hidden * Hkv * D + 3 * hidden * intermediate) + 2 * vocab * hidden
+    )
+    kv_bytes = layers * 2 * Hkv * context * D * _esize(dtype)
+    L = sink + heavy + window
+
+    def make_inputs(seed: int) -> dict:
+        x: dict = {}
+        ids = torch.randint(0, vocab, (1, context + 1), device=device, generator=_gen(seed, device))
+        for kind in ("dense", "pqattn"):
+            torch.manual_seed(seed)  # the same weights for both
+            model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+            if kind == "pqattn":
+                pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window, capacity=8192))
+            else:
+                model.set_attn_implementation("sdpa")
+            cache = transformers.DynamicCache(config=cfg)
+            with torch.no_grad():
+                model(ids[:, :context], past_key_values=cache, logits_to_keep=1)
+            x[kind] = (model, cache)
+        x["next"] = ids[:, context:]
+        return x
+
+    def step(x: dict, kind: str) -> object:
+        model, cache = x[kind]
+        with torch.no_grad():
+            return model(x["next"], past_key_values=cache, logits_to_keep=1)
+
+    no_graph = "transformers' DynamicCache grows on every call (a captured step would replay stale memory)"
+    weights = n_params * _esize(dtype)
+    return Case(
+        "generate",
+        name,
+        params,
+        make_inputs,
+        [
+            Impl(
+                "pqattn",
+                "pqattn",
+                lambda x: step(x, "pqattn"),
+                weights + kv_bytes * L // context,
+                2 * n_params,
+                note="pqattn.integrations.hf: SDPA prefill + PQ index, sparse decode",
+                no_graph=no_graph,
+            ),
+            Impl(
+                "sdpa",
+                "baseline",
+                lambda x: step(x, "dense"),
+                weights + kv_bytes,
+                2 * n_params,
+                note="the same model with attn_implementation='sdpa'",
+                no_graph=no_graph,
+            ),
+        ],
+    )
+
+
+def generate_suite(size: str, device: torch.device) -> list[Case]:
+    if size == "tiny":
+        return [
+            _generate_case(
+                device,
+                "tiny",
+                layers=2,
+                hidden=64,
+                intermediate=128,
+                H=4,
+                Hkv=2,
+                vocab=128,
+                context=300,
+                heavy=16,
+                sink=4,
+                window=4,
+            )
+        ]
+    # Llama-3-8B's layer shapes (8 of its 32 layers, a 32000-token vocabulary).
+    llama = dict(layers=8, hidden=4096, intermediate=14336, H=32, Hkv=8, vocab=32000, heavy=1024)
+    contexts = (32,) if size == "quick" else (32, 128)
+    return [_generate_case(device, f"llama8L-{c}K", **llama, context=c * KiB) for c in contexts]
+
+
 SUITES: dict[str, Callable[[str, torch.device], list[Case]]] = {
     "select": select_suite,
     "decode": decode_suite,
     "build": build_suite,
     "prefill": prefill_suite,
+    "generate": generate_suite,
 }
 
 
