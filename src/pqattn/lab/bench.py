@@ -327,7 +327,11 @@ def plot(doc: dict, path: str) -> None:
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     for ax, suite in zip(axes[: len(suites), 0], suites, strict=True):
-        rows = [r for r in doc["results"] if r["suite"] == suite and not r["skipped"] and r not in sweep]
+        rows = [
+            r
+            for r in doc["results"]
+            if r["suite"] == suite and not r["skipped"] and not r["case"].startswith(SWEEP)
+        ]
         labels = [f"{r['case']} {r['impl']}" for r in rows]
         values = [r["timings"][r["primary"]]["median_us"] for r in rows]
         colors = ["tab:blue" if r["role"] == "pqattn" else "tab:gray" for r in rows]

@@ -617,6 +617,7 @@ def _generate_case(
     )
     kv_bytes = layers * 2 * Hkv * context * D * _esize(dtype)
     L = sink + heavy + window
+    capacity = context + 8192  # prompt + the decode tokens the pqattn index has room for
 
     def make_inputs(seed: int) -> dict:
         x: dict = {}
@@ -625,7 +626,9 @@ def _generate_case(
             torch.manual_seed(seed)  # the same weights for both
             model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
             if kind == "pqattn":
-                pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window, capacity=8192))
+                pq_hf.enable(
+                    model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window, capacity=capacity - context)
+                )
             else:
                 model.set_attn_implementation("sdpa")
             cache = transformers.DynamicCache(config=cfg)
@@ -637,6 +640,9 @@ def _generate_case(
 
     def step(x: dict, kind: str) -> object:
         model, cache = x[kind]
+        if kind == "pqattn" and cache.get_seq_length() >= capacity:
+            # Past its capacity the integration decodes densely: the figure would not be pqattn's.
+            raise RuntimeError(f"generate: the pqattn index is full after {capacity} tokens")
         with torch.no_grad():
             return model(x["next"], past_key_values=cache, logits_to_keep=1)
 
