@@ -20,12 +20,11 @@ def test_ops_pipeline_equals_reference(device: torch.device) -> None:
     lengths = torch.tensor([96, 70], device=device)
     kw = dict(subvectors=2, bits=3, init_offset=4, iters=4, seed=5)
     book = pqattn.build_index(k, lengths, **kw)
-    # CUDA runs the Lloyd loop on the kernel (tf32 products: compared to the reference's objective
-    # in tests/kernels/test_kmeans.py); everything around it is the reference's, bit for bit.
-    lloyd_impl = None
+    # CUDA builds with the Triton Lloyd loop (compared to the reference in tests/kernels/test_kmeans.py)
+    build = ref.build_pq
     if device.type == "cuda":
-        from pqattn.kernels.kmeans import lloyd as lloyd_impl
-    want = ref.build_pq(k, lengths, **kw, lloyd_impl=lloyd_impl)
+        from pqattn.kernels.kmeans import build_pq as build
+    want = build(k, lengths, **kw)
     assert torch.equal(book.centroids, want.centroids) and torch.equal(book.codes, want.codes)
     sel = pqattn.select_topk(
         q, book.centroids, book.codes, lengths, sink=4, window=8, heavy=12, init_offset=4

@@ -212,14 +212,14 @@ def _build(
 ) -> PQCodebook:
     """`build_index` on arguments already validated (PQIndex.build checks them once itself).
 
-    CUDA keys (not float64) run the Lloyd iterations on the fused Triton step
-    (pqattn.kernels.kmeans); initialisation, the ip augmentation and the code layout are the
-    reference's, so both paths start from the same centres for a seed.
+    CUDA keys (fp16/bf16/fp32) run the Lloyd loop in Triton (pqattn.kernels.kmeans, one launch
+    per iteration); everything else, float64 included, runs the reference. Both draw the same
+    initial centres for a seed.
     """
-    lloyd_impl = None
+    build = ref.build_pq
     if keys.is_cuda and keys.dtype != torch.float64:
-        from pqattn.kernels.kmeans import lloyd as lloyd_impl
-    res = ref.build_pq(
+        from pqattn.kernels.kmeans import build_pq as build
+    res = build(
         keys,
         lengths,
         subvectors=subvectors,
@@ -229,7 +229,6 @@ def _build(
         iters=iters,
         tol=tol,
         seed=seed,
-        lloyd_impl=lloyd_impl,
     )
     return PQCodebook(res.centroids, res.codes, res.phi)
 

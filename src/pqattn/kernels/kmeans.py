@@ -1,18 +1,31 @@
-"""One Lloyd step of batched k-means for the PQ index build (SPEC §1), fused in one launch.
+"""The PQ index build (SPEC §1) on the GPU: the Lloyd loop as one launch per iteration.
 
-Grid (programs per group, groups): each program walks its share of one group's points BLOCK_N at
-a time, reading them straight from the key cache (a sub-vector of each key, any float dtype) or
-from a prepared float32 array (the ip metric's augmented points):
-  1. distances to all C centres through one tensor-core product (|c|^2 - 2 x.c; |x|^2 is only
-     added for the reported distance), nearest centre, and its squared distance;
-  2. the chosen centres as a one-hot [BLOCK_N, C] matrix, whose transposed product with the
-     points accumulates per-centre sums (and counts) in registers;
-and writes codes, distances and its partial sums. Both products run in tf32x3 (three tf32 passes,
-float32 accuracy): plain tf32 rounds the centres to 10 mantissa bits, which on the demo's LLM-like
-keys (a few large channels) cut the PQ selection's attention mass from 0.54 to 0.36 (measured on
-the H200; tf32x3 and ieee both match the reference). tf32x3 needs more registers and spills.
-Partials are summed over the (few) programs of a group by the caller: no atomics, so a seeded
-build gives the same index on every run.
+Every (b, kv-head, sub-vector m) is a k-means group g = (b * Hkv + kvh) * M + m. A build is
+  - one pass for the points' squared norms (and the ip metric's phi), one launch placing the
+    initial centres (the reference's seeded draw of data points, made on the CPU);
+  - one launch per Lloyd iteration: P programs per group, each over a contiguous share of the
+    group's tokens, read from the key cache in place (no float32 copy, no gathered points):
+      1. distances to all C centres through tensor-core products (|c|^2 - 2 x.c), the nearest
+         centre and its squared distance (the codes, straight into the [B, Hkv, N, M] uint8
+         layout, are written by the last launch only);
+      2. per-centre sums (the one-hot matrix's transposed product with the points), counts and
+         the objective, written as this program's partial;
+      3. the group's last program to finish (an acq_rel counter, as in the decode kernel's split
+         combine) sums the P partials in program order, computes the new centres, reseeds empty
+         clusters (the farthest points first, like the reference) and the early-stop flag.
+The loop never waits on the host: iterations are launched back to back, and a group that has
+stopped skips its work (its assignment could not change). No float atomics: a seeded build gives
+the same index on every run. P fills one wave at the compiled kernel's occupancy.
+
+Precision: x.c must be float32-accurate. Plain tf32 rounds the centres to 10 mantissa bits, which
+on the demo's LLM-like keys (a few large channels) cut the selection's attention mass from 0.54 to
+0.36 (measured on the H200). Keys in bf16/fp16 are exact operands of their own tensor-core dtype,
+so the centres are split into 3 bf16 (or 2 fp16) parts whose products with x sum, in float32
+accumulation, to x.c at float32 accuracy: three bf16 products cost half of tf32x3's three tf32
+ones and read half the bytes. float32 keys use tf32x3. The one-hot sums are exact products
+(0/1 times a key) accumulated in float32. The ip metric's augmented coordinate sqrt(phi - |x|^2)
+is computed per point in float32 and its product with the centres' last coordinate is added
+outside the tensor-core product.
 """
 
 from __future__ import annotations
@@ -22,178 +35,488 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.select import interpreted
+from pqattn.reference import pq as ref
 
-# The autotune space: points per step and warps. Every config is exercised by the tests.
+# The autotune space: points per step, warps, register cap. Every config is exercised by the tests.
 KMEANS_CONFIGS = [
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1) for bn, w in ((64, 4), (128, 4), (128, 8))
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1, maxnreg=r)
+    for bn, w, r in ((128, 4, None), (64, 4, None), (128, 8, 128))
 ]
-
-
-def programs_per_group(G: int, n: int, sm_count: int = 132) -> int:
-    """About two programs per SM in all (one wave at 4 warps and ~255 registers a thread), at
-    least one per group. H200, G=16, n=32K, C=64: 9 programs per group 228-261 us a step,
-    17: 136-171 us, 33: 132-165 us."""
-    return max(1, min(triton.cdiv(2 * sm_count, max(G, 1)), triton.cdiv(n, 64)))
+# How many tokens one pass of the empty-cluster search reads.
+RESEED_BLOCK = 1024
+# The step kernel's constexpr parameters after UPDATE, in order (a direct relaunch passes them).
+_STEP_CONSTEXPRS = ("IP", "SPLITS", "UPCAST", "CP", "BD", "BLOCK_N", "RB")
+# Programs of the step kernel one SM holds, per compiled variant (from its registers and shared memory).
+_RESIDENT: dict[tuple, int] = {}
 
 
 @triton.jit
-def _kmeans_step_kernel(
-    x_ptr,
-    cent_ptr,
-    nvalid_ptr,
-    code_ptr,
-    dist_ptr,
-    sums_ptr,
-    counts_ptr,
+def _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d):
+    """Group g's first point (token `off`, sub-vector g % M of its (b, kv-head)) and its count of
+    valid points (tokens off..lengths[b], at most n)."""
+    i = g // M
+    b = i // Hkv
+    base = (
+        keys_ptr
+        + b.to(tl.int64) * stride_kb
+        + (i % Hkv).to(tl.int64) * stride_kh
+        + off.to(tl.int64) * stride_kn
+        + (g % M) * d
+    )
+    nv = tl.minimum(tl.maximum(tl.load(lengths_ptr + b).to(tl.int32) - off, 0), n)
+    return base, nv
+
+
+@triton.jit(do_not_specialize=["off"])  # off may be 1
+def _norms_kernel(
+    keys_ptr,
+    lengths_ptr,
+    xx_ptr,  # [G, n] float32
+    phi_bits_ptr,  # [G] int32 (ip), zeroed
+    Hkv,
     M,
-    stride_xg,  # stride of a (b, kv-head) pair: groups g = (b * Hkv + kvh) * M + m
-    stride_xm,
-    stride_xn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    off,
     n,
-    chunk,  # points per program (a multiple of BLOCK_N)
+    chunk,
+    d,
+    IP: tl.constexpr,
+    BD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Squared norms of every point (0 past a sequence's length), read by each Lloyd step instead
+    of recomputing them from the tile, and for ip phi[g] = their maximum, as the bit pattern of a
+    non-negative float32 (whose integer order is its float order) through atomic max."""
+    p = tl.program_id(0)
+    g = tl.program_id(1)
+    base, nv = _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d)
+    dd = tl.arange(0, BD)
+    best = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(p * chunk, tl.minimum((p + 1) * chunk, n), BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        x = tl.load(
+            base + t[:, None].to(tl.int64) * stride_kn + dd[None, :],
+            mask=(t[:, None] < nv) & (dd[None, :] < d),
+            other=0.0,
+        ).to(tl.float32)
+        xx = tl.sum(x * x, axis=1)
+        tl.store(xx_ptr + g.to(tl.int64) * n + t, xx, mask=t < n)
+        best = tl.maximum(best, xx)
+    if IP:
+        tl.atomic_max(phi_bits_ptr + g, tl.max(best, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=["off"])
+def _init_kernel(
+    keys_ptr,
+    lengths_ptr,
+    pick_ptr,  # [G, C] int64: initial centres' token indices (from `off`)
+    phi_ptr,
+    cent_ptr,
+    aug_ptr,
+    ctl_ptr,
+    Hkv,
+    M,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    off,
+    n,
     C,
     d,
-    PRECISION: tl.constexpr,  # tl.dot input precision: "tf32", "tf32x3" or "ieee"
-    CP: tl.constexpr,  # C padded to >= 16 (a tensor-core tile)
-    BD: tl.constexpr,  # d padded to a power of two >= 16
+    G,
+    IP: tl.constexpr,
+    CP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Centres = the picked points (zero for a group with no point), the loop's control reset."""
+    g = tl.program_id(0)
+    base, nv = _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d)
+    cc = tl.arange(0, CP)
+    dd = tl.arange(0, BD)
+    real = (cc < C) & (nv > 0)
+    pick = tl.load(pick_ptr + g.to(tl.int64) * C + cc, mask=real, other=0)
+    rows = tl.load(
+        base + pick[:, None] * stride_kn + dd[None, :], mask=real[:, None] & (dd[None, :] < d), other=0.0
+    ).to(tl.float32)
+    tl.store(cent_ptr + g.to(tl.int64) * CP * BD + cc[:, None] * BD + dd[None, :], rows)
+    if IP:
+        a = tl.sqrt(tl.maximum(tl.load(phi_ptr + g) - tl.sum(rows * rows, axis=1), 0.0))
+        tl.store(aug_ptr + g * CP + cc, tl.where(real, a, 0.0))
+    _reset_control(ctl_ptr, g, G)
+
+
+@triton.jit
+def _reset_control(ctl_ptr, g, G):
+    tl.store(ctl_ptr + g, 0)  # the combine counter
+    tl.store(ctl_ptr + G + g, 1)  # active
+    tl.store(ctl_ptr + 2 * G + g, 1)  # centres changed since the last assignment
+    tl.store(ctl_ptr + 3 * G + g, 0)  # iterations run
+
+
+@triton.jit(do_not_specialize=["off", "it"])  # off may be 1; it changes every launch
+def _lloyd_step_kernel(
+    keys_ptr,
+    lengths_ptr,  # [B] int64
+    cent_ptr,  # [G, CP, BD] float32, zero padded
+    aug_ptr,  # [G, CP] float32: the ip centres' augmented coordinate
+    phi_ptr,  # [G] float32 (ip)
+    code_ptr,  # [B, Hkv, N, M] uint8
+    xx_ptr,  # [G, n] float32: squared norms
+    dist_ptr,  # [G, n] float32
+    part_ptr,  # [G, P, PART] float32
+    ctl_ptr,  # [4, G] int32: combine counter, active, centres changed, iterations run
+    hist_ptr,  # [iters + 1, G] float32 objective
+    Hkv,
+    M,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_cb,
+    stride_ch,
+    stride_cn,
+    off,
+    n,
+    chunk,
+    C,
+    d,
+    G,
+    it,
+    tol,
+    UPDATE: tl.constexpr,  # False: the last launch, which writes the codes
+    IP: tl.constexpr,
+    SPLITS: tl.constexpr,  # 0: float32 keys, tf32x3 products; 2 or 3: centre parts in the keys' dtype
+    UPCAST: tl.constexpr,  # run the split products in float32 (the interpreter's bf16 tl.dot is wrong)
+    CP: tl.constexpr,
+    BD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RB: tl.constexpr,
 ):
     p = tl.program_id(0)
     n_prog = tl.num_programs(0)
     g = tl.program_id(1)
-    x_base = x_ptr + (g // M).to(tl.int64) * stride_xg + (g % M) * stride_xm
-    n_valid = tl.load(nvalid_ptr + g)
     cc = tl.arange(0, CP)
     dd = tl.arange(0, BD)
-    cent = tl.load(
-        cent_ptr + g.to(tl.int64) * C * d + cc[:, None] * d + dd[None, :],
-        mask=(cc[:, None] < C) & (dd[None, :] < d),
-        other=0.0,
-    )
-    c_norm = tl.where(cc < C, tl.sum(cent * cent, axis=1), float("inf"))  # padding never wins
-    sums = tl.zeros([CP, BD], dtype=tl.float32)
-    counts = tl.zeros([CP], dtype=tl.float32)
-    for start in range(p * chunk, tl.minimum((p + 1) * chunk, n), BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)
-        valid = t < n_valid
-        x = tl.load(
-            x_base + t[:, None] * stride_xn + dd[None, :], mask=valid[:, None] & (dd[None, :] < d), other=0.0
-        ).to(tl.float32)
-        score = c_norm[None, :] - 2.0 * tl.dot(x, tl.trans(cent), input_precision=PRECISION)  # [BLOCK_N, CP]
-        best = tl.argmin(score, axis=1)
-        dist = tl.maximum(tl.sum(x * x, axis=1) + tl.min(score, axis=1), 0.0)
-        tl.store(code_ptr + g.to(tl.int64) * n + t, best, mask=t < n)
-        tl.store(dist_ptr + g.to(tl.int64) * n + t, dist, mask=t < n)
-        onehot = tl.where((best[:, None] == cc[None, :]) & valid[:, None], 1.0, 0.0)
-        sums += tl.dot(tl.trans(onehot), x, input_precision=PRECISION)
-        counts += tl.sum(onehot, axis=0)
-    part = g.to(tl.int64) * n_prog + p
-    tl.store(sums_ptr + part * CP * BD + cc[:, None] * BD + dd[None, :], sums)
-    tl.store(counts_ptr + part * CP + cc, counts)
+    if UPDATE and tl.load(ctl_ptr + 2 * G + g) == 0:
+        # Stopped before the last update: same centres, same assignment, same objective.
+        if p == 0:
+            tl.store(hist_ptr + it * G + g, tl.load(hist_ptr + (it - 1) * G + g))
+    else:
+        x_base, nv = _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d)
+        cent = tl.load(cent_ptr + g.to(tl.int64) * CP * BD + cc[:, None] * BD + dd[None, :])
+        c_norm = tl.sum(cent * cent, axis=1)
+        phi = 0.0
+        c_aug = tl.zeros([CP], dtype=tl.float32)
+        if IP:
+            phi = tl.load(phi_ptr + g)
+            c_aug = tl.load(aug_ptr + g * CP + cc)
+            c_norm += c_aug * c_aug
+        c_norm = tl.where(cc < C, c_norm, float("inf"))  # padding never wins
+        dt = keys_ptr.dtype.element_ty
+        if SPLITS == 0:
+            c1 = cent
+            c2 = cent
+            c3 = cent
+        else:
+            c1 = cent.to(dt)
+            r = cent - c1.to(tl.float32)
+            c2 = r.to(dt)
+            c3 = (r - c2.to(tl.float32)).to(dt)
+            if UPCAST:
+                dt = tl.float32
+                c1 = c1.to(dt)
+                c2 = c2.to(dt)
+                c3 = c3.to(dt)
+        sums = tl.zeros([CP, BD], dtype=tl.float32)
+        counts = tl.zeros([CP], dtype=tl.float32)
+        augs = tl.zeros([CP], dtype=tl.float32)
+        obj = tl.zeros([BLOCK_N], dtype=tl.float32)
+        lo = p * chunk
+        hi = tl.minimum(lo + chunk, nv)
+        # Padding tokens are never read: a cache past a sequence's length may hold NaN, and
+        # 0 * NaN in the one-hot product would poison the sums. The next block's load is issued
+        # before this block's products so that its latency overlaps them.
+        t_next = lo + tl.arange(0, BLOCK_N)
+        x_next = tl.load(
+            x_base + t_next[:, None].to(tl.int64) * stride_kn + dd[None, :],
+            mask=(t_next[:, None] < hi) & (dd[None, :] < d),
+            other=0.0,
+        )
+        for start in range(lo, tl.minimum(lo + chunk, n), BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            valid = t < nv
+            x = x_next
+            t_next = t + BLOCK_N
+            x_next = tl.load(
+                x_base + t_next[:, None].to(tl.int64) * stride_kn + dd[None, :],
+                mask=(t_next[:, None] < hi) & (dd[None, :] < d),
+                other=0.0,
+            )
+            xx = tl.load(xx_ptr + g.to(tl.int64) * n + t, mask=valid, other=0.0)
+            if SPLITS == 0:
+                xc = tl.dot(x, tl.trans(c1), input_precision="tf32x3")
+            else:
+                x = x.to(dt)
+                xc = tl.dot(x, tl.trans(c1))
+                xc = tl.dot(x, tl.trans(c2), xc)
+                if SPLITS == 3:
+                    xc = tl.dot(x, tl.trans(c3), xc)
+            a = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if IP:
+                a = tl.sqrt(tl.maximum(phi - xx, 0.0))
+                xc += a[:, None] * c_aug[None, :]
+                xx += a * a
+            score = c_norm[None, :] - 2.0 * xc  # [BLOCK_N, CP]
+            nearest, best = tl.min(score, axis=1, return_indices=True)
+            dist = tl.where(valid, tl.maximum(xx + nearest, 0.0), 0.0)
+            tl.store(dist_ptr + g.to(tl.int64) * n + t, dist, mask=t < n)
+            if not UPDATE:
+                code_at = (
+                    code_ptr
+                    + (g // M // Hkv).to(tl.int64) * stride_cb
+                    + (g // M % Hkv).to(tl.int64) * stride_ch
+                )
+                code_at += (off + t).to(tl.int64) * stride_cn + g % M
+                tl.store(code_at, tl.where(valid, best, 0).to(tl.uint8), mask=t < n)
+            hit = (best[:, None] == cc[None, :]) & valid[:, None]
+            if SPLITS == 0:
+                onehot = tl.where(hit, 1.0, 0.0)
+                sums += tl.dot(tl.trans(onehot), x, input_precision="tf32x3")
+            else:
+                sums = tl.dot(tl.trans(tl.where(hit, 1.0, 0.0).to(dt)), x, sums)
+            counts += tl.sum(hit.to(tl.float32), axis=0)
+            if IP:
+                augs += tl.sum(tl.where(hit, a[:, None], 0.0), axis=0)
+            obj += dist
+
+        PART: tl.constexpr = CP * BD + 2 * CP + 1
+        part = part_ptr + (g.to(tl.int64) * n_prog + p) * PART
+        tl.store(part + cc[:, None] * BD + dd[None, :], sums)
+        tl.store(part + CP * BD + cc, counts)
+        tl.store(part + CP * BD + CP + cc, augs)
+        tl.store(part + CP * BD + 2 * CP, tl.sum(obj, axis=0))
+        tl.debug_barrier()  # every thread's partial and distance stores precede the release
+        arrived = tl.atomic_add(ctl_ptr + g, 1, sem="acq_rel")
+        if arrived == n_prog - 1:  # the group's last program combines and updates
+            tl.atomic_xchg(ctl_ptr + g, 0)  # ready for the next launch
+            sums = tl.zeros([CP, BD], dtype=tl.float32)
+            counts = tl.zeros([CP], dtype=tl.float32)
+            augs = tl.zeros([CP], dtype=tl.float32)
+            total = 0.0
+            for q in range(0, n_prog):
+                pq = part_ptr + (g.to(tl.int64) * n_prog + q) * PART
+                sums += tl.load(pq + cc[:, None] * BD + dd[None, :], cache_modifier=".cg")
+                counts += tl.load(pq + CP * BD + cc, cache_modifier=".cg")
+                augs += tl.load(pq + CP * BD + CP + cc, cache_modifier=".cg")
+                total += tl.load(pq + CP * BD + 2 * CP, cache_modifier=".cg")
+            tl.store(hist_ptr + it * G + g, total)
+            if UPDATE:
+                if tl.load(ctl_ptr + G + g) != 0:  # active: apply the update
+                    inv = 1.0 / tl.maximum(counts, 1.0)
+                    new_c = sums * inv[:, None]
+                    new_aug = augs * inv
+                    empty = (counts == 0) & (cc < C) & (nv > 0)
+                    n_empty = tl.sum(empty.to(tl.int32), axis=0)
+                    if n_empty > 0:
+                        new_c, new_aug = _reseed_empty(
+                            new_c, new_aug, empty, n_empty, x_base, dist_ptr + g.to(tl.int64) * n,
+                            stride_kn, nv, C, d, phi, IP, BD, RB,
+                        )  # fmt: skip
+                    old = tl.load(cent_ptr + g.to(tl.int64) * CP * BD + cc[:, None] * BD + dd[None, :])
+                    shift = tl.sum(tl.sum((new_c - old) * (new_c - old), axis=1), axis=0)
+                    tl.store(cent_ptr + g.to(tl.int64) * CP * BD + cc[:, None] * BD + dd[None, :], new_c)
+                    if IP:
+                        shift += tl.sum((new_aug - c_aug) * (new_aug - c_aug), axis=0)
+                        tl.store(aug_ptr + g * CP + cc, new_aug)
+                    tl.store(ctl_ptr + G + g, (shift >= tol).to(tl.int32))
+                    tl.store(ctl_ptr + 3 * G + g, tl.load(ctl_ptr + 3 * G + g) + 1)
+                else:
+                    tl.store(ctl_ptr + 2 * G + g, 0)
 
 
-def kmeans_step(
-    x: torch.Tensor,
-    M: int,
-    centroids: torch.Tensor,
-    n_valid: torch.Tensor,
+@triton.jit
+def _reseed_empty(
+    new_c, new_aug, empty, n_empty, x_base, dist_row, stride_kn, nv, C, d, phi,
+    IP: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+):  # fmt: skip
+    """The reference's rule: the e-th empty cluster (in index order) takes the (e mod min(nv, C))-th
+    farthest point from its centre. The j-th farthest is found by the j-th pass over the distances,
+    taking the largest below the previous pick in (distance, -index) order (ties: lowest index)."""
+    rank = tl.cumsum(empty.to(tl.int32), axis=0) - 1
+    span = tl.minimum(nv, C)
+    prev_d = float("inf")
+    prev_i = -1
+    dd = tl.arange(0, BD)
+    for j in range(0, tl.minimum(n_empty, span)):
+        best_d = -1.0
+        best_i = nv
+        for s in range(0, nv, RB):
+            t = s + tl.arange(0, RB)
+            dv = tl.load(dist_row + t, mask=t < nv, other=-1.0, cache_modifier=".cg")
+            below = (dv < prev_d) | ((dv == prev_d) & (t > prev_i))
+            dv = tl.where((t < nv) & below, dv, -1.0)
+            m = tl.max(dv, axis=0)
+            ti = tl.min(tl.where(dv == m, t, nv), axis=0)
+            take = (m > best_d) | ((m == best_d) & (ti < best_i))
+            best_d = tl.where(take, m, best_d)
+            best_i = tl.where(take, ti, best_i)
+        prev_d = best_d
+        prev_i = best_i
+        row = tl.load(x_base + best_i.to(tl.int64) * stride_kn + dd, mask=dd < d, other=0.0).to(tl.float32)
+        to_seed = empty & (rank % span == j)
+        new_c = tl.where(to_seed[:, None], row[None, :], new_c)
+        if IP:
+            new_aug = tl.where(to_seed, tl.sqrt(tl.maximum(phi - tl.sum(row * row, axis=0), 0.0)), new_aug)
+    return new_c, new_aug
+
+
+def _splits(dtype: torch.dtype) -> int:
+    return {torch.float32: 0, torch.bfloat16: 3, torch.float16: 2}[dtype]
+
+
+def _programs_per_group(args: tuple, meta: dict, G: int, n: int, dev: torch.device) -> int:
+    """One wave of the step kernel at its compiled occupancy (registers and shared memory per
+    SM), at least one program per group and at most one per 512 tokens (the last program reads
+    every partial: more programs make its combine longer)."""
+    if dev.type != "cuda":
+        return max(1, min(2, triton.cdiv(n, 512)))
+    props = torch.cuda.get_device_properties(dev)
+    key = (dev.index, props.name, str(args[0].dtype), tuple(sorted(meta.items())))
+    if key not in _RESIDENT:
+        k = _lloyd_step_kernel.warmup(*args, 0, 0.0, grid=(1,), **meta)
+        k._init_handles()
+        regs = 65536 // (-(-k.n_regs // 8) * 8 * 32 * meta["num_warps"])
+        smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (k.metadata.shared + 1024)
+        _RESIDENT[key] = max(1, min(regs, smem))
+    per_wave = _RESIDENT[key] * props.multi_processor_count
+    return max(1, min(per_wave // max(G, 1), triton.cdiv(n, 512)))
+
+
+def build_pq(
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
     *,
-    codes: torch.Tensor,
-    dist: torch.Tensor,
-    sums: torch.Tensor,
-    counts: torch.Tensor,
+    subvectors: int,
+    bits: int,
+    metric: str = "euclidean",
+    init_offset: int = 0,
+    iters: int = 10,
+    tol: float = 1e-4,
+    seed: int = 0,
+    init: torch.Tensor | None = None,
     config: triton.Config | None = None,
-    precision: str = "tf32x3",
-) -> None:
-    """Assign every point to its nearest centre and write per-program partial sums.
-
-    x: [G // M, M, n, d] view (any float dtype, last dim contiguous) of the points of group
-    g = i * M + m at x[i, m]; centroids [G, C, d] float32 contiguous; n_valid [G] int32 (points
-    >= n_valid are padding: not counted, codes/dist still written); codes [G, n] int32 and dist
-    [G, n] float32 (outputs); sums [G, P, CP, BD] and counts [G, P, CP] float32 (outputs, P =
-    programs per group, CP = max(C, 16), BD = next power of two >= max(d, 16)).
+) -> ref.KMeansResult:
+    """`pqattn.reference.pq.build_pq` with the Lloyd loop in Triton: same arguments, init, rules
+    and outputs (keys fp16/bf16/fp32 [B, Hkv, N, D], last dim contiguous; lengths [B] int64 on
+    keys' device). Host syncs: the init draw reads the lengths, the result reads the iteration
+    count; none inside the loop. A build with no token to quantize is the reference's (nothing
+    to run). `config` forces one of KMEANS_CONFIGS.
     """
-    G, C, d = centroids.shape
-    n = x.shape[2]
-    P = sums.shape[1]
-    if config is None:
-        config = KMEANS_CONFIGS[0] if interpreted() else KMEANS_CONFIGS[2]  # fewest spills in tf32x3
-    # The one-hot product stages [BLOCK_N, CP] tf32x3 operands in shared memory: cap the step so
-    # that C = 256 fits (H200: 393 KB needed at 128 x 256, 227 KB available).
-    block = min(config.kwargs["BLOCK_N"], max(16, 8192 // sums.shape[2]))
+    B, Hkv, N, D = keys.shape
+    M, C = subvectors, 1 << bits
+    d, n, G = D // M, max(N - init_offset, 0), B * Hkv * M
+    if n == 0 or G == 0:
+        return ref.build_pq(
+            keys, lengths, subvectors=M, bits=bits, metric=metric, init_offset=init_offset,
+            iters=iters, tol=tol, seed=seed, init=init,
+        )  # fmt: skip
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    dev, ip = keys.device, metric == "ip"
+    lengths = lengths.to(device=dev, dtype=torch.int64)
+    CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
+    config = config or KMEANS_CONFIGS[0]
+    # The one-hot product stages [BLOCK_N, CP] operands in shared memory: cap the step for C = 256.
+    block = min(config.kwargs["BLOCK_N"], max(16, 8192 // CP))
+    geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
+
+    f32 = dict(dtype=torch.float32, device=dev)
+    cent = torch.empty(G, CP, BD, **f32)
+    aug = torch.zeros(G, CP, **f32)
+    phi = torch.zeros(G, **f32)
+    ctl = torch.empty(4, G, dtype=torch.int32, device=dev)
+    codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=dev)
+    xx = torch.empty(G, n, **f32)
+    dist = torch.empty(G, n, **f32)
+    hist = torch.empty(iters + 1, G, **f32)
+    meta = dict(
+        IP=ip, SPLITS=_splits(keys.dtype), UPCAST=interpreted() and keys.dtype == torch.bfloat16,
+        CP=CP, BD=BD, BLOCK_N=block, RB=RESEED_BLOCK,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if config.maxnreg:
+        meta["maxnreg"] = config.maxnreg
+    strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
+    # (the occupancy query compiles with stand-ins for the partials and the chunk: same specialisation)
+    stand_in = (keys, lengths, cent, aug, phi, codes, xx, dist, dist, ctl, hist, *geometry, *strides, block)
+    P = _programs_per_group((*stand_in, C, d, G), {**meta, "UPDATE": True}, G, n, dev)
     chunk = triton.cdiv(triton.cdiv(n, P), block) * block
-    _kmeans_step_kernel[(P, G)](
-        x,
-        centroids,
-        n_valid,
+    parts = torch.empty(G, P, CP * BD + 2 * CP + 1, **f32)
+    args = (
+        keys,
+        lengths,
+        cent,
+        aug,
+        phi,
         codes,
+        xx,
         dist,
-        sums,
-        counts,
-        M,
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        n,
+        parts,
+        ctl,
+        hist,
+        *geometry,
+        *strides,
         chunk,
         C,
         d,
-        PRECISION=precision,
-        CP=sums.shape[2],
-        BD=sums.shape[3],
-        BLOCK_N=block,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        G,
     )
 
-
-def lloyd(
-    x: torch.Tensor, valid: torch.Tensor, init: torch.Tensor, *, iters: int, tol: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """`pqattn.reference.pq.lloyd` on the GPU: one fused launch per assignment, the same rules.
-
-    x: [G, n, d] points; valid: [G, n] bool, a prefix of each group (points past a sequence's
-    length); init: [G, C, d]. Per-group early stop on `tol` (total squared centre shift), empty
-    clusters reseeded like the reference (farthest points first). Returns (centroids [G, C, d]
-    float32, codes [G, n] int64, objective [iterations + 1, G], iterations). One host sync per
-    iteration (the early-stop and empty-cluster flags): this is the prefill path, not decode.
-    """
-    from pqattn.reference.pq import _reseed_empty
-
-    G, n, d = x.shape
-    C = init.shape[1]
-    dev = x.device
-    sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    P = programs_per_group(G, n, sm)
-    CP, BD = max(C, 16), max(16, 1 << max(d - 1, 0).bit_length())
-    xf = x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
-    n_valid = valid.sum(1).to(torch.int32)
-    codes = torch.empty(G, n, dtype=torch.int32, device=dev)
-    dist = torch.empty(G, n, dtype=torch.float32, device=dev)
-    sums = torch.empty(G, P, CP, BD, dtype=torch.float32, device=dev)
-    counts = torch.empty(G, P, CP, dtype=torch.float32, device=dev)
-
-    def step(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kmeans_step(xf[:, None], 1, c, n_valid, codes=codes, dist=dist, sums=sums, counts=counts)
-        return sums.sum(1)[:, :C, :d], counts.sum(1)[:, :C]
-
-    c = init.float().contiguous()
-    s, cnt = step(c)
-    history = [(dist * valid).sum(1)]
-    active = torch.ones(G, dtype=torch.bool, device=dev)
-    done = 0
-    for _ in range(iters):
-        empty = (cnt == 0) & (n_valid > 0)[:, None]
-        any_active, any_empty = torch.stack([active.any(), empty.any()]).tolist()
-        if not any_active:
-            break
-        new_c = s / cnt.clamp_min(1)[..., None]
-        if any_empty:
-            new_c = _reseed_empty(new_c, cnt, xf, dist, valid, n_valid)
-        shift = ((new_c - c) ** 2).sum((1, 2))
-        c = torch.where(active[:, None, None], new_c, c).contiguous()
-        active = active & (shift >= tol)
-        s, cnt = step(c)
-        history.append((dist * valid).sum(1))
-        done += 1
-    return c, codes.long(), torch.stack(history), done
+    _norms_kernel[(P, G)](
+        keys,
+        lengths,
+        xx,
+        phi.view(torch.int32),
+        *geometry,
+        init_offset,
+        n,
+        chunk,
+        d,
+        IP=ip,
+        BD=BD,
+        BLOCK_N=64,
+    )
+    if init is None:
+        n_valid = (lengths.cpu() - init_offset).clamp(0, n).repeat_interleave(Hkv * M)
+        pick = ref.random_init_positions(n_valid, C, n, seed).to(dev).contiguous()
+        _init_kernel[(G,)](
+            keys, lengths, pick, phi, cent, aug, ctl, *geometry, init_offset, n, C, d, G, IP=ip, CP=CP, BD=BD
+        )
+    else:
+        c0 = init.reshape(G, C, -1).float()
+        cent.zero_()[:, :C, :d] = c0[..., :d]
+        if ip:
+            aug[:, :C] = c0[..., d]
+        ctl.copy_(torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=dev)[:, None].expand(4, G))
+    # Every update launch has the same arguments but `it` (not specialised on), so the first one's
+    # compiled kernel is relaunched directly: Triton's dispatch costs ~50 us of host time a launch.
+    step = None
+    for it in range(iters):
+        if step is None or interpreted():
+            step = _lloyd_step_kernel[(P, G)](*args, it, tol, UPDATE=True, **meta)
+        else:
+            step[(P, G, 1)](*args, it, tol, True, *(meta[k] for k in _STEP_CONSTEXPRS))
+    _lloyd_step_kernel[(P, G)](*args, iters, tol, UPDATE=False, **meta)
+    done = int(ctl[3].max())
+    centroids = cent[:, :C, :d]
+    if ip:
+        centroids = torch.cat([centroids, aug[:, :C, None]], dim=-1)
+    return ref.KMeansResult(
+        centroids=centroids.reshape(B, Hkv, M, C, -1),
+        codes=codes,
+        phi=phi.reshape(B, Hkv, M) if ip else None,
+        objective=hist[: done + 1].reshape(-1, B, Hkv, M),
+        iterations=done,
+    )

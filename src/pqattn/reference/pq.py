@@ -13,9 +13,9 @@ Layout conventions (the native ones every kernel follows):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # Bound on G * tokens * C elements of one distance block, so builds with C=256 over 128K tokens
@@ -72,38 +72,52 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.cat(idx_parts, 1), torch.cat(dist_parts, 1)
 
 
-def _random_init(
-    x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, C: int, seed: int
-) -> torch.Tensor:
-    """C distinct data points per group, uniformly without replacement (cycling when a group has
-    fewer than C points).
+def random_init_positions(n_valid: torch.Tensor, C: int, n: int, seed: int) -> torch.Tensor:
+    """Indices [G, C] (CPU int64, contiguous) of C distinct points per group, drawn uniformly
+    without replacement from each group's n_valid[g] valid points (cycling when a group has
+    fewer than C).
 
     The draw is made on the CPU so a seed gives the same init on every device, and it costs O(C)
     per group, not O(n): the first C distinct values of 4C i.i.d. uniform draws from the group's
     valid points form a uniform C-subset. A group where 4C draws give fewer than C distinct points
     (only when it has not many more than C) takes a uniformly random permutation of its points.
+    The bookkeeping runs in numpy: a build pays this once per layer, and a dozen small torch CPU
+    ops cost ~10x more than the same numpy ones.
     """
+    G = n_valid.shape[0]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    nv = n_valid.cpu().long().clamp_min(1).numpy()
+    draws = torch.randint(0, 1 << 62, (G, 4 * C), generator=gen).numpy() % nv[:, None]
+    # a stable sort by value: sort value * 4C + column (all distinct, so any sort is stable)
+    packed = np.sort(draws * (4 * C) + np.arange(4 * C), axis=1)
+    srt, order = packed // (4 * C), packed % (4 * C)
+    first_sorted = np.ones_like(srt, dtype=bool)
+    first_sorted[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first = np.zeros_like(first_sorted)
+    np.put_along_axis(first, order, first_sorted, axis=1)  # first occurrences, in draw order
+    rank = np.cumsum(first, axis=1) - 1
+    take = first & (rank < C)
+    pick = np.zeros((G, C + 1), dtype=np.int64)
+    np.put_along_axis(pick, np.where(take, rank, C), draws, axis=1)  # column C collects the rest
+    pick = torch.from_numpy(np.ascontiguousarray(pick[:, :C]))
+    short = torch.from_numpy(take.sum(1) < C)
+    if bool(short.any()):
+        keys = torch.rand((int(short.sum()), n), generator=gen, dtype=torch.float64)
+        nv_short = torch.from_numpy(nv)[short, None]
+        keys = keys.masked_fill(torch.arange(n) >= nv_short, 2.0)  # invalid points sort last
+        perm = keys.argsort(dim=1)
+        pick[short] = perm.gather(1, (torch.arange(C)[None, :] % nv_short).clamp_max(n - 1))
+    return pick
+
+
+def _random_init(
+    x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, C: int, seed: int
+) -> torch.Tensor:
+    """Initial centres [G, C, d]: the points `random_init_positions` picks (zeros for empty groups)."""
     G, n, d = x.shape
     if n == 0:
         return x.new_zeros((G, C, d))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    nv = n_valid.cpu().clamp_min(1)
-    draws = torch.randint(0, 1 << 62, (G, 4 * C), generator=gen) % nv[:, None]
-    srt, order = draws.sort(dim=1, stable=True)
-    first_sorted = torch.ones_like(srt, dtype=torch.bool)
-    first_sorted[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    first = torch.zeros_like(first_sorted).scatter_(1, order, first_sorted)  # first occurrences
-    rank = first.long().cumsum(1) - 1
-    take = first & (rank < C)
-    pick = torch.zeros(G, C + 1, dtype=torch.long).scatter_(1, torch.where(take, rank, C), draws)[:, :C]
-    short = take.sum(1) < C
-    if bool(short.any()):
-        keys = torch.rand((int(short.sum()), n), generator=gen, dtype=torch.float64)
-        keys = keys.masked_fill(torch.arange(n) >= nv[short, None], 2.0)  # invalid points sort last
-        perm = keys.argsort(dim=1)
-        j = torch.arange(C)
-        pick[short] = perm.gather(1, (j[None, :] % nv[short, None]).clamp_max(n - 1))
-    pick = pick.to(x.device)
+    pick = random_init_positions(n_valid, C, n, seed).to(x.device)
     init = x.gather(1, pick[..., None].expand(G, C, d))
     return init * (n_valid > 0)[:, None, None]
 
@@ -118,15 +132,18 @@ def _reseed_empty(
 ) -> torch.Tensor:
     """Move each empty cluster onto a data point: the farthest points from their centres first.
 
-    Deterministic (no randomness) and never raises the objective: an empty cluster contributes
-    nothing before the move, and the next assignment can only lower the sum.
+    The e-th empty cluster (in index order) takes the (e mod min(n_valid, C))-th valid point in
+    (distance descending, position ascending) order: ties are broken by position so that every
+    implementation picks the same points. Never raises the objective: an empty cluster
+    contributes nothing before the move, and the next assignment can only lower the sum.
     """
     empty = (counts == 0) & (n_valid > 0)[:, None]  # [G, C]
     G, C = counts.shape
     n = x.shape[1]
-    if n == 0:
+    if n == 0 or not bool(empty.any()):
         return centroids
-    far = dist.masked_fill(~valid, -1.0).topk(min(C, n), dim=1).indices  # [G, min(C, n)]
+    order = dist.masked_fill(~valid, -1.0).sort(dim=1, descending=True, stable=True).indices
+    far = order[:, : min(C, n)]  # [G, min(C, n)]
     rank = (empty.long().cumsum(1) - 1).clamp_min(0)
     rank = rank % n_valid.clamp_min(1).clamp_max(far.shape[1])[:, None]
     point = far.gather(1, rank)  # [G, C]
@@ -220,14 +237,12 @@ def build_pq(
     tol: float = 1e-4,
     seed: int = 0,
     init: torch.Tensor | None = None,
-    lloyd_impl: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] | None = None,
 ) -> KMeansResult:
     """k-means PQ index of keys [B, Hkv, N, D] over tokens init_offset..lengths[b] (SPEC §1).
 
     Init: C data points drawn uniformly without replacement from each group with a CPU generator
     seeded by `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
-    implementations from one init). `lloyd_impl`: another implementation of `lloyd` with its
-    signature (the GPU kernel's), everything around it staying this reference.
+    implementations from one init).
     """
     B, Hkv, N, _ = keys.shape
     M, C = subvectors, 1 << bits
@@ -242,7 +257,7 @@ def build_pq(
         c0 = _random_init(x, valid, n_valid, C, seed)
     else:
         c0 = init.reshape(B * Hkv * M, C, x.shape[-1]).to(x.dtype)
-    c, idx, history, done = (lloyd_impl or lloyd)(x, valid, c0, iters=iters, tol=tol)
+    c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol)
 
     codes = torch.zeros((B, Hkv, N, M), dtype=torch.uint8, device=keys.device)
     quantized = idx.masked_fill(~valid, 0).to(torch.uint8).reshape(B, Hkv, M, -1).permute(0, 1, 3, 2)
