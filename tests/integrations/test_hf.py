@@ -100,6 +100,69 @@ def test_sparse_decoding_runs_and_error_shrinks_with_density(device: torch.devic
     assert dense_ish < sparse < 1.0, (dense_ish, sparse)
 
 
+def _retrieval_model(device: torch.device, alpha: float = 1.0) -> torch.nn.Module:
+    """One Llama layer whose attention retrieves by content: q and k read the same 12 directions
+    of the embedding (the two fastest rotary pairs are zeroed and rope_theta is huge, so positions
+    turn the others by < 1e-5 rad), and two tokens, NEEDLE and QUERY, share those directions but
+    differ elsewhere, so the query attends to the needle and itself while their values differ."""
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=1e30,
+    )
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    with torch.no_grad():
+        w = torch.randn(16, 64, device=device)
+        turning = [0, 1, 8, 9]  # the rotary pairs that turn by ~1 and ~2e-4 radian per position
+        w[turning] = 0.0
+        attn = model.model.layers[0].self_attn
+        attn.q_proj.weight.copy_(alpha * w.repeat(4, 1))
+        attn.k_proj.weight.copy_(alpha * w.repeat(2, 1))
+        attn.o_proj.weight.mul_(8.0)  # the attention output, not the residual, drives the logits
+        basis = torch.linalg.qr(w[[i for i in range(16) if i not in turning]].T).Q  # what q, k read
+        null = torch.eye(64, device=device) - basis @ basis.T
+        shared = basis @ torch.randn(12, device=device)
+        emb = model.model.embed_tokens.weight
+        for tok in (NEEDLE, QUERY):
+            other = null @ torch.randn(64, device=device)
+            emb[tok] = 2.0 * shared / shared.norm() + other / other.norm()
+    return model
+
+
+NEEDLE, QUERY = 1, 2
+
+
+def test_sparse_decoding_retrieves_the_needle(device: torch.device) -> None:
+    """A crafted retrieval prompt: one needle among 400 haystack tokens, far from the sink and the
+    window. Dense attention depends on it (dropping it moves the logits); PQ sparse decoding with
+    heavy=8 (2% of the prompt) must select it and stay close to dense. (With 16 centroids and
+    heavy=4 the needle shared a centroid with haystack keys and was missed in ~1 of 20 models.)"""
+    model = _retrieval_model(device)
+    prompt = torch.randint(10, 128, (1, 400), device=device)
+    prompt[0, 150] = NEEDLE
+    query = torch.full((1, 1), QUERY, device=device)
+    with torch.no_grad():
+        pq_hf.disable(model)
+        dense = model(torch.cat([prompt, query], 1)).logits[:, -1]
+        no_needle = prompt.clone()
+        no_needle[0, 150] = 11
+        without = model(torch.cat([no_needle, query], 1)).logits[:, -1]
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=8, sink=4, window=8, bits=6, iters=8))
+        cache = transformers.DynamicCache(config=model.config)
+        model(prompt, past_key_values=cache)
+        sparse = model(query, past_key_values=cache).logits[:, -1]
+    assert _states(model)[0].sparse_steps == 1
+    needle_effect = float((without - dense).norm() / dense.norm())
+    sparse_error = float((sparse - dense).norm() / dense.norm())
+    assert needle_effect > 0.05, "the crafted model must depend on the needle"
+    assert sparse_error < 0.1 * needle_effect, (sparse_error, needle_effect)
+
+
 def test_dense_layers_stay_dense(device: torch.device) -> None:
     model = _model("qwen2", device)
     ids = torch.randint(0, 128, (1, 40), device=device)
