@@ -136,7 +136,7 @@ def _init_kernel(
     base, nv = _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d)
     cc = tl.arange(0, CP)
     dd = tl.arange(0, BD)
-    real = (cc < C) & (nv > 0)
+    real = cc < tl.where(nv > 0, C, 0)  # (a scalar & block mask comes out int32 in Triton 3.9's interpreter)
     pick = tl.load(pick_ptr + g.to(tl.int64) * C + cc, mask=real, other=0)
     rows = tl.load(
         base + pick[:, None] * stride_kn + dd[None, :], mask=real[:, None] & (dd[None, :] < d), other=0.0
@@ -317,7 +317,7 @@ def _lloyd_step_kernel(
                     inv = 1.0 / tl.maximum(counts, 1.0)
                     new_c = sums * inv[:, None]
                     new_aug = augs * inv
-                    empty = (counts == 0) & (cc < C) & (nv > 0)
+                    empty = (counts == 0) & (cc < tl.where(nv > 0, C, 0))
                     n_empty = tl.sum(empty.to(tl.int32), axis=0)
                     if n_empty > 0:
                         new_c, new_aug = _reseed_empty(
