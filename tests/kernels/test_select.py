@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import pqattn
 from pqattn import reference as ref
-from pqattn.kernels.select import MAX_HEAVY, SELECT_CONFIGS, configs_for, pq_select, workspace_numel
+from pqattn.kernels.select import MAX_HEAVY, SELECT_CONFIGS, _top_k, configs_for, pq_select, workspace_numel
 from pqattn.lab.kernel_checks import selection_problem
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SELECT_CONFIGS]
@@ -367,3 +368,55 @@ def test_index_decode_step_in_a_cuda_graph(device: torch.device) -> None:
         )
     index.sync_lengths()
     assert index._max_length == N + steps
+
+
+@triton.jit
+def _top_k_probe(key_ptr, need, take_ptr, k_ptr, T: tl.constexpr):
+    lane = tl.arange(0, T)
+    take, k = _top_k(tl.load(key_ptr + lane).to(tl.uint32, bitcast=True), need)
+    tl.store(take_ptr + lane, take.to(tl.int8))
+    tl.store(k_ptr, k)
+
+
+def _key_sets(T: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    full = torch.randint(1, 2**32, (T,), generator=g, dtype=torch.int64)
+    few = torch.randint(0, 3, (T,), generator=g) * 1000 + 5
+    sparse = torch.where(torch.rand(T, generator=g) < 0.9, 0, full)
+    extremes = torch.where(torch.rand(T, generator=g) < 0.5, 1, 2**32 - 1)
+    floats = torch.randn(T, generator=g).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    order = torch.where(floats >> 31 == 1, floats ^ 0xFFFFFFFF, floats | 0x80000000)  # score-like keys
+    return {
+        "full-range": full,
+        "three-values": few,
+        "all-equal": torch.full((T,), 77),
+        "mostly-zero": sparse,
+        "extremes": extremes,
+        "consecutive": torch.randperm(T, generator=g) + 1,
+        "scores": order,
+    }
+
+
+@pytest.mark.parametrize(
+    "dist", ["full-range", "three-values", "all-equal", "mostly-zero", "extremes", "consecutive", "scores"]
+)
+def test_top_k_search(dist: str, device: torch.device) -> None:
+    """The tile top-k on adversarial key sets (0 = not a candidate): exactly min(need, candidates)
+    entries taken, every one a candidate, none smaller than a candidate left out."""
+    T = 256
+    g = torch.Generator().manual_seed(7)
+    keys = _key_sets(T, g)[dist]
+    n_nz = int((keys != 0).sum())
+    for need in sorted({0, 1, 2, 37, n_nz - 1, n_nz, n_nz + 5, T}):
+        if need < 0:
+            continue
+        key32 = keys.to(torch.int64).to(torch.int32).to(device)  # the same 32 bits, stored signed
+        take = torch.full((T,), -1, dtype=torch.int8, device=device)
+        k = torch.full((1,), -1, dtype=torch.int32, device=device)
+        _top_k_probe[(1,)](key32, need, take, k, T=T, num_warps=4)
+        take, k = take.cpu().bool(), int(k.cpu())
+        assert k == min(need, n_nz), (need, k)
+        assert int(take.sum()) == k, (need, int(take.sum()))
+        assert (keys[take] != 0).all()
+        rest = keys[(~take) & (keys != 0)]
+        if k and rest.numel():
+            assert int(keys[take].min()) >= int(rest.max()), need

@@ -6,9 +6,10 @@ inside the same launch:
   1. leaf: the lookup table LUT[m, c] = <q_m, centroid[m, c]> of its row (a workspace that stays in
      L1; the leaves of a row write identical values), the scores of its TILE tokens gathered from
      it, mapped to order-preserving uint32 keys and kept in registers; an exact top-k of the tile
-     (k = heavy, or fewer when the tile has fewer candidates) by bisection on the key bits — each
-     step one compare and one block reduction, stopping as soon as exactly k keys lie at or above
-     the probe (tl.histogram measured 1.4 ns per token per pass on an H200: far slower);
+     (k = heavy, or fewer when the tile has fewer candidates) by a search over key values that
+     keeps a bracket of two existing keys around the k-th and probes inside it, each probe one
+     compare and one block reduction (see _top_k; tl.histogram measured 1.4 ns per token per pass
+     on an H200: far slower);
   2. the k (key, position) pairs go to the leaf's slot in the workspace, and an atomic counter of
      the parent node says which child arrived last: that program loads its FAN = TILE / K_PAD
      siblings' slots as one tile and selects again, up to the root (no second launch, no spin);
@@ -89,12 +90,18 @@ def workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int
 
 
 @triton.jit
-def _scores(codes_row, lut_row, offs, in_range, stride_kn, stride_km, M: tl.constexpr, C: tl.constexpr):
-    """Approximate scores of tokens `offs`: sum over m of LUT[m, code[token, m]]."""
+def _load_codes(codes_row, offs, in_range, stride_kn, stride_km, M: tl.constexpr):
+    """codes[token, m] of tokens `offs` as int32 [len(offs), M] (0 outside `in_range`)."""
     m = tl.arange(0, M)
-    code = tl.load(
+    return tl.load(
         codes_row + offs[:, None] * stride_kn + m[None, :] * stride_km, mask=in_range[:, None], other=0
     ).to(tl.int32)
+
+
+@triton.jit
+def _scores(code, lut_row, M: tl.constexpr, C: tl.constexpr):
+    """Approximate scores from codes [T, M]: sum over m of LUT[m, code[t, m]]."""
+    m = tl.arange(0, M)
     return tl.sum(tl.load(lut_row + m[None, :] * C + code), axis=1)
 
 
@@ -166,28 +173,76 @@ def _order_key(s):
     return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
 
-@triton.jit
-def _top_k(key, k):
-    """Mask of k entries of `key` holding the k largest values (k <= number of keys > 0).
+# Triton's interpreter runs a tuple reduction element by element in Python (minutes per test), so
+# under it the three reductions below run separately; compiled, one reduction carries all three.
+_SEPARATE_REDUCTIONS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
-    Bisection on the bits, most significant first: `res` grows to the largest value with at least
-    k keys at or above it, i.e. the k-th largest key; the loop ends early once a probe has exactly
-    k keys at or above it. Keys equal to the threshold are taken in tile order until k are taken.
+
+@triton.jit
+def _count_and_neighbours(c0, above0, below0, c1, above1, below1):
+    return c0 + c1, tl.minimum(above0, above1), tl.maximum(below0, below1)
+
+
+@triton.jit
+def _reduce3(count, above, below):
+    """(sum of count, min of above, max of below) over the tile."""
+    if _SEPARATE_REDUCTIONS:
+        return tl.sum(count), tl.min(above), tl.max(below)
+    else:
+        return tl.reduce((count, above, below), 0, _count_and_neighbours)
+
+
+@triton.jit
+def _top_k(key, need):
+    """(mask, k): a mask of the k = min(need, nonzero keys) entries of `key` holding its k largest
+    values (0 marks a non-candidate).
+
+    The k-th largest key is bracketed by two keys, lo <= k-th < hi, with the counts of keys at or
+    above each (c_lo >= k > c_hi). Each step probes one value inside the bracket and counts the keys
+    at or above it in one block reduction that also returns the nearest key on either side of the
+    probe, so the bracket snaps to keys that exist: ties end the search as soon as one value is
+    left, instead of after all 32 bits. The probe interpolates the counts (a step that fails to
+    halve the bracket is followed by a bisection), which on score-like data needs 9-12 steps where
+    bisecting the bits needed 17-32. Keys equal to the k-th are taken in tile order until k are.
     """
-    res = tl.zeros([], dtype=tl.uint32)
-    step = tl.full([], 0x80000000, tl.uint32)
-    go = k > 0
+    nz = key != 0
+    n_nz, lo, top = _reduce3(nz.to(tl.int32), tl.where(nz, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
+    k = tl.minimum(need, n_nz)
+    lo = lo.to(tl.int64)
+    hi = top.to(tl.int64) + 1
+    c_lo = n_nz
+    c_hi = 0
+    bisect = False
+    go = (k > 0) & (c_lo > k)
     while go:
-        probe = res | step
-        c = tl.sum((key >= probe).to(tl.int32))
-        res = tl.where(c >= k, probe, res)
-        step = step >> 1
-        go = (step != 0) & (c != k)
-    res = tl.where(k > 0, res, tl.full([], 0xFFFFFFFF, tl.uint32))  # k = 0: nothing above, no tie taken
-    n_gt = tl.sum((key > res).to(tl.int32))
-    tie = key == res
-    tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
-    return (key > res) | (tie & (tie_rank < k - n_gt))
+        frac = (c_lo - k).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
+        guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
+        probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
+        ge = key >= probe.to(tl.uint32)
+        c, above, below = _reduce3(
+            ge.to(tl.int32),
+            tl.where(ge, key, tl.full([], 0xFFFFFFFF, tl.uint32)),
+            tl.where(ge, tl.zeros([], tl.uint32), key),
+        )
+        width = hi - lo
+        up = c >= k
+        lo = tl.where(up, above.to(tl.int64), lo)
+        c_lo = tl.where(up, c, c_lo)
+        hi = tl.where(up, hi, below.to(tl.int64) + 1)
+        c_hi = tl.where(up, c_hi, c)
+        bisect = 2 * (hi - lo) > width
+        go = (c_lo != k) & (hi - lo > 1)
+    # Here c_lo == k (the keys >= lo are exactly the top k) or hi == lo + 1 (lo is the k-th key,
+    # c_hi keys lie above it and the rest of the k come from its ties).
+    res = lo.to(tl.uint32)
+    if (c_lo == k) | (k == 0):
+        take = key >= res
+    else:
+        tie = key == res
+        tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = (key > res) | (tie & (tie_rank < k - c_hi))
+    # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
+    return take & ((tl.zeros(key.shape, tl.int32) + k) > 0), k
 
 
 @triton.jit
@@ -270,11 +325,16 @@ def _pq_select_kernel(
             keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
             tl.store(w_row + offs, tl.where(keep, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=offs < n_weights)
 
-        # 1. Leaf: keys of this tile's candidates (0 elsewhere).
-        cand = (offs >= cand_lo) & (offs < hi)
-        n_valid = tl.sum(cand.to(tl.int32))
+        # 1. Leaf: keys of this tile's candidates (0 elsewhere). The codes load is issued first so
+        # that it overlaps the LUT's computation.
+        cand_hi = tl.where(need > 0, hi, cand_lo)  # no candidates when heavy = 0
+        cand = (offs >= cand_lo) & (offs < cand_hi)
+        # Row r of the codes holds token code_base + r; only tokens >= cand_lo >= code_base are read.
+        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
+        code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
         lut_row = lut_ptr + row * (M * C)
-        if (n_valid > 0) & (need > 0) & (not LUT_READY):
+        tile_lo = leaf * TILE
+        if (tl.minimum(cand_hi, tile_lo + TILE) > tl.maximum(cand_lo, tile_lo)) & (not LUT_READY):
             _write_lut(
                 q_ptr + b * stride_qb + h * stride_qh,
                 cent_ptr + b * stride_cb + kvh * stride_ck,
@@ -287,14 +347,8 @@ def _pq_select_kernel(
                 BLOCK_D,
             )
             tl.debug_barrier()
-        # Row r of the codes holds token code_base + r; only tokens >= cand_lo >= code_base are read.
-        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        cand = (offs >= cand_lo) & (offs < tl.where(need > 0, hi, cand_lo))  # no candidates when heavy = 0
-        key = tl.where(
-            cand, _order_key(_scores(codes_row, lut_row, offs, cand, stride_kn, stride_km, M, C)), 0
-        )
+        key = tl.where(cand, _order_key(_scores(code, lut_row, M, C)), 0)
         pos = offs
-        k = tl.minimum(need, n_valid)
 
         # 2. Merge tree: write this node's top-k to its slot; the last child to arrive merges.
         ws = ws_ptr + row.to(tl.int64) * ws_row
@@ -307,7 +361,7 @@ def _pq_select_kernel(
         is_root = n_leaves == 1
         active = n_leaves > 1
         while active:
-            take = _top_k(key, k)
+            take, k = _top_k(key, need)
             rank = tl.cumsum(take.to(tl.int32), 0) - 1
             node = level_off + idx
             tl.store(slot_key + node * K_PAD + rank, key.to(tl.int32, bitcast=True), mask=take)
@@ -332,13 +386,12 @@ def _pq_select_kernel(
                     tl.uint32, bitcast=True
                 )
                 pos = tl.load(slot_pos + first * K_PAD + lane, mask=ok, other=0, cache_modifier=".cg")
-                k = tl.minimum(need, tl.sum(ok.to(tl.int32)))
             is_root = last & (level_size == 1)
             active = last & (level_size > 1)
         # 3. Root: positions sink | heavy | window, the count, -1 padding, heavy weights.
         if is_root:
             tl.debug_barrier()  # this program's leaf weight stores precede the root's
-            take = _top_k(key, k)
+            take, k = _top_k(key, need)
             rank = tl.cumsum(take.to(tl.int32), 0) - 1
             tl.store(pos_row + n_sink + rank, pos, mask=take)
             if HAS_W:
