@@ -15,7 +15,8 @@ from pqattn import reference as ref
 from pqattn.kernels.attention import ATTENTION_CONFIGS, flash_forward
 
 CONFIG_IDS = [
-    f"M{c.kwargs['BLOCK_M']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}" for c in ATTENTION_CONFIGS
+    f"M{c.kwargs['BLOCK_M']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}{'-tma' if c.kwargs['TMA'] else ''}"
+    for c in ATTENTION_CONFIGS
 ]
 ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # vs float64, outputs of magnitude <= ~1
 
@@ -95,3 +96,18 @@ def test_benchmark_shapes_on_gpu(device: torch.device) -> None:
         _run(
             device, B=1, H=4, Hkv=4, Sq=129, Sk=4097, D=128, dtype=torch.bfloat16, causal=True, config=config
         )
+
+
+def test_tma_configs_need_aligned_strides(device: torch.device) -> None:
+    """A row stride of 33 fp16 elements (66 bytes) cannot be a TMA descriptor: a forced TMA config
+    is refused, a pointer config runs."""
+    q = torch.randn(1, 2, 40, 33, device=device).to(torch.float16)[..., :32]
+    k = torch.randn(1, 2, 40, 32, device=device).to(torch.float16)
+    out = torch.empty(1, 2, 40, 32, device=device, dtype=torch.float16)
+    tma = next(c for c in ATTENTION_CONFIGS if c.kwargs["TMA"])
+    with pytest.raises(ValueError, match="TMA config"):
+        flash_forward(q, k, k, out=out, causal=True, config=tma)
+    plain = next(c for c in ATTENTION_CONFIGS if not c.kwargs["TMA"])
+    flash_forward(q, k, k, out=out, causal=True, config=plain)
+    want = ref.dense_attention(q.double(), k.double(), k.double(), causal=True)
+    assert float((out.double() - want).abs().max()) <= ATOL[torch.float16]

@@ -16,25 +16,64 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pqattn.kernels.select import interpreted
 
+
+def _set_block_shapes(nargs: dict) -> None:
+    """Autotune pre-hook: the descriptors' tile shapes follow the config being run."""
+    if nargs["TMA"]:
+        D = nargs["D"]
+        nargs["q_desc"].block_shape = [1, 1, nargs["BLOCK_M"], D]
+        nargs["k_desc"].block_shape = [1, 1, nargs["BLOCK_N"], D]
+        nargs["v_desc"].block_shape = [1, 1, nargs["BLOCK_N"], D]
+
+
 # The autotune space; every config is exercised by the tests (interpreter and GPU) and the
-# config chosen per shape is recorded by the bench (`chosen_config`).
+# config chosen per shape is recorded by the bench (`chosen_config`). TMA configs need
+# descriptor-compatible tensors (16-byte aligned base and strides); they are pruned otherwise.
 ATTENTION_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in ((64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))
+    triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes
+    )
+    for bm, bn, w, s, tma in (
+        (64, 32, 4, 2, False),
+        (64, 64, 4, 3, False),
+        (128, 64, 8, 3, False),
+        (128, 128, 8, 2, False),
+        (64, 64, 4, 3, True),
+        (128, 128, 8, 3, True),
+    )
 ]
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_rows(
+    desc, base, stride, b, h, start, n_rows, ROWS: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr
+):
+    """Rows start..start+ROWS of one head, [ROWS, D]; rows >= n_rows read as zeros."""
+    if TMA:
+        return desc.load([b, h, start, 0]).reshape(ROWS, D)  # out-of-bounds rows arrive as zeros
+    else:
+        r = start + tl.arange(0, ROWS)
+        return tl.load(
+            base + r[:, None] * stride + tl.arange(0, D)[None, :], mask=r[:, None] < n_rows, other=0.0
+        )
+
+
+@triton.jit
 def _attend_block(
     q,
+    k_desc,
+    v_desc,
     k_base,
     v_base,
     stride_ks,
     stride_vs,
+    b,
+    kvh,
     start_n,
     rows,
     acc,
@@ -47,30 +86,25 @@ def _attend_block(
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """One key/value block of the online softmax; MASK: apply the Sk bound and the causal band."""
-    cols = start_n + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
+    """One key/value block of the online softmax; MASK: apply the Sk bound and the causal band.
+    m_i is the running maximum of the scaled logits (log2 domain)."""
+    k = _load_rows(k_desc, k_base, stride_ks, b, kvh, start_n, Sk, BLOCK_N, D, TMA)
+    s = tl.dot(q, tl.trans(k))
     if MASK:
-        k = tl.load(k_base + cols[:, None] * stride_ks + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-    else:
-        k = tl.load(k_base + cols[:, None] * stride_ks + d[None, :])
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    if MASK:
+        cols = start_n + tl.arange(0, BLOCK_N)
         visible = cols[None, :] < Sk
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None] + (Sk - Sq))
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet: no NaN
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    if MASK:
-        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :], mask=cols[:, None] < Sk, other=0.0)
-    else:
-        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+    v = _load_rows(v_desc, v_base, stride_vs, b, kvh, start_n, Sk, BLOCK_N, D, TMA)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -81,6 +115,9 @@ def _flash_forward_kernel(
     v_ptr,
     o_ptr,
     lse_ptr,
+    q_desc,
+    k_desc,
+    v_desc,
     stride_qb,
     stride_qh,
     stride_qs,
@@ -99,23 +136,35 @@ def _flash_forward_kernel(
     Sk,
     qk_scale,  # scale * log2(e)
     seq_bucket,  # autotune key only
+    tma_ok,  # autotune key only: 1 when the descriptors exist (TMA configs are kept)
     D: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest first: the last query block sees the most keys
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     row = tl.program_id(1)
     b = row // H
     h = row % H
     kvh = h // G
     rows = start_m + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + rows[:, None] * stride_qs + d[None, :],
-        mask=rows[:, None] < Sq,
-        other=0.0,
+    q = _load_rows(
+        q_desc,
+        q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh,
+        stride_qs,
+        b,
+        h,
+        start_m,
+        Sq,
+        BLOCK_M,
+        D,
+        TMA,
     )
     k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
@@ -132,10 +181,14 @@ def _flash_forward_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             q,
+            k_desc,
+            v_desc,
             k_base,
             v_base,
             stride_ks,
             stride_vs,
+            b,
+            kvh,
             start_n,
             rows,
             acc,
@@ -148,14 +201,19 @@ def _flash_forward_kernel(
             False,
             CAUSAL,
             BLOCK_N,
+            TMA,
         )
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_block(
             q,
+            k_desc,
+            v_desc,
             k_base,
             v_base,
             stride_ks,
             stride_vs,
+            b,
+            kvh,
             start_n,
             rows,
             acc,
@@ -168,6 +226,7 @@ def _flash_forward_kernel(
             True,
             CAUSAL,
             BLOCK_N,
+            TMA,
         )
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
@@ -183,9 +242,26 @@ def _flash_forward_kernel(
         tl.store(lse_ptr + row.to(tl.int64) * Sq + rows, lse, mask=rows < Sq)
 
 
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    return [c for c in configs if named_args["tma_ok"] or not c.kwargs["TMA"]]
+
+
 _flash_forward_autotuned = triton.autotune(
-    configs=ATTENTION_CONFIGS, key=["seq_bucket", "D", "CAUSAL", "HAS_LSE", "H", "G"]
+    configs=ATTENTION_CONFIGS,
+    key=["seq_bucket", "D", "CAUSAL", "HAS_LSE", "H", "G", "tma_ok"],
+    prune_configs_by={"early_config_prune": _prune},
 )(_flash_forward_kernel)
+
+
+def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+    """4-D tensor descriptors of q, k, v (tile shapes set per config), or None when a base or a
+    stride is not 16-byte aligned, as TMA requires."""
+    for t in (q, k, v):
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return None
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, t.shape[-1]]) for t in (q, k, v)
+    )
 
 
 def chosen_configs() -> list[dict]:
@@ -209,18 +285,23 @@ def flash_forward(
 ) -> None:
     """Launch on validated inputs: q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (last dims contiguous, D a
     power of two in 16..256, fp16/bf16/fp32), out like q, lse [B, H, Sq] float32 contiguous or
-    None. `config` forces one of ATTENTION_CONFIGS (the first under the interpreter)."""
+    None. `config` forces one of ATTENTION_CONFIGS (the first under the interpreter); a TMA config
+    needs 16-byte aligned bases and strides."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if interpreted() and config is None:
         config = ATTENTION_CONFIGS[0]
+    descs = _descriptors(q, k, v)
+    if config is not None and config.kwargs["TMA"] and descs is None:
+        raise ValueError("config: a TMA config needs q, k, v with 16-byte aligned bases and strides")
     args = (
         q,
         k,
         v,
         out,
         lse if lse is not None else out,
+        *(descs or (q, k, v)),
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -239,12 +320,17 @@ def flash_forward(
         Sk,
         scale * _LOG2E,
         triton.next_power_of_2(max(Sq, Sk)),
+        int(descs is not None),
     )
     meta = dict(D=D, CAUSAL=causal, HAS_LSE=lse is not None)
     if config is None:
         _flash_forward_autotuned[lambda c: (triton.cdiv(Sq, c["BLOCK_M"]), B * H)](*args, **meta)
     else:
         grid = (triton.cdiv(Sq, config.kwargs["BLOCK_M"]), B * H)
+        if descs is not None:
+            _set_block_shapes(
+                {"q_desc": descs[0], "k_desc": descs[1], "v_desc": descs[2], "D": D, **config.kwargs}
+            )
         _flash_forward_kernel[grid](
             *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
         )

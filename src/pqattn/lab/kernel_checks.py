@@ -422,7 +422,7 @@ def run_attention(case: dict, config: dict) -> tuple:
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
     cfg = triton.Config(
-        {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]},
+        {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"], "TMA": config["TMA"]},
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
