@@ -15,7 +15,8 @@ from pqattn import reference as ref
 from pqattn.kernels.attention import ATTENTION_CONFIGS, flash_forward
 
 CONFIG_IDS = [
-    f"M{c.kwargs['BLOCK_M']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}{'-tma' if c.kwargs['TMA'] else ''}"
+    f"M{c.kwargs['BLOCK_M']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}"
+    + ("-tma" if c.kwargs["TMA"] else "")
     for c in ATTENTION_CONFIGS
 ]
 ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # vs float64, outputs of magnitude <= ~1

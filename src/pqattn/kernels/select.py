@@ -218,17 +218,17 @@ def _top_k(key, need):
         frac = (c_lo - k).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
         guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
         probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
-        ge = key >= probe.to(tl.uint32)
-        c, above, below = _reduce3(
-            ge.to(tl.int32),
-            tl.where(ge, key, tl.full([], 0xFFFFFFFF, tl.uint32)),
-            tl.where(ge, tl.zeros([], tl.uint32), key),
-        )
+        p32 = probe.to(tl.uint32)
+        # key - probe wraps: keys at or above the probe map to [0, 2^32 - probe), the others above
+        # that, so the smallest difference gives the nearest key at or above the probe and the
+        # largest the nearest below it (lo < probe is one; zeros only win when nothing else is).
+        diff = key - p32
+        c, d_min, d_max = _reduce3((key >= p32).to(tl.int32), diff, diff)
         width = hi - lo
         up = c >= k
-        lo = tl.where(up, above.to(tl.int64), lo)
+        lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
         c_lo = tl.where(up, c, c_lo)
-        hi = tl.where(up, hi, below.to(tl.int64) + 1)
+        hi = tl.where(up, hi, (p32 + d_max).to(tl.int64) + 1)
         c_hi = tl.where(up, c_hi, c)
         bisect = 2 * (hi - lo) > width
         go = (c_lo != k) & (hi - lo > 1)
