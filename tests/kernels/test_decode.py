@@ -68,6 +68,15 @@ def test_weights_entry_and_dense(config: triton.Config, device: torch.device) ->
     _check({**case, "scale": 0.3}, config)
 
 
+def test_more_splits_than_one_combine_step(device: torch.device) -> None:
+    """Over 16 splits: the last program merges the partials in several steps (online maxima); one
+    row's count ends inside the first step, one inside the second."""
+    config = DECODE_CONFIGS[0]
+    L = 17 * config.kwargs["BLOCK_L"] + 9
+    counts = [L, 40, L - 20, 0]
+    _check(_case(device, B=1, H=4, Hkv=2, N=L + 10, L=L, D=16, dtype=torch.float16, counts=counts), config)
+
+
 def test_single_split_and_one_token(device: torch.device) -> None:
     """One selected token: the output is its value row exactly (up to the dtype's rounding)."""
     case = _case(device, B=1, H=1, Hkv=1, N=10, L=1, D=32, dtype=torch.float32, counts=[1])

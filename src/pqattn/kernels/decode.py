@@ -104,7 +104,9 @@ def _sparse_decode_kernel(
         e = start + tl.arange(0, BLOCK_N)
         ok = e < hi
         p = tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
+        # Both gathers are issued before any reduction: the value rows' latency overlaps the keys'.
         kt = tl.load(k_row + p[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
+        vt = tl.load(v_row + p[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
         s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)
         if HAS_W:
             if W_DENSE:
@@ -117,7 +119,6 @@ def _sparse_decode_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no NaN from -inf - -inf
         alpha = tl.exp2(m - m_safe)
         pr = tl.exp2(s - m_safe)
-        vt = tl.load(v_row + p[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
         acc = acc * alpha + tl.sum(pr[:, None] * vt.to(tl.float32), axis=0)
         s_sum = s_sum * alpha + tl.sum(pr, axis=0)
         m = m_new
@@ -136,11 +137,8 @@ def _sparse_decode_kernel(
             tl.atomic_xchg(lock_ptr + row, 0)  # ready for the next call
             rows = part_ptr + row.to(tl.int64) * n_splits * (D + 2)
             c = tl.arange(0, COMBINE)
+            # One pass, the partials' maxima merged online: a single round trip to L2 per COMBINE.
             m_all = tl.full([], float("-inf"), tl.float32)
-            for s0 in range(0, n_splits, COMBINE):
-                ms = tl.load(rows + (s0 + c) * (D + 2) + D, mask=s0 + c < n_splits, other=float("-inf"))
-                m_all = tl.maximum(m_all, tl.max(ms, axis=0))
-            m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
             acc = tl.zeros([D], dtype=tl.float32)
             s_sum = tl.zeros([], dtype=tl.float32)
             for s0 in range(0, n_splits, COMBINE):
@@ -151,9 +149,13 @@ def _sparse_decode_kernel(
                 accs = tl.load(
                     base[:, None] + d[None, :], mask=here[:, None], other=0.0, cache_modifier=".cg"
                 )
+                m_new = tl.maximum(m_all, tl.max(ms, axis=0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_all - m_safe)
                 f = tl.exp2(ms - m_safe)
-                acc += tl.sum(accs * f[:, None], axis=0)
-                s_sum += tl.sum(ls * f, axis=0)
+                acc = acc * alpha + tl.sum(accs * f[:, None], axis=0)
+                s_sum = s_sum * alpha + tl.sum(ls * f, axis=0)
+                m_all = m_new
             _finish(out_row, lse_ptr + row, acc, m_all, s_sum, D, HAS_LSE)
 
 
