@@ -35,6 +35,7 @@ def test_every_suite_and_impl_is_timed(tiny_doc) -> None:
             assert t[mode]["median_us"] > 0 and t[mode]["min_us"] <= t[mode]["median_us"]
             assert len(t[mode]["samples_us"]) == t[mode]["repeats"] >= 3
         assert r["profile"]["kernels"], "the CPU profile lists the ops that ran"
+        assert "autotuned" not in r, "no autotuner runs on a CPU"
 
 
 def test_speedups_are_ratios_of_same_mode_medians(tiny_doc) -> None:
@@ -174,3 +175,17 @@ def test_sync_free_case_is_graph_timed_on_gpu(device: torch.device) -> None:
     row = doc["results"][0]
     assert row["graph_error"] is None and row["primary"] == "graph"
     assert row["timings"]["graph"]["median_us"] > 0
+
+
+def test_autotuned_choice_is_recorded_per_row_on_gpu(device: torch.device) -> None:
+    """A row whose implementation ran an autotuned kernel records the config chosen for its shape;
+    baselines record none."""
+    if device.type != "cuda":
+        pytest.skip("the kernels are autotuned on the GPU only (one forced config under the interpreter)")
+    doc = run_bench(["prefill"], size="tiny", device=device, impls=["pqattn", "sdpa"])
+    for row in doc["results"]:
+        if row["impl"] == "pqattn":
+            cfg = row["autotuned"]["flash_forward"]
+            assert {"BLOCK_M", "BLOCK_N", "TMA", "num_warps", "num_stages"} <= cfg.keys()
+        else:
+            assert "autotuned" not in row

@@ -31,7 +31,7 @@ def _set_block_shapes(nargs: dict) -> None:
 
 
 # The autotune space; every config is exercised by the tests (interpreter and GPU) and the
-# config chosen per shape is recorded by the bench (`chosen_config`). TMA configs need
+# config chosen per shape is recorded in each bench row (`autotuned`). TMA configs need
 # descriptor-compatible tensors (16-byte aligned base and strides); they are pruned otherwise.
 ATTENTION_CONFIGS = [
     triton.Config(
@@ -136,6 +136,7 @@ def _flash_forward_kernel(
     Sk,
     qk_scale,  # scale * log2(e)
     seq_bucket,  # autotune key only
+    rows_bucket,  # autotune key only: B * H rounded up to a power of two (the grid's size)
     tma_ok,  # autotune key only: 1 when the descriptors exist (TMA configs are kept)
     D: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -248,7 +249,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 _flash_forward_autotuned = triton.autotune(
     configs=ATTENTION_CONFIGS,
-    key=["seq_bucket", "D", "CAUSAL", "HAS_LSE", "H", "G", "tma_ok"],
+    key=["seq_bucket", "rows_bucket", "D", "CAUSAL", "HAS_LSE", "G", "tma_ok"],
     prune_configs_by={"early_config_prune": _prune},
 )(_flash_forward_kernel)
 
@@ -262,14 +263,6 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | N
     return tuple(
         TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, t.shape[-1]]) for t in (q, k, v)
     )
-
-
-def chosen_configs() -> list[dict]:
-    """The autotuner's choice per tuned key (seq_bucket, D, CAUSAL, HAS_LSE, H, G, dtypes...)."""
-    return [
-        {"key": [str(x) for x in key], **cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        for key, cfg in _flash_forward_autotuned.cache.items()
-    ]
 
 
 def flash_forward(
@@ -320,6 +313,7 @@ def flash_forward(
         Sk,
         scale * _LOG2E,
         triton.next_power_of_2(max(Sq, Sk)),
+        triton.next_power_of_2(B * H),
         int(descs is not None),
     )
     meta = dict(D=D, CAUSAL=causal, HAS_LSE=lse is not None)

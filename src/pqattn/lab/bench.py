@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pqattn.kernels import autotuners
 from pqattn.lab import timing
 from pqattn.lab.env import environment, l2_bytes
 from pqattn.lab.roofline import measure_ceilings, rates
@@ -41,6 +42,15 @@ class Settings:
         if size == "tiny":
             return Settings(warmup_ms=0.0, target_ms=5.0, min_repeats=3, max_repeats=5, graph_target_us=50.0)
         return Settings()
+
+
+def _config_dict(config) -> dict:
+    return {
+        **config.kwargs,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "maxnreg": config.maxnreg,
+    }
 
 
 def primary_mode(timings: dict) -> str:
@@ -204,7 +214,15 @@ def run_bench(
             }
             if impl.skip is None:
                 print(f"{case.suite}/{case.name} {impl.name} ...", file=log, flush=True)
+                tuners = autotuners()
+                for tuner in tuners.values():
+                    tuner.best_config = None
                 row.update(run_impl(case, impl, inputs, device, settings, profile=profile))
+                used = {
+                    k: _config_dict(t.best_config) for k, t in tuners.items() if t.best_config is not None
+                }
+                if used:  # the autotuner's choice for this case, per kernel the implementation ran
+                    row["autotuned"] = used
                 mode = primary_mode(row["timings"])
                 row["primary"] = mode
                 row.update(rates(impl.bytes, impl.flops, row["timings"][mode]["median_us"], ceilings))
