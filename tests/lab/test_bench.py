@@ -182,10 +182,7 @@ def test_autotuned_choice_is_recorded_per_row_on_gpu(device: torch.device) -> No
     baselines record none."""
     if device.type != "cuda":
         pytest.skip("the kernels are autotuned on the GPU only (one forced config under the interpreter)")
-    doc = run_bench(["prefill"], size="tiny", device=device, impls=["pqattn", "sdpa"])
-    for row in doc["results"]:
-        if row["impl"] == "pqattn":
-            cfg = row["autotuned"]["flash_forward"]
-            assert {"BLOCK_M", "BLOCK_N", "TMA", "num_warps", "num_stages"} <= cfg.keys()
-        else:
-            assert "autotuned" not in row
+    doc = run_bench(["select"], size="tiny", device=device, impls=["pqattn", "torch.topk"])
+    rows = {r["impl"]: r for r in doc["results"]}
+    assert {"TILE", "num_warps", "maxnreg"} <= rows["pqattn"]["autotuned"]["pq_select"].keys()
+    assert "autotuned" not in rows["torch.topk"]
