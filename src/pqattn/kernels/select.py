@@ -179,17 +179,17 @@ _SEPARATE_REDUCTIONS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPR
 
 
 @triton.jit
-def _count_and_neighbours(c0, above0, below0, c1, above1, below1):
-    return c0 + c1, tl.minimum(above0, above1), tl.maximum(below0, below1)
+def _sum_min_max_combine(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, tl.minimum(b0, b1), tl.maximum(c0, c1)
 
 
 @triton.jit
-def _reduce3(count, above, below):
-    """(sum of count, min of above, max of below) over the tile."""
+def _sum_min_max(a, b, c):
+    """(sum of a, min of b, max of c) over the tile, in one reduction when compiled."""
     if _SEPARATE_REDUCTIONS:
-        return tl.sum(count), tl.min(above), tl.max(below)
+        return tl.sum(a), tl.min(b), tl.max(c)
     else:
-        return tl.reduce((count, above, below), 0, _count_and_neighbours)
+        return tl.reduce((a, b, c), 0, _sum_min_max_combine)
 
 
 @triton.jit
@@ -206,7 +206,7 @@ def _top_k(key, need):
     bisecting the bits needed 17-32. Keys equal to the k-th are taken in tile order until k are.
     """
     nz = key != 0
-    n_nz, lo, top = _reduce3(nz.to(tl.int32), tl.where(nz, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
+    n_nz, lo, top = _sum_min_max(nz.to(tl.int32), tl.where(nz, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
     k = tl.minimum(need, n_nz)
     lo = lo.to(tl.int64)
     hi = top.to(tl.int64) + 1
@@ -223,7 +223,7 @@ def _top_k(key, need):
         # that, so the smallest difference gives the nearest key at or above the probe and the
         # largest the nearest below it (lo < probe is one; zeros only win when nothing else is).
         diff = key - p32
-        c, d_min, d_max = _reduce3((key >= p32).to(tl.int32), diff, diff)
+        c, d_min, d_max = _sum_min_max((key >= p32).to(tl.int32), diff, diff)
         width = hi - lo
         up = c >= k
         lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
