@@ -237,16 +237,35 @@ def test_empty_clusters_are_reseeded_from_farthest_points() -> None:
     assert len(set(codes)) == 4, "every cluster should own points after re-seeding"
 
 
-def test_random_init_draws_distinct_valid_points() -> None:
-    """Uniform without replacement over each group's valid prefix; cycling below C points."""
-    G, n, d, C = 3, 500, 4, 64
+def test_init_draws_one_point_per_stratum() -> None:
+    """C distinct valid points, centre j from stratum j; cycling below C points; fixed by the seed."""
+    G, n, d, C = 4, 500, 4, 64
     x = torch.arange(G * n, dtype=torch.float64).reshape(G, n, 1).expand(G, n, d).contiguous()
-    n_valid = torch.tensor([500, 70, 10])
+    n_valid = torch.tensor([500, 70, 10, 0])
     valid = torch.arange(n) < n_valid[:, None]
-    init = ref_pq._random_init(x, valid, n_valid, C, seed=3)
+    init = ref_pq._init_centres(x, valid, n_valid, C, seed=3)
     point = init[..., 0].long() - torch.arange(G)[:, None] * n  # the index each centre came from
-    assert ((point >= 0) & (point < n_valid[:, None])).all()
+    j = torch.arange(C)
+    for g in (0, 1):
+        nv = int(n_valid[g])
+        assert ((point[g] >= j * nv // C) & (point[g] < (j + 1) * nv // C)).all(), "centre j leaves stratum j"
     assert point[0].unique().numel() == C and point[1].unique().numel() == C
-    assert point[2].unique().numel() == 10, "fewer points than C: every point, cycling"
-    assert torch.equal(init, ref_pq._random_init(x, valid, n_valid, C, seed=3)), "a seed fixes the init"
-    assert not torch.equal(init, ref_pq._random_init(x, valid, n_valid, C, seed=4))
+    assert torch.equal(point[2], j % 10), "fewer points than C: every point, cycling"
+    assert (init[3] == 0).all(), "an empty group's centres are zero"
+    assert torch.equal(init, ref_pq._init_centres(x, valid, n_valid, C, seed=3)), "a seed fixes the init"
+    assert not torch.equal(init, ref_pq._init_centres(x, valid, n_valid, C, seed=4))
+
+
+def test_init_picks_are_uniform_within_a_stratum() -> None:
+    """Over seeds, groups and strata, every offset inside a 10-point stratum is drawn about as often."""
+    picks = torch.cat([ref_pq.init_positions(torch.full((50,), 640), 64, seed) for seed in range(40)])
+    offsets = (picks % 10).flatten()
+    freq = torch.bincount(offsets, minlength=10).double() / offsets.numel()
+    assert (freq - 0.1).abs().max() < 0.01, freq
+
+
+def test_hash_is_the_same_for_ints_and_tensors(device: torch.device) -> None:
+    xs = [0, 1, 2, 12345, (1 << 31) + 7, (1 << 32) - 1]
+    got = ref_pq.hash32(torch.tensor(xs, device=device)).tolist()
+    assert got == [ref_pq.hash32(v) for v in xs]
+    assert all(0 <= v < 1 << 32 for v in got) and len(set(got)) == len(xs)

@@ -2,18 +2,19 @@
 
 Every (b, kv-head, sub-vector m) is a k-means group g = (b * Hkv + kvh) * M + m. A build is
   - one pass for the points' squared norms (and the ip metric's phi), one launch placing the
-    initial centres (the reference's seeded draw of data points, made on the CPU);
+    initial centres (the reference's seeded stratified draw, hashed in the kernel);
   - one launch per Lloyd iteration: P programs per group, each over a contiguous share of the
     group's tokens, read from the key cache in place (no float32 copy, no gathered points):
       1. distances to all C centres through tensor-core products (|c|^2 - 2 x.c), the nearest
          centre and its squared distance (the codes, straight into the [B, Hkv, N, M] uint8
          layout, are written by the last launch only);
       2. per-centre sums (the one-hot matrix's transposed product with the points), counts and
-         the objective, written as this program's partial;
+         ip coordinate sums (its product with a few extra columns), the objective, written as
+         this program's partial;
       3. the group's last program to finish (an acq_rel counter, as in the decode kernel's split
          combine) sums the P partials in program order, computes the new centres, reseeds empty
          clusters (the farthest points first, like the reference) and the early-stop flag.
-The loop never waits on the host: iterations are launched back to back, and a group that has
+Nothing waits on the host: iterations are launched back to back, and a group that has
 stopped skips its work (its assignment could not change). No float atomics: a seeded build gives
 the same index on every run. P fills one wave at the compiled kernel's occupancy.
 
@@ -37,11 +38,19 @@ import triton.language as tl
 from pqattn.kernels.select import interpreted
 from pqattn.reference import pq as ref
 
-# The autotune space: points per step, warps, register cap. Every config is exercised by the tests.
+# The tuning space: points per step, warps, pipeline depth of the point loads. Every config is
+# exercised by the tests. `default_config` picks per C (measured on the H200, 10-iteration builds):
+# C <= 64 runs 8 warps (N32K M2 C64: 768 us against 828 at 4 warps; N8K: 282 against 423), C = 256
+# runs 4 warps (N32K M4 C256: 3.9 ms against 5.4 at 8 warps).
 KMEANS_CONFIGS = [
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1, maxnreg=r)
-    for bn, w, r in ((128, 4, None), (64, 4, None), (128, 8, 128))
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=3) for bn, w in ((128, 8), (128, 4), (64, 4))
 ]
+
+
+def default_config(C: int) -> triton.Config:
+    return KMEANS_CONFIGS[0] if C <= 64 else KMEANS_CONFIGS[1]
+
+
 # How many tokens one pass of the empty-cluster search reads.
 RESEED_BLOCK = 1024
 # The step kernel's constexpr parameters after UPDATE, in order (a direct relaunch passes them).
@@ -80,7 +89,6 @@ def _norms_kernel(
     stride_kn,
     off,
     n,
-    chunk,
     d,
     IP: tl.constexpr,
     BD: tl.constexpr,
@@ -88,31 +96,39 @@ def _norms_kernel(
 ):
     """Squared norms of every point (0 past a sequence's length), read by each Lloyd step instead
     of recomputing them from the tile, and for ip phi[g] = their maximum, as the bit pattern of a
-    non-negative float32 (whose integer order is its float order) through atomic max."""
-    p = tl.program_id(0)
+    non-negative float32 (whose integer order is its float order) through atomic max. One block
+    of tokens per program: the pass is a single read of the keys, spread over the whole GPU."""
+    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
     base, nv = _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d)
     dd = tl.arange(0, BD)
-    best = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(p * chunk, tl.minimum((p + 1) * chunk, n), BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)
-        x = tl.load(
-            base + t[:, None].to(tl.int64) * stride_kn + dd[None, :],
-            mask=(t[:, None] < nv) & (dd[None, :] < d),
-            other=0.0,
-        ).to(tl.float32)
-        xx = tl.sum(x * x, axis=1)
-        tl.store(xx_ptr + g.to(tl.int64) * n + t, xx, mask=t < n)
-        best = tl.maximum(best, xx)
+    x = tl.load(
+        base + t[:, None].to(tl.int64) * stride_kn + dd[None, :],
+        mask=(t[:, None] < nv) & (dd[None, :] < d),
+        other=0.0,
+    ).to(tl.float32)
+    xx = tl.sum(x * x, axis=1)
+    tl.store(xx_ptr + g.to(tl.int64) * n + t, xx, mask=t < n)
     if IP:
-        tl.atomic_max(phi_bits_ptr + g, tl.max(best, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_max(phi_bits_ptr + g, tl.max(xx, axis=0).to(tl.int32, bitcast=True))
 
 
-@triton.jit(do_not_specialize=["off"])
+@triton.jit
+def _hash32(x):
+    """`pqattn.reference.pq.hash32` on uint32 values (multiplication wraps modulo 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit(do_not_specialize=["off", "seed_hash"])
 def _init_kernel(
     keys_ptr,
     lengths_ptr,
-    pick_ptr,  # [G, C] int64: initial centres' token indices (from `off`)
+    seed_hash,  # hash32(seed mod 2**32)
+    xx_ptr,  # [G, n] float32: squared norms
     phi_ptr,
     cent_ptr,
     aug_ptr,
@@ -131,19 +147,29 @@ def _init_kernel(
     CP: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """Centres = the picked points (zero for a group with no point), the loop's control reset."""
+    """Centres = the points `pqattn.reference.pq.init_positions` picks (zero for a group with no
+    point), the loop's control reset."""
     g = tl.program_id(0)
     base, nv = _group(g, lengths_ptr, keys_ptr, Hkv, M, stride_kb, stride_kh, stride_kn, off, n, d)
     cc = tl.arange(0, CP)
     dd = tl.arange(0, BD)
     real = cc < tl.where(nv > 0, C, 0)  # (a scalar & block mask comes out int32 in Triton 3.9's interpreter)
-    pick = tl.load(pick_ptr + g.to(tl.int64) * C + cc, mask=real, other=0)
+    h = _hash32(_hash32(seed_hash.to(tl.uint32) ^ g.to(tl.uint32)) ^ cc.to(tl.uint32)).to(tl.int64)
+    j = cc.to(tl.int64)
+    nv64 = nv.to(tl.int64)
+    lo = j * nv64 // C
+    size = tl.maximum((j + 1) * nv64 // C - lo, 1)
+    pick = tl.where(nv >= C, lo + h % size, j % tl.maximum(nv64, 1))
+    pick = tl.where(real, pick, 0)
     rows = tl.load(
         base + pick[:, None] * stride_kn + dd[None, :], mask=real[:, None] & (dd[None, :] < d), other=0.0
     ).to(tl.float32)
     tl.store(cent_ptr + g.to(tl.int64) * CP * BD + cc[:, None] * BD + dd[None, :], rows)
     if IP:
-        a = tl.sqrt(tl.maximum(tl.load(phi_ptr + g) - tl.sum(rows * rows, axis=1), 0.0))
+        # |x|^2 from the norms pass, not re-summed here: phi - |x|^2 must come out exactly 0 for
+        # the largest point (sqrt turns an ulp of phi there into an error of ~sqrt(ulp)).
+        xx = tl.load(xx_ptr + g.to(tl.int64) * n + pick, mask=real, other=0.0)
+        a = tl.sqrt(tl.maximum(tl.load(phi_ptr + g) - xx, 0.0))
         tl.store(aug_ptr + g * CP + cc, tl.where(real, a, 0.0))
     _reset_control(ctl_ptr, g, G)
 
@@ -194,6 +220,7 @@ def _lloyd_step_kernel(
     BLOCK_N: tl.constexpr,
     RB: tl.constexpr,
 ):
+    EXT: tl.constexpr = 16
     p = tl.program_id(0)
     n_prog = tl.num_programs(0)
     g = tl.program_id(1)
@@ -230,28 +257,23 @@ def _lloyd_step_kernel(
                 c2 = c2.to(dt)
                 c3 = c3.to(dt)
         sums = tl.zeros([CP, BD], dtype=tl.float32)
-        counts = tl.zeros([CP], dtype=tl.float32)
-        augs = tl.zeros([CP], dtype=tl.float32)
+        # Per-centre counts and ip coordinate sums come out of one more tensor-core product, the
+        # one-hot matrix's with EXT columns [1, a1, a2, a3, 0...] (a split into parts of the
+        # product's dtype, exact in float32 accumulation), instead of reductions over the tile.
+        ext = tl.zeros([CP, EXT], dtype=tl.float32)
+        col = tl.arange(0, EXT)
         obj = tl.zeros([BLOCK_N], dtype=tl.float32)
         lo = p * chunk
         hi = tl.minimum(lo + chunk, nv)
         # Padding tokens are never read: a cache past a sequence's length may hold NaN, and
-        # 0 * NaN in the one-hot product would poison the sums. The next block's load is issued
-        # before this block's products so that its latency overlaps them.
-        t_next = lo + tl.arange(0, BLOCK_N)
-        x_next = tl.load(
-            x_base + t_next[:, None].to(tl.int64) * stride_kn + dd[None, :],
-            mask=(t_next[:, None] < hi) & (dd[None, :] < d),
-            other=0.0,
-        )
+        # 0 * NaN in the one-hot product would poison the sums. (The loads are pipelined by the
+        # compiler, num_stages deep, through shared memory: a register prefetch cost occupancy.)
         for start in range(lo, tl.minimum(lo + chunk, n), BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             valid = t < nv
-            x = x_next
-            t_next = t + BLOCK_N
-            x_next = tl.load(
-                x_base + t_next[:, None].to(tl.int64) * stride_kn + dd[None, :],
-                mask=(t_next[:, None] < hi) & (dd[None, :] < d),
+            x = tl.load(
+                x_base + t[:, None].to(tl.int64) * stride_kn + dd[None, :],
+                mask=(t[:, None] < hi) & (dd[None, :] < d),
                 other=0.0,
             )
             xx = tl.load(xx_ptr + g.to(tl.int64) * n + t, mask=valid, other=0.0)
@@ -272,7 +294,27 @@ def _lloyd_step_kernel(
             nearest, best = tl.min(score, axis=1, return_indices=True)
             dist = tl.where(valid, tl.maximum(xx + nearest, 0.0), 0.0)
             tl.store(dist_ptr + g.to(tl.int64) * n + t, dist, mask=t < n)
-            if not UPDATE:
+            obj += dist
+            if UPDATE:
+                onehot = tl.where((best[:, None] == cc[None, :]) & valid[:, None], 1.0, 0.0)
+                if SPLITS == 0:
+                    sums += tl.dot(tl.trans(onehot), x, input_precision="tf32x3")
+                    e = tl.where(col[None, :] == 0, 1.0, tl.where(col[None, :] == 1, a[:, None], 0.0))
+                    ext += tl.dot(tl.trans(onehot), e, input_precision="tf32x3")
+                else:
+                    onehot = tl.trans(onehot.to(dt))
+                    sums = tl.dot(onehot, x, sums)
+                    a1 = a.to(dt)
+                    a_rest = a - a1.to(tl.float32)
+                    a2 = a_rest.to(dt)
+                    a3 = (a_rest - a2.to(tl.float32)).to(dt)
+                    e = tl.where(col[None, :] == 0, tl.full([BLOCK_N, EXT], 1.0, dt), 0.0).to(dt)
+                    if IP:
+                        e = tl.where(col[None, :] == 1, a1[:, None], e)
+                        e = tl.where(col[None, :] == 2, a2[:, None], e)
+                        e = tl.where(col[None, :] == 3, a3[:, None], e)
+                    ext = tl.dot(onehot, e, ext)
+            else:
                 code_at = (
                     code_ptr
                     + (g // M // Hkv).to(tl.int64) * stride_cb
@@ -280,23 +322,15 @@ def _lloyd_step_kernel(
                 )
                 code_at += (off + t).to(tl.int64) * stride_cn + g % M
                 tl.store(code_at, tl.where(valid, best, 0).to(tl.uint8), mask=t < n)
-            hit = (best[:, None] == cc[None, :]) & valid[:, None]
-            if SPLITS == 0:
-                onehot = tl.where(hit, 1.0, 0.0)
-                sums += tl.dot(tl.trans(onehot), x, input_precision="tf32x3")
-            else:
-                sums = tl.dot(tl.trans(tl.where(hit, 1.0, 0.0).to(dt)), x, sums)
-            counts += tl.sum(hit.to(tl.float32), axis=0)
-            if IP:
-                augs += tl.sum(tl.where(hit, a[:, None], 0.0), axis=0)
-            obj += dist
-
+        # The partial: [sums (CP x BD) | counts (CP) | ip sums (CP) | objective]; the last launch
+        # (codes) needs the objective only.
         PART: tl.constexpr = CP * BD + 2 * CP + 1
         part = part_ptr + (g.to(tl.int64) * n_prog + p) * PART
-        tl.store(part + cc[:, None] * BD + dd[None, :], sums)
-        tl.store(part + CP * BD + cc, counts)
-        tl.store(part + CP * BD + CP + cc, augs)
         tl.store(part + CP * BD + 2 * CP, tl.sum(obj, axis=0))
+        if UPDATE:
+            tl.store(part + cc[:, None] * BD + dd[None, :], sums)
+            tl.store(part + CP * BD + cc, tl.sum(tl.where(col[None, :] == 0, ext, 0.0), axis=1))
+            tl.store(part + CP * BD + CP + cc, tl.sum(tl.where(col[None, :] > 0, ext, 0.0), axis=1))
         tl.debug_barrier()  # every thread's partial and distance stores precede the release
         arrived = tl.atomic_add(ctl_ptr + g, 1, sem="acq_rel")
         if arrived == n_prog - 1:  # the group's last program combines and updates
@@ -307,10 +341,11 @@ def _lloyd_step_kernel(
             total = 0.0
             for q in range(0, n_prog):
                 pq = part_ptr + (g.to(tl.int64) * n_prog + q) * PART
-                sums += tl.load(pq + cc[:, None] * BD + dd[None, :], cache_modifier=".cg")
-                counts += tl.load(pq + CP * BD + cc, cache_modifier=".cg")
-                augs += tl.load(pq + CP * BD + CP + cc, cache_modifier=".cg")
                 total += tl.load(pq + CP * BD + 2 * CP, cache_modifier=".cg")
+                if UPDATE:
+                    sums += tl.load(pq + cc[:, None] * BD + dd[None, :], cache_modifier=".cg")
+                    counts += tl.load(pq + CP * BD + cc, cache_modifier=".cg")
+                    augs += tl.load(pq + CP * BD + CP + cc, cache_modifier=".cg")
             tl.store(hist_ptr + it * G + g, total)
             if UPDATE:
                 if tl.load(ctl_ptr + G + g) != 0:  # active: apply the update
@@ -322,7 +357,7 @@ def _lloyd_step_kernel(
                     if n_empty > 0:
                         new_c, new_aug = _reseed_empty(
                             new_c, new_aug, empty, n_empty, x_base, dist_ptr + g.to(tl.int64) * n,
-                            stride_kn, nv, C, d, phi, IP, BD, RB,
+                            xx_ptr + g.to(tl.int64) * n, stride_kn, nv, C, d, phi, IP, BD, RB,
                         )  # fmt: skip
                     old = tl.load(cent_ptr + g.to(tl.int64) * CP * BD + cc[:, None] * BD + dd[None, :])
                     shift = tl.sum(tl.sum((new_c - old) * (new_c - old), axis=1), axis=0)
@@ -338,7 +373,7 @@ def _lloyd_step_kernel(
 
 @triton.jit
 def _reseed_empty(
-    new_c, new_aug, empty, n_empty, x_base, dist_row, stride_kn, nv, C, d, phi,
+    new_c, new_aug, empty, n_empty, x_base, dist_row, xx_row, stride_kn, nv, C, d, phi,
     IP: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
 ):  # fmt: skip
     """The reference's rule: the e-th empty cluster (in index order) takes the (e mod min(nv, C))-th
@@ -368,7 +403,7 @@ def _reseed_empty(
         to_seed = empty & (rank % span == j)
         new_c = tl.where(to_seed[:, None], row[None, :], new_c)
         if IP:
-            new_aug = tl.where(to_seed, tl.sqrt(tl.maximum(phi - tl.sum(row * row, axis=0), 0.0)), new_aug)
+            new_aug = tl.where(to_seed, tl.sqrt(tl.maximum(phi - tl.load(xx_row + best_i), 0.0)), new_aug)
     return new_c, new_aug
 
 
@@ -410,9 +445,11 @@ def build_pq(
 ) -> ref.KMeansResult:
     """`pqattn.reference.pq.build_pq` with the Lloyd loop in Triton: same arguments, init, rules
     and outputs (keys fp16/bf16/fp32 [B, Hkv, N, D], last dim contiguous; lengths [B] int64 on
-    keys' device). Host syncs: the init draw reads the lengths, the result reads the iteration
-    count; none inside the loop. A build with no token to quantize is the reference's (nothing
-    to run). `config` forces one of KMEANS_CONFIGS.
+    keys' device). No host sync and no host-to-device copy: the init kernel draws the centres
+    from `seed` itself, the iteration count comes back as a device tensor and the objective with
+    all iters + 1 rows, so a build with a fixed shape can be captured in a CUDA graph. A build
+    with no token to quantize is the reference's (nothing to run). `config` forces one of
+    KMEANS_CONFIGS.
     """
     B, Hkv, N, D = keys.shape
     M, C = subvectors, 1 << bits
@@ -427,7 +464,7 @@ def build_pq(
     dev, ip = keys.device, metric == "ip"
     lengths = lengths.to(device=dev, dtype=torch.int64)
     CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
-    config = config or KMEANS_CONFIGS[0]
+    config = config or default_config(C)
     # The one-hot product stages [BLOCK_N, CP] operands in shared memory: cap the step for C = 256.
     block = min(config.kwargs["BLOCK_N"], max(16, 8192 // CP))
     geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
@@ -446,8 +483,6 @@ def build_pq(
         CP=CP, BD=BD, BLOCK_N=block, RB=RESEED_BLOCK,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if config.maxnreg:
-        meta["maxnreg"] = config.maxnreg
     strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
     # (the occupancy query compiles with stand-ins for the partials and the chunk: same specialisation)
     stand_in = (keys, lengths, cent, aug, phi, codes, xx, dist, dist, ctl, hist, *geometry, *strides, block)
@@ -474,32 +509,24 @@ def build_pq(
         G,
     )
 
-    _norms_kernel[(P, G)](
-        keys,
-        lengths,
-        xx,
-        phi.view(torch.int32),
-        *geometry,
-        init_offset,
-        n,
-        chunk,
-        d,
-        IP=ip,
-        BD=BD,
-        BLOCK_N=64,
-    )
+    norms_block = max(16, 8192 // BD)
+    _norms_kernel[(triton.cdiv(n, norms_block), G)](
+        keys, lengths, xx, phi.view(torch.int32), *geometry, init_offset, n, d,
+        IP=ip, BD=BD, BLOCK_N=norms_block,
+    )  # fmt: skip
     if init is None:
-        n_valid = (lengths.cpu() - init_offset).clamp(0, n).repeat_interleave(Hkv * M)
-        pick = ref.random_init_positions(n_valid, C, n, seed).to(dev).contiguous()
+        seed_hash = ref.hash32(seed & ref.HASH_MASK)
         _init_kernel[(G,)](
-            keys, lengths, pick, phi, cent, aug, ctl, *geometry, init_offset, n, C, d, G, IP=ip, CP=CP, BD=BD
-        )
+            keys, lengths, seed_hash, xx, phi, cent, aug, ctl, *geometry, init_offset, n, C, d, G,
+            IP=ip, CP=CP, BD=BD,
+        )  # fmt: skip
     else:
         c0 = init.reshape(G, C, -1).float()
         cent.zero_()[:, :C, :d] = c0[..., :d]
         if ip:
             aug[:, :C] = c0[..., d]
-        ctl.copy_(torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=dev)[:, None].expand(4, G))
+        ctl.zero_()
+        ctl[1:3].fill_(1)  # active, centres changed
     # Every update launch has the same arguments but `it` (not specialised on), so the first one's
     # compiled kernel is relaunched directly: Triton's dispatch costs ~50 us of host time a launch.
     step = None
@@ -509,7 +536,6 @@ def build_pq(
         else:
             step[(P, G, 1)](*args, it, tol, True, *(meta[k] for k in _STEP_CONSTEXPRS))
     _lloyd_step_kernel[(P, G)](*args, iters, tol, UPDATE=False, **meta)
-    done = int(ctl[3].max())
     centroids = cent[:, :C, :d]
     if ip:
         centroids = torch.cat([centroids, aug[:, :C, None]], dim=-1)
@@ -517,6 +543,6 @@ def build_pq(
         centroids=centroids.reshape(B, Hkv, M, C, -1),
         codes=codes,
         phi=phi.reshape(B, Hkv, M) if ip else None,
-        objective=hist[: done + 1].reshape(-1, B, Hkv, M),
-        iterations=done,
+        objective=hist.reshape(-1, B, Hkv, M),
+        iterations=ctl[3].amax(),
     )

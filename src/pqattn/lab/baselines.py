@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pqattn.reference import pq as ref_pq
+
 
 def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Dense decode attention through torch SDPA: q [B, H, D], k/v [B, Hkv, N, D] -> [B, H, D]."""
@@ -20,15 +22,16 @@ def kmeans_plain_torch(keys: torch.Tensor, *, subvectors: int, bits: int, iters:
     """The plain-torch k-means that issue 6 measures against: matmul distances, scatter-add updates.
 
     keys: [B, Hkv, N, D] -> (centroids [B, Hkv, M, C, dsub] float32, codes [B, Hkv, N, M] uint8).
-    Random init from data points; an empty cluster keeps its previous centre; always `iters` rounds.
+    Init from data points (the reference's seeded stratified draw: no generator, so the baseline
+    can be captured in a CUDA graph and timed like the kernel); an empty cluster keeps its previous
+    centre; always `iters` rounds.
     """
     B, Hkv, N, D = keys.shape
     M, C = subvectors, 2**bits
     dsub = D // M
     x = keys.float().reshape(B, Hkv, N, M, dsub).permute(0, 1, 3, 2, 4).reshape(B * Hkv * M, N, dsub)
     G = x.shape[0]
-    gen = torch.Generator(device=keys.device).manual_seed(seed)
-    pick = torch.rand(G, N, device=keys.device, generator=gen).argsort(dim=1)[:, :C]
+    pick = ref_pq.init_positions(torch.full((G,), N, device=keys.device), C, seed)
     centroids = x.gather(1, pick[..., None].expand(G, C, dsub))
     x_sq = (x * x).sum(-1, keepdim=True)
     for _ in range(iters):

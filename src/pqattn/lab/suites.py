@@ -417,8 +417,8 @@ def _build_case(
                 lambda x: ops.build_index(x["keys"], tol=0.0, **opts),
                 build_bytes,
                 build_flops,
-                note="Triton Lloyd loop on CUDA (one launch per iteration, no host sync inside "
-                "the loop), the reference on a CPU",
+                note="Triton Lloyd loop on CUDA (one launch per iteration, init drawn on the GPU, "
+                "no host sync: graph-capturable), the reference on a CPU",
                 skip=None
                 if device.type == "cuda"
                 else _too_big(dist_bytes, device, "the reference's distance blocks"),

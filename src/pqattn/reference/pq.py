@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 # Bound on G * tokens * C elements of one distance block, so builds with C=256 over 128K tokens
@@ -27,8 +26,12 @@ class KMeansResult(NamedTuple):
     centroids: torch.Tensor  # [B, Hkv, M, C, dsub(+1)]
     codes: torch.Tensor  # [B, Hkv, N, M] uint8
     phi: torch.Tensor | None  # [B, Hkv, M] (ip) or None
-    objective: torch.Tensor  # [iterations + 1, B, Hkv, M]: sum of squared distances after each assignment
-    iterations: int  # Lloyd iterations run (the longest-running group's count)
+    # [rounds, B, Hkv, M]: sum of squared distances after each assignment; a stopped group's rows
+    # repeat its last value. The reference has iterations + 1 rounds, the GPU build iters + 1.
+    objective: torch.Tensor
+    # Lloyd iterations run (the longest-running group's count): an int from the reference, a 0-d
+    # int tensor on the device from the GPU build (reading it would make the build wait).
+    iterations: int | torch.Tensor
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,52 +75,53 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
     return torch.cat(idx_parts, 1), torch.cat(dist_parts, 1)
 
 
-def random_init_positions(n_valid: torch.Tensor, C: int, n: int, seed: int) -> torch.Tensor:
-    """Indices [G, C] (CPU int64, contiguous) of C distinct points per group, drawn uniformly
-    without replacement from each group's n_valid[g] valid points (cycling when a group has
-    fewer than C).
+HASH_MASK = (1 << 32) - 1
 
-    The draw is made on the CPU so a seed gives the same init on every device, and it costs O(C)
-    per group, not O(n): the first C distinct values of 4C i.i.d. uniform draws from the group's
-    valid points form a uniform C-subset. A group where 4C draws give fewer than C distinct points
-    (only when it has not many more than C) takes a uniformly random permutation of its points.
-    The bookkeeping runs in numpy: a build pays this once per layer, and a dozen small torch CPU
-    ops cost ~10x more than the same numpy ones.
+
+def hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit integer mix (xor-shift-multiply) of values in [0, 2**32), in int64 arithmetic.
+
+    Both multipliers are below 2**31, so no intermediate overflows int64: a CPU tensor, a CUDA
+    tensor, a Python int and the Triton init kernel (uint32 arithmetic) agree bit for bit.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & HASH_MASK
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & HASH_MASK
+    return x ^ (x >> 15)
+
+
+def init_positions(n_valid: torch.Tensor, C: int, seed: int) -> torch.Tensor:
+    """Indices [G, C] int64 (on n_valid's device) of each group's initial centres among its
+    n_valid[g] valid points: a seeded stratified draw.
+
+    Centre j takes one point of stratum j, the points [j * nv // C, (j + 1) * nv // C): which one
+    is hash(seed, g, j) modulo the stratum's size. The C picks are distinct, spread over the whole
+    sequence (a token cache's keys drift with position), and cost O(C) per group with no host
+    round trip, so the GPU build draws them inside its init kernel; the hash gives the same
+    picks on every device. A group with fewer than C points cycles through all of them
+    (centre j = point j mod nv); an empty group's picks are 0 and its centres zero.
+    Seeds are taken modulo 2**32.
     """
     G = n_valid.shape[0]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    nv = n_valid.cpu().long().clamp_min(1).numpy()
-    draws = torch.randint(0, 1 << 62, (G, 4 * C), generator=gen).numpy() % nv[:, None]
-    # a stable sort by value: sort value * 4C + column (all distinct, so any sort is stable)
-    packed = np.sort(draws * (4 * C) + np.arange(4 * C), axis=1)
-    srt, order = packed // (4 * C), packed % (4 * C)
-    first_sorted = np.ones_like(srt, dtype=bool)
-    first_sorted[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    first = np.zeros_like(first_sorted)
-    np.put_along_axis(first, order, first_sorted, axis=1)  # first occurrences, in draw order
-    rank = np.cumsum(first, axis=1) - 1
-    take = first & (rank < C)
-    pick = np.zeros((G, C + 1), dtype=np.int64)
-    np.put_along_axis(pick, np.where(take, rank, C), draws, axis=1)  # column C collects the rest
-    pick = torch.from_numpy(np.ascontiguousarray(pick[:, :C]))
-    short = torch.from_numpy(take.sum(1) < C)
-    if bool(short.any()):
-        keys = torch.rand((int(short.sum()), n), generator=gen, dtype=torch.float64)
-        nv_short = torch.from_numpy(nv)[short, None]
-        keys = keys.masked_fill(torch.arange(n) >= nv_short, 2.0)  # invalid points sort last
-        perm = keys.argsort(dim=1)
-        pick[short] = perm.gather(1, (torch.arange(C)[None, :] % nv_short).clamp_max(n - 1))
-    return pick
+    dev = n_valid.device
+    nv = n_valid.long()[:, None]
+    j = torch.arange(C, device=dev)[None, :]
+    g = torch.arange(G, device=dev)[:, None]
+    h = hash32(hash32(hash32(seed & HASH_MASK) ^ g) ^ j)
+    lo = j * nv // C
+    size = ((j + 1) * nv // C - lo).clamp_min(1)
+    return torch.where(nv >= C, lo + h % size, j % nv.clamp_min(1))
 
 
-def _random_init(
+def _init_centres(
     x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, C: int, seed: int
 ) -> torch.Tensor:
-    """Initial centres [G, C, d]: the points `random_init_positions` picks (zeros for empty groups)."""
+    """Initial centres [G, C, d]: the points `init_positions` picks (zeros for empty groups)."""
     G, n, d = x.shape
     if n == 0:
         return x.new_zeros((G, C, d))
-    pick = random_init_positions(n_valid, C, n, seed).to(x.device)
+    pick = init_positions(n_valid, C, seed)
     init = x.gather(1, pick[..., None].expand(G, C, d))
     return init * (n_valid > 0)[:, None, None]
 
@@ -240,8 +244,8 @@ def build_pq(
 ) -> KMeansResult:
     """k-means PQ index of keys [B, Hkv, N, D] over tokens init_offset..lengths[b] (SPEC §1).
 
-    Init: C data points drawn uniformly without replacement from each group with a CPU generator
-    seeded by `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
+    Init: C distinct data points per group, one from each of C equal strata of its tokens, drawn
+    by `init_positions` from `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
     implementations from one init).
     """
     B, Hkv, N, _ = keys.shape
@@ -254,7 +258,7 @@ def build_pq(
         phi = norms.amax(1) if x.shape[1] else norms.new_zeros(norms.shape[0])
         x = augment_ip(x, phi)
     if init is None:
-        c0 = _random_init(x, valid, n_valid, C, seed)
+        c0 = _init_centres(x, valid, n_valid, C, seed)
     else:
         c0 = init.reshape(B * Hkv * M, C, x.shape[-1]).to(x.dtype)
     c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol)
