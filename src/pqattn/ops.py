@@ -186,7 +186,8 @@ def build_index(
     points drawn without replacement per group) and refined by at most `iters` Lloyd iterations;
     a group stops early once its total squared centre shift is below `tol`.
     Returns PQCodebook(centroids [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M] uint8, phi).
-    Not a decode-path call: it reads `lengths` on the host to validate them.
+    Given `lengths`, it reads them on the host to validate them; with lengths=None the CUDA build
+    never waits on the GPU and can be captured in a CUDA graph.
     """
     _check_keys("keys", keys)
     B, _, N, D = keys.shape
