@@ -217,7 +217,7 @@ def test_configs_for_heavy() -> None:
         tiles = [c.kwargs["TILE"] for c in configs_for(heavy)]
         kp = 1 << max(heavy - 1, 0).bit_length()
         assert tiles and all(t >= (4 * kp if heavy <= 4096 else 2 * kp) for t in tiles), (heavy, tiles)
-    assert configs_for(MAX_HEAVY + 1) == []
+    assert configs_for(MAX_HEAVY + 1) == ()
     assert pqattn.ops.MAX_KERNEL_HEAVY == MAX_HEAVY
 
 

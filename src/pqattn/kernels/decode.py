@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.select import interpreted
+from pqattn.kernels.tuned import TunedLauncher
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
 # by the tests and by `pqattn check`.
@@ -173,6 +174,7 @@ def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constex
 _sparse_decode_autotuned = triton.autotune(
     configs=DECODE_CONFIGS, key=["width", "D", "H", "G", "HAS_W", "W_DENSE"]
 )(_sparse_decode_kernel)
+_sparse_decode_tuned = TunedLauncher(_sparse_decode_autotuned)
 
 
 def sparse_decode(
@@ -257,7 +259,8 @@ def sparse_decode(
         COMBINE=_COMBINE,
     )
     if config is None:
-        _sparse_decode_autotuned[lambda c: (split_count(width, c["BLOCK_L"]), rows)](*args, **meta)
+        key = (width, D, H, H // Hkv, weights is not None, dense_weights)
+        _sparse_decode_tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), rows), args, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), rows)
         _sparse_decode_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps)

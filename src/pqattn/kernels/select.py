@@ -23,11 +23,14 @@ replayed from a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from pqattn.kernels.tuned import TunedLauncher
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
@@ -53,10 +56,11 @@ def _valid_tiles(kp: int) -> list[int]:
     return [t for t in tiles if t >= 4 * kp] or [t for t in tiles if t >= 2 * kp]
 
 
-def configs_for(heavy: int) -> list[triton.Config]:
+@functools.cache
+def configs_for(heavy: int) -> tuple[triton.Config, ...]:
     """The configs that serve this heavy size (see SELECT_CONFIGS); empty above MAX_HEAVY."""
     tiles = _valid_tiles(k_pad(heavy))
-    return [c for c in SELECT_CONFIGS if c.kwargs["TILE"] in tiles]
+    return tuple(c for c in SELECT_CONFIGS if c.kwargs["TILE"] in tiles)
 
 
 def tree_nodes(leaves: int, fan: int) -> int:
@@ -68,6 +72,7 @@ def tree_nodes(leaves: int, fan: int) -> int:
     return total
 
 
+@functools.cache  # the workspace sizes are recomputed on every call: keep them cheap
 def max_tree_nodes(n_tokens: int, heavy: int) -> int:
     """The most tree nodes any config serving `heavy` builds over n_tokens."""
     kp = k_pad(heavy)
@@ -420,6 +425,7 @@ _pq_select_autotuned = triton.autotune(
     key=["n_bucket", "H", "M", "C", "HAS_W", "K_PAD", "LUT_READY"],
     prune_configs_by={"early_config_prune": _prune},
 )(_pq_select_kernel)
+_pq_select_tuned = TunedLauncher(_pq_select_autotuned)
 
 
 def interpreted() -> bool:
@@ -482,6 +488,7 @@ def pq_select(
     lut = workspace[: rows * M * C].view(torch.float32)
     tree = workspace[rows * M * C :]
     w = weights if weights is not None else counts
+    n_bucket = 1 << max(n_tokens - 1, 0).bit_length()
     args = (
         q,
         centroids,
@@ -515,7 +522,7 @@ def pq_select(
         code_base,
         workspace_row_words(n_tokens, heavy),
         max_tree_nodes(n_tokens, heavy),
-        1 << max(n_tokens - 1, 0).bit_length(),
+        n_bucket,
     )
     if lut_kernel is None:
         lut_kernel = n_tokens > LUT_KERNEL_ABOVE
@@ -527,7 +534,8 @@ def pq_select(
     meta.update(HAS_W=weights is not None, K_PAD=kp, LUT_READY=lut_kernel)
     n_tok = max(n_tokens, 1)
     if config is None:
-        _pq_select_autotuned[lambda m: (triton.cdiv(n_tok, m["TILE"]), rows)](*args, **meta)
+        key = (n_bucket, H, M, C, weights is not None, kp, lut_kernel)
+        _pq_select_tuned(key, lambda m: (triton.cdiv(n_tok, m["TILE"]), rows), args, meta)
     else:
         grid = (triton.cdiv(n_tok, config.kwargs["TILE"]), rows)
         opts = {"maxnreg": config.maxnreg} if config.maxnreg else {}
