@@ -79,9 +79,11 @@ def test_fewer_points_than_centres(device) -> None:
         assert (got.codes[b, 0, n:] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("config", KMEANS_CONFIGS, ids=CONFIG_IDS)
-def test_every_config(config: triton.Config, device) -> None:
-    keys, lengths = _keys(device, 2, 2, 700, 64, torch.bfloat16, [700, 333])
+def test_every_config(config: triton.Config, dtype, device) -> None:
+    """Sub-vectors of 64 (D=128, M=2): the largest tiles, float32 ones included (shared memory)."""
+    keys, lengths = _keys(device, 2, 2, 700, 128, dtype, [700, 333])
     kw = dict(subvectors=2, bits=5, metric="ip", init_offset=1, iters=3, tol=0.0, seed=2)
     got = build_pq(keys, lengths, **kw, config=config)
     want = ref_pq.build_pq(keys.nan_to_num().double(), lengths, **kw)

@@ -41,7 +41,9 @@ from pqattn.reference import pq as ref
 # The tuning space: points per step, warps, pipeline depth of the point loads. Every config is
 # exercised by the tests. `default_config` picks per C (measured on the H200, 10-iteration builds):
 # C <= 64 runs 8 warps (N32K M2 C64: 768 us against 828 at 4 warps; N8K: 282 against 423), C = 256
-# runs 4 warps (N32K M4 C256: 3.9 ms against 5.4 at 8 warps).
+# runs 4 warps (N32K M4 C256: 3.9 ms against 5.4 at 8 warps). float32 keys take twice the shared
+# memory per stage (tf32x3 operands): they run unpipelined, as three stages of [128, 64] float32
+# points exceed the 227 KB of an H100/H200 SM.
 KMEANS_CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=3) for bn, w in ((128, 8), (128, 4), (64, 4))
 ]
@@ -494,7 +496,7 @@ def build_pq(
     meta = dict(
         IP=ip, SPLITS=_splits(keys.dtype), UPCAST=interpreted() and keys.dtype == torch.bfloat16,
         CP=CP, BD=BD, BLOCK_N=block, RB=RESEED_BLOCK,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages if keys.element_size() < 4 else 1,
     )  # fmt: skip
     strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
     # (the occupancy query compiles with stand-ins for the partials and the chunk: same specialisation)
