@@ -163,3 +163,11 @@ def test_a_build_is_captured_in_a_cuda_graph(device) -> None:
     torch.cuda.synchronize()
     assert torch.equal(captured.codes, eager.codes) and torch.equal(captured.centroids, eager.centroids)
     assert int(captured.iterations) == int(eager.iterations) == 5
+    # the public entry point, with no lengths to validate on the host, captures the same way
+    public = pqattn.build_index(keys[:1, :, :2000], subvectors=2, bits=6, iters=3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        book = pqattn.build_index(keys[:1, :, :2000], subvectors=2, bits=6, iters=3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(book.codes, public.codes) and torch.equal(book.centroids, public.centroids)
