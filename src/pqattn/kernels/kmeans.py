@@ -306,12 +306,12 @@ def _lloyd_step_kernel(
                 else:
                     onehot = tl.trans(onehot.to(dt))
                     sums = tl.dot(onehot, x, sums)
-                    a1 = a.to(dt)
-                    a_rest = a - a1.to(tl.float32)
-                    a2 = a_rest.to(dt)
-                    a3 = (a_rest - a2.to(tl.float32)).to(dt)
                     e = tl.where(col[None, :] == 0, tl.full([BLOCK_N, EXT], 1.0, dt), 0.0).to(dt)
                     if IP:
+                        a1 = a.to(dt)
+                        a_rest = a - a1.to(tl.float32)
+                        a2 = a_rest.to(dt)
+                        a3 = (a_rest - a2.to(tl.float32)).to(dt)
                         e = tl.where(col[None, :] == 1, a1[:, None], e)
                         e = tl.where(col[None, :] == 2, a2[:, None], e)
                         e = tl.where(col[None, :] == 3, a3[:, None], e)
