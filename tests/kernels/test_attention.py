@@ -12,7 +12,7 @@ import triton
 
 from pqattn import ops
 from pqattn import reference as ref
-from pqattn.kernels.attention import ATTENTION_CONFIGS, flash_forward
+from pqattn.kernels.attention import ATTENTION_CONFIGS, _l2_bytes, flash_forward, rows_per_group
 
 CONFIG_IDS = [
     f"M{c.kwargs['BLOCK_M']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}"
@@ -22,13 +22,13 @@ CONFIG_IDS = [
 ATOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # vs float64, outputs of magnitude <= ~1
 
 
-def _run(device, *, B, H, Hkv, Sq, Sk, D, dtype, causal, config, scale=None) -> None:
+def _run(device, *, B, H, Hkv, Sq, Sk, D, dtype, causal, config, scale=None, group_rows=None) -> None:
     q = torch.randn(B, H, Sq, D, device=device).to(dtype)
     k = (2 * torch.randn(B, Hkv, Sk, D, device=device)).to(dtype)
     v = torch.randn(B, Hkv, Sk, D, device=device).to(dtype)
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, Sq, device=device)
-    flash_forward(q, k, v, out=out, causal=causal, scale=scale, lse=lse, config=config)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, Sq), float("nan"), device=device)
+    flash_forward(q, k, v, out=out, causal=causal, scale=scale, lse=lse, config=config, group_rows=group_rows)
     want, want_lse = ref.dense_attention(
         q.double(), k.double(), v.double(), causal=causal, scale=scale, return_lse=True
     )
@@ -54,6 +54,36 @@ def _run(device, *, B, H, Hkv, Sq, Sk, D, dtype, causal, config, scale=None) -> 
 )
 def test_every_config(shape: dict, causal: bool, config: triton.Config, device: torch.device) -> None:
     _run(device, **shape, dtype=torch.float16, causal=causal, config=config)
+
+
+@pytest.mark.parametrize("group_rows", [1, 3, 64])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_launch_groups(group_rows: int, causal: bool, device: torch.device) -> None:
+    """The grid's row groups (the last one partial: 3 does not divide B * H = 8; 64 is one group)
+    cover every (query block, row) once."""
+    _run(
+        device,
+        B=2,
+        H=4,
+        Hkv=2,
+        Sq=45,
+        Sk=45,
+        D=16,
+        dtype=torch.float16,
+        causal=causal,
+        config=ATTENTION_CONFIGS[0],
+        group_rows=group_rows,
+    )
+
+
+def test_rows_per_group_fits_half_the_l2(device: torch.device) -> None:
+    k = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16, device=device)
+    assert rows_per_group(k, 32, causal=False) == 1
+    per_row = 2 * 4096 * 128 * 2 * 8 // 32  # key and value bytes of a row (4 rows share a kv head)
+    n = rows_per_group(k, 32, causal=True)
+    assert n & (n - 1) == 0 and n / 2**0.5 <= _l2_bytes(k.device) / (2 * per_row) <= n * 2**0.5
+    huge = torch.empty(1, 1, 1 << 26, 128, dtype=torch.bfloat16, device="meta")
+    assert rows_per_group(huge, 1, causal=True) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
