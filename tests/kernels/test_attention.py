@@ -59,8 +59,8 @@ def test_every_config(shape: dict, causal: bool, config: triton.Config, device: 
 @pytest.mark.parametrize("group_rows", [1, 3, 64])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_launch_groups(group_rows: int, causal: bool, device: torch.device) -> None:
-    """The grid's row groups (the last one partial: 3 does not divide B * H = 8; 64 is one group)
-    cover every (query block, row) once."""
+    """A causal launch's row groups (the last one partial: 3 does not divide B * H = 8; 64 is one
+    group) cover every (query block, row) once; full attention ignores the group size."""
     _run(
         device,
         B=2,
