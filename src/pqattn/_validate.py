@@ -34,12 +34,18 @@ def tensor(
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    label = f" {dims}" if dims else ""
     if shape is not None:
-        want = tuple(shape)
-        if t.dim() != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape, strict=True)):
-            shown = "[" + ", ".join("*" if w is None else str(w) for w in want) + "]"
-            raise ValueError(f"{name}: expected shape{label} = {shown}, got {list(t.shape)}")
+        got = t.shape
+        ok = len(got) == len(shape)
+        if ok:  # a plain loop: this runs on every decode-path call, generators cost more
+            for w, s in zip(shape, got, strict=True):
+                if w is not None and w != s:
+                    ok = False
+                    break
+        if not ok:
+            shown = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+            label = f" {dims}" if dims else ""
+            raise ValueError(f"{name}: expected shape{label} = {shown}, got {list(got)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {t.dtype}")
     if device is not None and t.device != device:

@@ -151,7 +151,12 @@ def indexer_next(
     if ops.kernel_path(q, pq_centroids, heavy_size):
         from pqattn.kernels.encode import pq_encode
 
-        pq_encode(new_keys.contiguous(), pq_centroids, phi, codes[:, :, n_quantized:])
+        pq_encode(
+            new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous(),
+            pq_centroids,
+            phi,
+            codes[:, :, n_quantized:],
+        )
         width = ref.selection_width(sink_size, window_size, heavy_size, min(threshold, N))
         out = Selection(
             torch.empty(B, H, width, dtype=torch.int64, device=query.device),

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pqattn.kernels.select import interpreted
+from pqattn.kernels.launch import interpreted
 
 
 def _set_block_shapes(nargs: dict) -> None:

@@ -11,14 +11,14 @@ the counts: no host sync, and the same launch replays from a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.select import interpreted
-from pqattn.kernels.tuned import TunedLauncher
+from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
 # by the tests and by `pqattn check`.
@@ -31,9 +31,10 @@ _LOG2E = 1.4426950408889634
 
 
 def split_count(width: int, block_l: int) -> int:
-    return max(triton.cdiv(width, block_l), 1)
+    return max(-(-width // block_l), 1)  # (triton.cdiv is a constexpr function: slow on the host)
 
 
+@functools.cache  # on every call's path: keep it cheap
 def workspace_numel(rows: int, width: int, D: int) -> int:
     """int32 elements of the decode workspace: a counter per row, then float32 partials
     (D values, max, sum) for every split of the smallest BLOCK_L."""
@@ -51,8 +52,7 @@ def _sparse_decode_kernel(
     w_ptr,
     out_ptr,
     lse_ptr,
-    lock_ptr,
-    part_ptr,
+    ws_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -96,6 +96,10 @@ def _sparse_decode_kernel(
     pos_row = pos_ptr + b * stride_pb + h * stride_ph
     w_row = w_ptr + b * stride_wb + h * stride_wh
 
+    # The workspace: a counter per row, then the float32 partials (one tensor argument instead of
+    # two views: slicing it on every call costs host time).
+    lock_ptr = ws_ptr
+    part_ptr = (ws_ptr + tl.num_programs(1)).to(tl.pointer_type(tl.float32), bitcast=True)
     m = tl.full([], float("-inf"), tl.float32)
     s_sum = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([D], dtype=tl.float32)
@@ -175,6 +179,7 @@ _sparse_decode_autotuned = triton.autotune(
     configs=DECODE_CONFIGS, key=["width", "D", "H", "G", "HAS_W", "W_DENSE"]
 )(_sparse_decode_kernel)
 _sparse_decode_tuned = TunedLauncher(_sparse_decode_autotuned)
+_sparse_decode_launch = Launcher(_sparse_decode_kernel)
 
 
 def sparse_decode(
@@ -214,38 +219,17 @@ def sparse_decode(
     if interpreted() and config is None:
         config = DECODE_CONFIGS[0]
     rows = B * H
-    lock = workspace[:rows]
-    part = workspace[rows:].view(torch.float32)
-    w = weights if weights is not None else counts.reshape(B, H, 1)
+    w = weights if weights is not None else positions  # (not read without weights)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    args = (
-        q,
-        k,
-        v,
-        positions,
-        counts,
-        w,
-        out,
-        lse if lse is not None else part,
-        lock,
-        part,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        positions.stride(0),
-        positions.stride(1),
-        counts.stride(0),
-        counts.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        out.stride(0),
-        out.stride(1),
+    tensors = (q, k, v, positions, counts, w, out, lse if lse is not None else workspace, workspace)
+    scalars = (
+        *q.stride()[:2],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *positions.stride()[:2],
+        *counts.stride(),
+        *w.stride(),
+        *out.stride()[:2],
         H,
         H // Hkv,
         width,
@@ -260,7 +244,7 @@ def sparse_decode(
     )
     if config is None:
         key = (width, D, H, H // Hkv, weights is not None, dense_weights)
-        _sparse_decode_tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), rows), args, meta)
+        _sparse_decode_tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), rows), tensors, scalars, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), rows)
-        _sparse_decode_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps)
+        _sparse_decode_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})

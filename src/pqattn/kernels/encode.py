@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pqattn.kernels.launch import Launcher
+
 
 @triton.jit
 def _pq_encode_kernel(
@@ -74,6 +76,9 @@ def _pq_encode_kernel(
         tl.store(out + m * stride_om, code.to(out_ptr.dtype.element_ty))
 
 
+_pq_encode_launch = Launcher(_pq_encode_kernel)
+
+
 def pq_encode(
     keys: torch.Tensor,
     centroids: torch.Tensor,
@@ -92,27 +97,15 @@ def pq_encode(
     ip = width == dsub + 1
     if T == 0:
         return
-    _pq_encode_kernel[(B * Hkv * T,)](
-        keys,
-        centroids,
-        phi if ip else centroids,
-        base if base is not None else centroids,
-        out,
-        keys.stride(0),
-        keys.stride(1),
-        keys.stride(2),
-        centroids.stride(0),
-        centroids.stride(1),
-        centroids.stride(2),
-        centroids.stride(3),
-        *out.stride(),
-        Hkv,
-        T,
-        M=M,
-        C=C,
-        DSUB=dsub,
-        BLOCK_D=min(dsub, 64),
-        IP=ip,
-        HAS_BASE=base is not None,
-        num_warps=4,
+    _pq_encode_launch(
+        (B * Hkv * T,),
+        (keys, centroids, phi if ip else centroids, base if base is not None else centroids, out),
+        (
+            *keys.stride()[:3],
+            *centroids.stride()[:4],
+            *out.stride(),
+            Hkv,
+            T,
+        ),
+        dict(M=M, C=C, DSUB=dsub, BLOCK_D=min(dsub, 64), IP=ip, HAS_BASE=base is not None, num_warps=4),
     )

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.select import interpreted
+from pqattn.kernels.launch import Launcher, interpreted
 from pqattn.reference import pq as ref
 
 # The tuning space: points per step, warps, pipeline depth of the point loads. Every config is
@@ -55,8 +55,6 @@ def default_config(C: int) -> triton.Config:
 
 # How many tokens one pass of the empty-cluster search reads.
 RESEED_BLOCK = 1024
-# The step kernel's constexpr parameters after UPDATE, in order (a direct relaunch passes them).
-_STEP_CONSTEXPRS = ("IP", "SPLITS", "UPCAST", "CP", "BD", "BLOCK_N", "RB")
 # Programs of the step kernel one SM holds, per compiled variant (from its registers and shared memory).
 _RESIDENT: dict[tuple, int] = {}
 
@@ -409,6 +407,9 @@ def _reseed_empty(
     return new_c, new_aug
 
 
+_lloyd_step_launch = Launcher(_lloyd_step_kernel)
+
+
 def _point_blocks(cap: int, CP: int, BD: int) -> tuple[int, int]:
     """Points per step of the update launches and of the last (codes) launch, at most `cap`.
 
@@ -504,18 +505,9 @@ def build_pq(
     P = _programs_per_group((*stand_in, C, d, G), {**meta, "UPDATE": True}, G, n, dev)
     chunk = triton.cdiv(triton.cdiv(n, P), last_block) * last_block  # a multiple of both blocks
     parts = torch.empty(G, P, CP * BD + 2 * CP + 1, **f32)
+    tensors = (keys, lengths, cent, aug, phi, codes, xx, dist, parts, ctl, hist)
     args = (
-        keys,
-        lengths,
-        cent,
-        aug,
-        phi,
-        codes,
-        xx,
-        dist,
-        parts,
-        ctl,
-        hist,
+        *tensors,
         *geometry,
         *strides,
         chunk,
@@ -542,14 +534,9 @@ def build_pq(
             aug[:, :C] = c0[..., d]
         ctl.zero_()
         ctl[1:3].fill_(1)  # active, centres changed
-    # Every update launch has the same arguments but `it` (not specialised on), so the first one's
-    # compiled kernel is relaunched directly: Triton's dispatch costs ~50 us of host time a launch.
-    step = None
+    # Triton's dispatch costs ~50 us of host time a launch: the Launcher relaunches the compiled kernel.
     for it in range(iters):
-        if step is None or interpreted():
-            step = _lloyd_step_kernel[(P, G)](*args, it, tol, UPDATE=True, **meta)
-        else:
-            step[(P, G, 1)](*args, it, tol, True, *(meta[k] for k in _STEP_CONSTEXPRS))
+        _lloyd_step_launch((P, G), tensors, (*args[len(tensors) :], it, tol), {"UPDATE": True, **meta})
     _lloyd_step_kernel[(P, G)](*args, iters, tol, UPDATE=False, **{**meta, "BLOCK_N": last_block})
     centroids = cent[:, :C, :d]
     if ip:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.tuned import TunedLauncher
+from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
@@ -82,6 +82,7 @@ def max_tree_nodes(n_tokens: int, heavy: int) -> int:
     )
 
 
+@functools.cache
 def workspace_row_words(n_tokens: int, heavy: int) -> int:
     """int32 words per row of the tree workspace: a counter per node, then the slots (keys,
     positions, count). The layout is the same for every config (sized by the largest tree), so the
@@ -137,10 +138,17 @@ def _write_lut(
 
 
 @triton.jit
+def _lut_base(ws_ptr):
+    """The LUTs open the int32 workspace, as float32 (one tensor argument instead of two views:
+    slicing the workspace on every call costs host time)."""
+    return ws_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
+
+
+@triton.jit
 def _pq_lut_kernel(
     q_ptr,
     cent_ptr,
-    lut_ptr,
+    ws_ptr,
     stride_qb,
     stride_qh,
     stride_cb,
@@ -161,7 +169,7 @@ def _pq_lut_kernel(
     _write_lut(
         q_ptr + b * stride_qb + h * stride_qh,
         cent_ptr + b * stride_cb + (h // G) * stride_ck,
-        lut_ptr + row * (M * C),
+        _lut_base(ws_ptr) + row * (M * C),
         stride_cm,
         stride_cc,
         M,
@@ -256,7 +264,6 @@ def _pq_select_kernel(
     cent_ptr,
     codes_ptr,
     len_ptr,
-    lut_ptr,
     ws_ptr,
     pos_ptr,
     cnt_ptr,
@@ -337,7 +344,7 @@ def _pq_select_kernel(
         # Row r of the codes holds token code_base + r; only tokens >= cand_lo >= code_base are read.
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
         code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
-        lut_row = lut_ptr + row * (M * C)
+        lut_row = _lut_base(ws_ptr) + row * (M * C)
         tile_lo = leaf * TILE
         if (tl.minimum(cand_hi, tile_lo + TILE) > tl.maximum(cand_lo, tile_lo)) & (not LUT_READY):
             _write_lut(
@@ -356,7 +363,8 @@ def _pq_select_kernel(
         pos = offs
 
         # 2. Merge tree: write this node's top-k to its slot; the last child to arrive merges.
-        ws = ws_ptr + row.to(tl.int64) * ws_row
+        # the tree rows follow the LUTs of all B * H rows
+        ws = ws_ptr + tl.num_programs(1) * (M * C) + row.to(tl.int64) * ws_row
         slot_key = ws + n_nodes  # n_nodes: the largest tree of any config (a fixed layout)
         slot_pos = slot_key + n_nodes * K_PAD
         slot_cnt = slot_pos + n_nodes * K_PAD
@@ -426,10 +434,8 @@ _pq_select_autotuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
 )(_pq_select_kernel)
 _pq_select_tuned = TunedLauncher(_pq_select_autotuned)
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+_pq_select_launch = Launcher(_pq_select_kernel)
+_pq_lut_launch = Launcher(_pq_lut_kernel)
 
 
 def pq_select(
@@ -485,31 +491,15 @@ def pq_select(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
             f"with {workspace.numel()}"
         )
-    lut = workspace[: rows * M * C].view(torch.float32)
-    tree = workspace[rows * M * C :]
     w = weights if weights is not None else counts
     n_bucket = 1 << max(n_tokens - 1, 0).bit_length()
-    args = (
-        q,
-        centroids,
-        codes,
-        lengths,
-        lut,
-        tree,
-        positions,
-        counts,
-        w,
-        q.stride(0),
-        q.stride(1),
-        centroids.stride(0),
-        centroids.stride(1),
-        centroids.stride(2),
-        centroids.stride(3),
+    tensors = (q, centroids, codes, lengths, workspace, positions, counts, w)
+    scalars = (
+        *q.stride()[:2],
+        *centroids.stride()[:4],
         *codes.stride(),
-        positions.stride(0),
-        positions.stride(1),
-        w.stride(0),
-        w.stride(1),
+        *positions.stride()[:2],
+        *w.stride()[:2],
         H,
         H // Hkv,
         weights.shape[2] if weights is not None else 0,
@@ -528,15 +518,12 @@ def pq_select(
         lut_kernel = n_tokens > LUT_KERNEL_ABOVE
     meta = dict(M=M, C=C, DSUB=dsub, BLOCK_D=min(dsub, 64))
     if lut_kernel:
-        _pq_lut_kernel[(rows,)](
-            q, centroids, lut, q.stride(0), q.stride(1), *centroids.stride()[:4], H, H // Hkv, **meta
-        )
+        _pq_lut_launch((rows,), (q, centroids, workspace), (*scalars[:6], H, H // Hkv), meta)
     meta.update(HAS_W=weights is not None, K_PAD=kp, LUT_READY=lut_kernel)
     n_tok = max(n_tokens, 1)
     if config is None:
         key = (n_bucket, H, M, C, weights is not None, kp, lut_kernel)
-        _pq_select_tuned(key, lambda m: (triton.cdiv(n_tok, m["TILE"]), rows), args, meta)
+        _pq_select_tuned(key, lambda m: (-(-n_tok // m["TILE"]), rows), tensors, scalars, meta)
     else:
-        grid = (triton.cdiv(n_tok, config.kwargs["TILE"]), rows)
-        opts = {"maxnreg": config.maxnreg} if config.maxnreg else {}
-        _pq_select_kernel[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, **opts)
+        grid = (-(-n_tok // config.kwargs["TILE"]), rows)
+        _pq_select_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})

@@ -1,0 +1,166 @@
+"""Launcher: a cached compiled kernel per argument specialisation, launched without Triton's
+dispatch; TunedLauncher: the autotuner runs once per key, later calls launch its choice directly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.kernels.launch import Launcher, TunedLauncher, arg_spec, interpreted
+
+try:  # Triton's own specialisation of one argument (a private API: the test skips without it)
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+except ImportError:  # pragma: no cover - depends on the Triton version
+    native_specialize_impl = None
+
+
+def _tensor_args() -> list[torch.Tensor]:
+    base = [
+        torch.zeros(64, dtype=dt)
+        for dt in (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32)
+    ]
+    return base + [t[1:] for t in base] + [t[4:] for t in base]
+
+
+INTS = [-(2**63), -(2**31) - 1, -(2**31), -17, -16, -1, 0, 1, 2, 15, 16, 17, 32, 2**31 - 16, 2**31 - 1]
+INTS += [2**31, 2**31 + 16, 2**63 - 16, 2**63, 2**64 - 16, 2**64 - 1]
+
+
+@pytest.mark.skipif(native_specialize_impl is None, reason="this Triton has no native_specialize_impl")
+def test_arg_spec_is_at_least_as_fine_as_tritons_specialisation() -> None:
+    """Two arguments with one key must compile to one kernel: equal keys imply equal
+    specialisations (the converse need not hold: a finer key only costs a dispatch)."""
+    values = [*INTS, True, False, 0.5, 1.0, None, *_tensor_args()]
+    spec = [arg_spec(v) for v in values]
+    triton_spec = [native_specialize_impl(BaseBackend, v, False, True, True) for v in values]
+    for i, j in itertools.combinations(range(len(values)), 2):
+        if spec[i] == spec[j]:
+            assert triton_spec[i] == triton_spec[j], (values[i], values[j])
+    assert len(set(spec)) >= len(set(map(str, triton_spec)))
+
+
+def test_arg_spec_refuses_unknown_types() -> None:
+    with pytest.raises(TypeError, match="launch argument"):
+        arg_spec("16")
+
+
+@triton.jit
+def _affine(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(y_ptr + i, (x * a + n).to(y_ptr.dtype.element_ty), mask=i < n)
+
+
+def test_launcher_matches_the_jit_launch_for_every_specialisation(device: torch.device) -> None:
+    """Lengths 1 (a compiled-in constant), 16 (divisible) and 37, aligned and unaligned pointers,
+    two dtypes, each launched several times: the cached launches write what the kernel computes."""
+    launch = Launcher(_affine)
+    for n, offset, dtype in itertools.product((1, 16, 37), (0, 1), (torch.float32, torch.float16)):
+        for a in (0.5, 2.0, 0.5, 2.0, 2):  # repeated scalars take the exact-argument cache
+            # small integers times powers of two: exact in every dtype, so the check is exact
+            x = torch.randint(-8, 8, (n + offset,), device=device).to(dtype)[offset:]
+            y = torch.full((n + offset,), float("nan"), device=device, dtype=dtype)[offset:]
+            launch((triton.cdiv(n, 16),), (x, y), (n, a), {"BLOCK": 16})
+            torch.testing.assert_close(y, (x.float() * a + n).to(dtype), rtol=0, atol=0)
+    if not interpreted():  # one kernel per specialisation (a float or int `a` among them)
+        assert len(launch.kernels) == 3 * 2 * 2 * 2
+
+
+def test_launcher_refuses_missing_constexprs(device: torch.device) -> None:
+    if interpreted():
+        pytest.skip("the interpreter runs Triton's own launch, which reports this itself")
+    x = torch.zeros(4, device=device)
+    with pytest.raises(TypeError, match="BLOCK"):
+        Launcher(_affine)((1,), (x, x), (4, 1.0), {})
+
+
+def test_launcher_is_captured_by_a_cuda_graph(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    launch = Launcher(_affine)
+    x = torch.randn(40, device=device)
+    y = torch.empty_like(x)
+    launch((3,), (x, y), (40, 2.0), {"BLOCK": 16})  # compiles; the capture then launches directly
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch((3,), (x, y), (40, 2.0), {"BLOCK": 16})
+    x.copy_(torch.randn(40, device=device))
+    graph.replay()
+    torch.testing.assert_close(y, x * 2.0 + 40)
+
+
+def test_launch_hooks_see_every_launch(device: torch.device) -> None:
+    """A profiler's launch hook sees the Launcher's launches (they take Triton's path then)."""
+    if interpreted():
+        pytest.skip("the interpreter has no launch hooks")
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    launch = Launcher(_affine)
+    x = torch.randn(16, device=device)
+    launch((1,), (x, x), (16, 1.0), {"BLOCK": 16})
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch((1,), (x, x), (16, 1.0), {"BLOCK": 16})
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
+
+
+class _Recorder:
+    """Stands in for a JIT function or an autotuner: records each launch's grid and arguments."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.name, grid, args, kw))
+
+
+class _FakeAutotuner(_Recorder):
+    def __init__(self, configs: list[triton.Config], pick: int) -> None:
+        self.log: list = []
+        super().__init__(self.log, "autotuner")
+        self.configs, self.pick, self.best_config = configs, pick, None
+        self.fn = _Recorder(self.log, "kernel")
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.best_config = self.configs[self.pick]
+            self.log.append(("autotuner", grid(self.best_config.kwargs), args, kw))
+
+        return run
+
+
+CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 64}, num_warps=8, num_stages=2)]
+
+
+def test_autotunes_once_per_key_then_launches_the_choice() -> None:
+    tuner = _FakeAutotuner(CONFIGS, pick=1)
+    launch = TunedLauncher(tuner)
+    launch.launch = lambda grid, tensors, scalars, kw: tuner.log.append(
+        ("kernel", grid, tensors + scalars, kw)
+    )
+    x = torch.zeros(3)
+    grid = lambda c: (100 // c["BLOCK"], 2)  # noqa: E731
+    launch((7, True), grid, (x,), (5,), {"D": 32})
+    tuner.best_config = None  # the lab resets it before a call and reads it after
+    launch((7, True), grid, (x,), (6,), {"D": 32})
+    assert [e[0] for e in tuner.log] == ["autotuner", "kernel"]
+    _, g, args, kw = tuner.log[1]
+    assert g == (1, 2) and args == (x, 6)
+    assert kw == {"D": 32, "BLOCK": 64, "num_warps": 8, "num_ctas": 1, "num_stages": 2}
+    assert tuner.best_config is CONFIGS[1]
+    launch((8, True), grid, (x,), (6,), {"D": 32})  # another key
+    launch((7, True), grid, (x.double(),), (6,), {"D": 32})  # another dtype: the autotuner's key has it
+    assert [e[0] for e in tuner.log] == ["autotuner", "kernel", "autotuner", "autotuner"]
+
+
+def test_configs_with_a_pre_hook_are_refused() -> None:
+    hooked = [triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: None)]
+    with pytest.raises(ValueError, match="pre-hook"):
+        TunedLauncher(_FakeAutotuner(hooked, pick=0))
