@@ -93,6 +93,8 @@ class Launcher:
             self.fn[grid](*tensors, *scalars, **kwargs)
             return
         device = _current_device()
+        # arg_spec of the tensors, inline (a call per tensor costs); either key below only picks
+        # the compiled kernel, the launch passes this call's own arguments
         head = (device, *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors], *kwargs.items())
         exact = (head, scalars, *map(type, scalars))  # the types: True == 1 == 1.0 in a tuple
         entry = self.recent.get(exact)
@@ -140,9 +142,9 @@ class TunedLauncher:
     """Wraps a `triton.autotune`d kernel whose configs have no pre-hook.
 
     key: the autotuner's key values (the tensors' dtypes and the device are added here, as the
-    autotuner adds the dtypes to its own key); grid: config kwargs -> launch grid; tensors,
-    scalars: as for Launcher. The autotuner's
-    `best_config` is kept current, so the lab still records the config each call ran.
+    autotuner adds the dtypes to its own key); grid: config kwargs -> launch grid; tensors and
+    scalars as for Launcher. The autotuner's `best_config` is kept current, so the lab still
+    records the config each call ran.
     """
 
     def __init__(self, autotuned: triton.runtime.Autotuner) -> None:
