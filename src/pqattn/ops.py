@@ -53,7 +53,8 @@ def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0
 def select_workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
     """int32 elements of the selection kernel's workspace for rows = B * H query rows over a token
     axis of n_tokens: the LUTs plus the merge tree's slots, about rows * (n_tokens / TILE) * heavy * 8
-    bytes. Allocate it zero-filled, once; the kernel leaves it reusable."""
+    bytes. Allocate it zero-filled, once; the kernel leaves it reusable by calls with the same
+    rows, M, C, n_tokens and heavy (its counters lie at places that depend on them)."""
     from pqattn.kernels.select import workspace_numel
 
     return workspace_numel(rows, M, C, n_tokens, heavy)
@@ -310,7 +311,8 @@ def select_topk(
     counts [B, H] int32). The order of positions carries no meaning.
     Kernel path only: `out` (a Selection of that shape) and `workspace` (zero-filled int32 of
     select_workspace_numel(B * H, M, C, N, heavy) elements) are used instead of allocating, for a
-    decode loop with no allocation.
+    decode loop with no allocation. One workspace serves calls of one (B * H, M, C, N, heavy); the
+    kernel leaves it ready for the next such call, not for another layout.
     """
     _check_score_inputs(q, centroids, codes)
     _check_lengths(lengths, q.shape[0], q.device)

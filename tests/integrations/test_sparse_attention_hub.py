@@ -152,3 +152,56 @@ def test_sparse_attention_takes_the_originals_outputs(device: torch.device) -> N
     order = keep.sort(-1, descending=True).values
     want = ref.sparse_decode(query.double(), keys.double(), values.double(), order, (order >= 0).sum(-1))
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_workspace_follows_the_layout() -> None:
+    """The cached workspace is reused while the tree's layout stays (N grows inside a leaf) and
+    replaced by a zeroed one when it changes (N crosses a leaf boundary): the kernel's counters
+    move with the layout, so stale slots would read as counters."""
+    from pqattn.integrations.sparse_attention_hub import _workspace
+    from pqattn.kernels.select import SELECT_CONFIGS
+
+    tile = min(c.kwargs["TILE"] for c in SELECT_CONFIGS)
+    device = torch.device("cpu")  # the cache's logic; the kernel's side runs in the next test
+    a = _workspace(device, 8, 2, 16, tile - 10, 16)
+    a.fill_(5)  # as a call leaves its slots
+    assert _workspace(device, 8, 2, 16, tile - 9, 16) is a
+    b = _workspace(device, 8, 2, 16, tile + 10, 16)
+    assert b is not a and not b.any()
+    assert _workspace(device, 16, 2, 16, tile + 10, 16) is not b
+
+
+def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
+    """Consecutive calls whose key count crosses the smallest tile (one leaf, then two, then back):
+    every call's selection follows the checker's rules."""
+    from pqattn.kernels.select import SELECT_CONFIGS
+
+    tile = min(c.kwargs["TILE"] for c in SELECT_CONFIGS)
+    io, sink, window, heavy, bits, M = 8, 8, 8, 16, 4, 2
+    args, keys, book = make_call(device, N=tile + 6, io=io, sink=sink, window=window, heavy=heavy, fresh=10)
+    args = list(args)
+    full = args[12]  # the codes of the first tile - 4 keys
+    for n in (tile - 3, tile + 2, tile + 6, tile - 2):
+        args[1] = keys[:, :, :n]
+        args[12] = full[:, : min(n - 1, tile - 4) - io]
+        sparse_list, sparse_len, weights, _, codebook, _ = indexer_next(*args)
+        codes = torch.zeros(1, 4, n, M, dtype=torch.uint8, device=device)
+        codes[:, :, io:] = codebook.transpose(1, 2).to(torch.uint8)
+        scores = ref.pq_scores(args[0][:, :, -1].double(), book.centroids.double(), codes)
+        lengths = torch.full((1,), n, device=device)
+        threshold = heavy + io + 1 + 2**bits
+        want = ref.select_from_scores(
+            scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=io, short_threshold=threshold
+        )
+        problem = selection_problem(
+            sparse_list,
+            sparse_len,
+            scores,
+            lengths,
+            cand_lo=max(io, sink),
+            window=window,
+            short_threshold=threshold,
+            ref_sel=want,
+        )
+        assert problem is None, (n, problem)
+        assert torch.equal(weights, ref.dense_weights(ref.Selection(sparse_list, sparse_len), n))

@@ -371,11 +371,12 @@ def test_index_decode_step_in_a_cuda_graph(device: torch.device) -> None:
 
 
 @triton.jit
-def _top_k_probe(key_ptr, need, take_ptr, k_ptr, T: tl.constexpr):
+def _top_k_probe(key_ptr, need, cap, take_ptr, out_ptr, T: tl.constexpr):
     lane = tl.arange(0, T)
-    take, k = _top_k(tl.load(key_ptr + lane).to(tl.uint32, bitcast=True), need)
+    take, k, kth = _top_k(tl.load(key_ptr + lane).to(tl.uint32, bitcast=True), need, cap)
     tl.store(take_ptr + lane, take.to(tl.int8))
-    tl.store(k_ptr, k)
+    tl.store(out_ptr, k)
+    tl.store(out_ptr + 1, kth.to(tl.int32, bitcast=True))
 
 
 def _key_sets(T: int, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -400,23 +401,33 @@ def _key_sets(T: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     "dist", ["full-range", "three-values", "all-equal", "mostly-zero", "extremes", "consecutive", "scores"]
 )
 def test_top_k_search(dist: str, device: torch.device) -> None:
-    """The tile top-k on adversarial key sets (0 = not a candidate): exactly min(need, candidates)
-    entries taken, every one a candidate, none smaller than a candidate left out."""
+    """The tile top-k on adversarial key sets (0 = not a candidate): for need and a cap (the slot's
+    width; cap <= need asks for exactly need), k entries taken with min(need, candidates) <= k <=
+    max(cap, need) (exactly min(need, candidates) when cap <= need), every one a candidate, none
+    smaller than a candidate left out, and kth the smallest key taken."""
     T = 256
     g = torch.Generator().manual_seed(7)
     keys = _key_sets(T, g)[dist]
     n_nz = int((keys != 0).sum())
+    key32 = keys.to(torch.int64).to(torch.int32).to(device)  # the same 32 bits, stored signed
     for need in sorted({0, 1, 2, 37, n_nz - 1, n_nz, n_nz + 5, T}):
-        if need < 0:
-            continue
-        key32 = keys.to(torch.int64).to(torch.int32).to(device)  # the same 32 bits, stored signed
-        take = torch.full((T,), -1, dtype=torch.int8, device=device)
-        k = torch.full((1,), -1, dtype=torch.int32, device=device)
-        _top_k_probe[(1,)](key32, need, take, k, T=T, num_warps=4)
-        take, k = take.cpu().bool(), int(k.cpu())
-        assert k == min(need, n_nz), (need, k)
-        assert int(take.sum()) == k, (need, int(take.sum()))
-        assert (keys[take] != 0).all()
-        rest = keys[(~take) & (keys != 0)]
-        if k and rest.numel():
-            assert int(keys[take].min()) >= int(rest.max()), need
+        for cap in sorted({need, need + 1, 2 * need + 3, T}):
+            if need < 0:
+                continue
+            take = torch.full((T,), -1, dtype=torch.int8, device=device)
+            out = torch.full((2,), -1, dtype=torch.int32, device=device)
+            _top_k_probe[(1,)](key32, need, cap, take, out, T=T, num_warps=4)
+            take, k = take.cpu().bool(), int(out[0].cpu())
+            kth = int(out[1].cpu()) & 0xFFFFFFFF
+            least = min(need, n_nz)
+            if cap <= need:
+                assert k == least, (need, cap, k)
+            else:
+                assert least <= k <= max(cap, least), (need, cap, k)
+            assert int(take.sum()) == k, (need, cap, int(take.sum()))
+            assert (keys[take] != 0).all()
+            rest = keys[(~take) & (keys != 0)]
+            if k:
+                assert kth == int(keys[take].min()), (need, cap)
+                if rest.numel():
+                    assert int(keys[take].min()) >= int(rest.max()), (need, cap)

@@ -23,18 +23,24 @@ from pqattn.reference import Selection
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
 
 
-_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+_WORKSPACES: dict[torch.device, tuple[tuple[int, ...], torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """The selection kernel's zero-filled workspace, kept per device across calls (the kernel leaves
-    it zeroed): the original's signature has no place for it. Calls on one device share it, so they
-    must not run concurrently on different streams."""
-    ws = _WORKSPACES.get(device)
-    if ws is None or ws.numel() < numel:
-        ws = torch.zeros(numel, dtype=torch.int32, device=device)
-        _WORKSPACES[device] = ws
-    return ws
+def _workspace(device: torch.device, rows: int, M: int, C: int, N: int, heavy: int) -> torch.Tensor:
+    """The selection kernel's zero-filled workspace, kept per device across calls: the original's
+    signature has no place for it. The kernel leaves it ready for a call of the same layout; the
+    places of its counters depend on the tree over N (a decode loop grows N by one per call), so a
+    call of another layout gets a fresh one (once per leaf boundary: every few thousand steps).
+    Calls on one device share it, so they must not run concurrently on different streams."""
+    from pqattn.kernels.select import k_pad, max_tree_nodes
+
+    layout = (rows, M, C, max_tree_nodes(N, heavy), k_pad(heavy))
+    cached = _WORKSPACES.get(device)
+    if cached is None or cached[0] != layout:
+        numel = ops.select_workspace_numel(rows, M, C, N, heavy)
+        cached = (layout, torch.zeros(numel, dtype=torch.int32, device=device))
+        _WORKSPACES[device] = cached
+    return cached[1]
 
 
 def _grown_codebook(codebook: torch.Tensor, rows: int) -> torch.Tensor:
@@ -174,7 +180,7 @@ def indexer_next(
             cand_lo=max(init_offset, sink_size),
             short_threshold=threshold,
             out=out,
-            workspace=_workspace(query.device, ops.select_workspace_numel(B * H, M, C, N, heavy_size)),
+            workspace=_workspace(query.device, B * H, M, C, N, heavy_size),
             weights=weights,
             code_base=init_offset,
             n_tokens=N,

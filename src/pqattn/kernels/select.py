@@ -1,24 +1,33 @@
 """Fused PQ top-k selection for one decode query per sequence (SPEC §2).
 
-One launch, grid (leaves, B * H): each row (sequence, query head) is split into leaves of TILE
+One launch, grid (B * H, leaves): each row (sequence, query head) is split into leaves of TILE
 tokens so that every SM has work even at B = 1, and the leaves of a row are merged by a tree
 inside the same launch:
   1. leaf: the lookup table LUT[m, c] = <q_m, centroid[m, c]> of its row (a workspace that stays in
      L1; the leaves of a row write identical values), the scores of its TILE tokens gathered from
-     it, mapped to order-preserving uint32 keys and kept in registers; an exact top-k of the tile
-     (k = heavy, or fewer when the tile has fewer candidates) by a search over key values that
-     keeps a bracket of two existing keys around the k-th and probes inside it, each probe one
-     compare and one block reduction (see _top_k; tl.histogram measured 1.4 ns per token per pass
-     on an H200: far slower);
-  2. the k (key, position) pairs go to the leaf's slot in the workspace, and an atomic counter of
+     it, mapped to order-preserving uint32 keys and kept in registers; the keys below the row's
+     threshold (below) dropped; then at most K_PAD keys that hold the tile's top k (k = heavy, or
+     fewer when the tile has fewer candidates): all of them when they fit, else found by a search
+     over key values that keeps a bracket of two existing keys and probes inside it, each probe
+     one compare and one block reduction (see _top_k; tl.histogram measured 1.4 ns per token per
+     pass on an H200: far slower);
+  2. those (key, position) pairs go to the leaf's slot in the workspace, and an atomic counter of
      the parent node says which child arrived last: that program loads its FAN = TILE / K_PAD
      siblings' slots as one tile and selects again, up to the root (no second launch, no spin);
-  3. the root writes sink, heavy and window positions, the count, -1 padding and (when asked) the
-     1.0 weights of the heavy part; every leaf writes the 0/1 weights of its own tokens.
-Ties are broken arbitrarily (SPEC §2 compares score multisets). The union of the leaves' top-k
-holds a top-k of the row, so the merge is exact. No host sync, no allocation: the workspace is
-zeroed once by its owner and the kernel resets every counter it uses, so the same launch can be
-replayed from a CUDA graph.
+  3. the root takes exactly the top k and writes sink, heavy and window positions, the count, -1
+     padding and (when asked) the 1.0 weights of the heavy part; every leaf writes the 0/1 weights
+     of its own tokens.
+The row's threshold is a word of the workspace that nodes raise (atomic max) to the smallest of
+the keys they pass on whenever they pass on at least k: k keys of the row lie at or above it, so
+the row's top k does too, and any node may drop the keys below it. In a launch of many waves the
+first wave publishes for the rest (rows vary fastest in the grid for that), and later leaves
+mostly find fewer than K_PAD keys left and skip their search.
+Ties are broken arbitrarily (SPEC §2 compares score multisets). Every node passes on a superset
+of its share of the row's top k, so the merge is exact. No host sync, no allocation: the
+workspace is zeroed once by its owner and the kernel resets every counter and threshold it uses,
+so the same launch can be replayed from a CUDA graph. Where those words lie depends on the layout
+(B * H, M, C, the token axis and heavy): a workspace serves one layout, and one that served
+another must be zeroed again.
 """
 
 from __future__ import annotations
@@ -206,29 +215,33 @@ def _sum_min_max(a, b, c):
 
 
 @triton.jit
-def _top_k(key, need):
-    """(mask, k): a mask of the k = min(need, nonzero keys) entries of `key` holding its k largest
-    values (0 marks a non-candidate).
+def _top_k(key, need, cap):
+    """(mask, k, kth): a mask of k entries of `key` (0 marks a non-candidate) holding its k largest
+    values, with min(need, nonzero keys) <= k <= max(cap, need), and kth the smallest key taken.
 
-    The k-th largest key is bracketed by two keys, lo <= k-th < hi, with the counts of keys at or
-    above each (c_lo >= k > c_hi). Each step probes one value inside the bracket and counts the keys
+    `cap` > need lets a tree node stop early: it may pass on up to cap keys (its slot's width), all
+    those at or above some value, which still hold its top `need`; the root asks for exactly need.
+    The cut is bracketed by two keys, lo < hi, with the counts of keys at or above each
+    (c_lo > cap, c_hi < need). Each step probes one value inside the bracket and counts the keys
     at or above it in one block reduction that also returns the nearest key on either side of the
     probe, so the bracket snaps to keys that exist: ties end the search as soon as one value is
     left, instead of after all 32 bits. The probe interpolates the counts (a step that fails to
     halve the bracket is followed by a bisection), which on score-like data needs 9-12 steps where
-    bisecting the bits needed 17-32. Keys equal to the k-th are taken in tile order until k are.
+    bisecting the bits needed 17-32. Keys equal to the need-th are taken in tile order until need are.
     """
     nz = key != 0
     n_nz, lo, top = _sum_min_max(nz.to(tl.int32), tl.where(nz, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
     k = tl.minimum(need, n_nz)
+    cap = tl.maximum(cap, k)
+    aim = (k + cap) // 2
     lo = lo.to(tl.int64)
     hi = top.to(tl.int64) + 1
     c_lo = n_nz
     c_hi = 0
     bisect = False
-    go = (k > 0) & (c_lo > k)
+    go = (k > 0) & (c_lo > cap)
     while go:
-        frac = (c_lo - k).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
+        frac = (c_lo - aim).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
         guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
         probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
         p32 = probe.to(tl.uint32)
@@ -244,18 +257,19 @@ def _top_k(key, need):
         hi = tl.where(up, hi, (p32 + d_max).to(tl.int64) + 1)
         c_hi = tl.where(up, c_hi, c)
         bisect = 2 * (hi - lo) > width
-        go = (c_lo != k) & (hi - lo > 1)
-    # Here c_lo == k (the keys >= lo are exactly the top k) or hi == lo + 1 (lo is the k-th key,
+        go = (c_lo > cap) & (hi - lo > 1)
+    # Here c_lo <= cap (the keys >= lo are a valid answer) or hi == lo + 1 (lo is the need-th key,
     # c_hi keys lie above it and the rest of the k come from its ties).
     res = lo.to(tl.uint32)
-    if (c_lo == k) | (k == 0):
+    if (c_lo <= cap) | (k == 0):
         take = key >= res
+        k = tl.where(k > 0, c_lo, 0)
     else:
         tie = key == res
         tie_rank = tl.cumsum(tie.to(tl.int32), 0) - 1
         take = (key > res) | (tie & (tie_rank < k - c_hi))
     # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
-    return take & ((tl.zeros(key.shape, tl.int32) + k) > 0), k
+    return take & ((tl.zeros(key.shape, tl.int32) + k) > 0), k, res
 
 
 @triton.jit
@@ -305,9 +319,9 @@ def _pq_select_kernel(
     TILE: tl.constexpr,
 ):
     FAN: tl.constexpr = TILE // K_PAD
-    leaf = tl.program_id(0)
-    n_leaves = tl.num_programs(0)
-    row = tl.program_id(1)
+    row = tl.program_id(0)  # rows vary fastest: see the threshold below
+    leaf = tl.program_id(1)
+    n_leaves = tl.num_programs(1)
     b = row // H
     h = row % H
     kvh = h // G
@@ -337,6 +351,16 @@ def _pq_select_kernel(
             keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
             tl.store(w_row + offs, tl.where(keep, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=offs < n_weights)
 
+        # the tree rows follow the LUTs of all B * H rows
+        ws = ws_ptr + tl.num_programs(0) * (M * C) + row.to(tl.int64) * ws_row
+        # The row's threshold: the largest key that some node of this row has certified, by taking
+        # `need` keys at or above it. Every key of the row's top `need` is at or above it, so a
+        # node may drop the keys below it: once a few nodes have published, most leaves keep fewer
+        # than K_PAD keys and skip the search. Launching the rows fastest lets the first wave of a
+        # large launch publish for all the later ones. Word 0 (a leaf index: never a counter).
+        thr = ws.to(tl.pointer_type(tl.uint32), bitcast=True)
+        floor = tl.load(thr, cache_modifier=".cg")
+
         # 1. Leaf: keys of this tile's candidates (0 elsewhere). The codes load is issued first so
         # that it overlaps the LUT's computation.
         cand_hi = tl.where(need > 0, hi, cand_lo)  # no candidates when heavy = 0
@@ -362,9 +386,7 @@ def _pq_select_kernel(
         key = tl.where(cand, _order_key(_scores(code, lut_row, M, C)), 0)
         pos = offs
 
-        # 2. Merge tree: write this node's top-k to its slot; the last child to arrive merges.
-        # the tree rows follow the LUTs of all B * H rows
-        ws = ws_ptr + tl.num_programs(1) * (M * C) + row.to(tl.int64) * ws_row
+        # 2. Merge tree: write this node's top keys to its slot; the last child to arrive merges.
         slot_key = ws + n_nodes  # n_nodes: the largest tree of any config (a fixed layout)
         slot_pos = slot_key + n_nodes * K_PAD
         slot_cnt = slot_pos + n_nodes * K_PAD
@@ -374,7 +396,9 @@ def _pq_select_kernel(
         is_root = n_leaves == 1
         active = n_leaves > 1
         while active:
-            take, k = _top_k(key, need)
+            take, k, kth = _top_k(tl.where(key >= floor, key, 0), need, K_PAD)
+            if (k >= need) & (need > 0):
+                tl.atomic_max(thr, kth, sem="relaxed")
             rank = tl.cumsum(take.to(tl.int32), 0) - 1
             node = level_off + idx
             tl.store(slot_key + node * K_PAD + rank, key.to(tl.int32, bitcast=True), mask=take)
@@ -399,12 +423,14 @@ def _pq_select_kernel(
                     tl.uint32, bitcast=True
                 )
                 pos = tl.load(slot_pos + first * K_PAD + lane, mask=ok, other=0, cache_modifier=".cg")
+                floor = tl.load(thr, cache_modifier=".cg")
             is_root = last & (level_size == 1)
             active = last & (level_size > 1)
         # 3. Root: positions sink | heavy | window, the count, -1 padding, heavy weights.
         if is_root:
             tl.debug_barrier()  # this program's leaf weight stores precede the root's
-            take, k = _top_k(key, need)
+            take, k, kth = _top_k(tl.where(key >= floor, key, 0), need, need)
+            tl.store(thr, 0)  # every other node of the row is done: ready for the next call
             rank = tl.cumsum(take.to(tl.int32), 0) - 1
             tl.store(pos_row + n_sink + rank, pos, mask=take)
             if HAS_W:
@@ -466,8 +492,10 @@ def pq_select(
     token code_base + r (needs cand_lo >= code_base); lengths [B] (<= n_tokens); positions
     [B, H, width] int32/int64; counts [B, H] contiguous; workspace: int32, zero-filled once, at
     least workspace_numel(B * H, M, C, n_tokens, heavy) elements (the kernel leaves its counters
-    at zero); weights [B, H, n_weights] or None. `config` forces one config of SELECT_CONFIGS; by
-    default the autotuner picks among configs_for(heavy) (the first of them under the interpreter).
+    and thresholds at zero, at places that depend on B * H, M, C, n_tokens and heavy: reuse it
+    only with the same five); weights [B, H, n_weights] or None. `config` forces one config of
+    SELECT_CONFIGS; by default the autotuner picks among configs_for(heavy) (the first of them
+    under the interpreter).
     `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens > LUT_KERNEL_ABOVE,
     where the leaves of a row are many and re-reading the centroids in each would cost more).
     """
@@ -523,7 +551,7 @@ def pq_select(
     n_tok = max(n_tokens, 1)
     if config is None:
         key = (n_bucket, H, M, C, weights is not None, kp, lut_kernel)
-        _pq_select_tuned(key, lambda m: (-(-n_tok // m["TILE"]), rows), tensors, scalars, meta)
+        _pq_select_tuned(key, lambda m: (rows, -(-n_tok // m["TILE"])), tensors, scalars, meta)
     else:
-        grid = (-(-n_tok // config.kwargs["TILE"]), rows)
+        grid = (rows, -(-n_tok // config.kwargs["TILE"]))
         _pq_select_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})
