@@ -52,7 +52,12 @@ SELECT_CONFIGS = [
     for tile, warps, maxnreg in ((2048, 4, 128), (4096, 8, 128), (8192, 8, 128), (16384, 16, None))
 ]
 MAX_HEAVY = 8192
-LUT_KERNEL_ABOVE = 65536
+# The LUTs get a launch of their own when a row has many leaves (each would re-read the
+# centroids) or the launch runs in many waves; at one wave the leaves' own LUTs overlap the codes
+# load. H200, graph replay: B=8 / 32, H=32, N=32K, heavy 128: 76 -> 69 / 272 -> 241 us with the
+# LUT launch; B=1 at the original's shape: 22.4 -> 23.7 us.
+LUT_KERNEL_ABOVE = 65536  # tokens per row
+LUT_KERNEL_ABOVE_ROW_TOKENS = 1 << 21  # rows x tokens
 
 
 def k_pad(heavy: int) -> int:
@@ -496,8 +501,8 @@ def pq_select(
     only with the same five); weights [B, H, n_weights] or None. `config` forces one config of
     SELECT_CONFIGS; by default the autotuner picks among configs_for(heavy) (the first of them
     under the interpreter).
-    `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens > LUT_KERNEL_ABOVE,
-    where the leaves of a row are many and re-reading the centroids in each would cost more).
+    `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens >
+    LUT_KERNEL_ABOVE or rows * n_tokens > LUT_KERNEL_ABOVE_ROW_TOKENS; see there).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -543,7 +548,7 @@ def pq_select(
         n_bucket,
     )
     if lut_kernel is None:
-        lut_kernel = n_tokens > LUT_KERNEL_ABOVE
+        lut_kernel = n_tokens > LUT_KERNEL_ABOVE or rows * n_tokens > LUT_KERNEL_ABOVE_ROW_TOKENS
     meta = dict(M=M, C=C, DSUB=dsub, BLOCK_D=min(dsub, 64))
     if lut_kernel:
         _pq_lut_launch((rows,), (q, centroids, workspace), (*scalars[:6], H, H // Hkv), meta)
