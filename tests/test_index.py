@@ -136,6 +136,22 @@ def test_decode_step_stores_indexes_selects_attends(device: torch.device) -> Non
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_attend_with_selections_of_other_layouts(device: torch.device) -> None:
+    """attend() with given selections of other head counts and widths on one index: the attention
+    workspace's counters sit at places that depend on (B * H, L, D), so a workspace left by a wide
+    selection of few heads must not serve a narrower one of more heads as it is."""
+    index, k_cache, v_cache, lengths = _step_setup(device)
+    B, D = 2, 64
+    for H, L in ((2, 4096), (8, 512), (4, 1024)):
+        q = torch.randn(B, H, D, device=device)
+        positions = torch.randint(0, min(lengths), (B, H, L), device=device, dtype=torch.int32)
+        counts = torch.randint(1, L + 1, (B, H), device=device, dtype=torch.int32)
+        positions = torch.where(torch.arange(L, device=device) < counts[..., None], positions, -1)
+        out = index.attend(q, k_cache, v_cache, pqattn.Selection(positions, counts))
+        want = ref.sparse_decode(q.double(), k_cache.double(), v_cache.double(), positions, counts)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5, msg=f"H={H} L={L}")
+
+
 def test_decode_step_refuses_bad_input(device: torch.device) -> None:
     index, k_cache, v_cache, _ = _step_setup(device)
     q = torch.randn(2, 8, 64, device=device)

@@ -110,6 +110,7 @@ class PQIndex:
         self._workspace: torch.Tensor | None = None
         self._attn_out: torch.Tensor | None = None  # decode_step output and attention workspace
         self._attn_workspace: torch.Tensor | None = None
+        self._attn_layout: tuple[int, int, int] | None = None
 
     @classmethod
     def build(
@@ -235,9 +236,11 @@ class PQIndex:
         L = sel.positions.shape[-1]
         if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
             self._attn_out = torch.empty_like(q)
-        need = ops.decode_workspace_numel(B * H, L, D)
-        if self._attn_workspace is None or self._attn_workspace.numel() < need:
+        # the kernel leaves its counters at zero, at places that depend on the layout
+        if self._attn_workspace is None or self._attn_layout != (B * H, L, D):
+            need = ops.decode_workspace_numel(B * H, L, D)
             self._attn_workspace = torch.zeros(need, dtype=torch.int32, device=self.device)
+            self._attn_layout = (B * H, L, D)
         return ops.sparse_decode(
             q,
             k_cache,
