@@ -391,7 +391,8 @@ def decode_kernel_path(q: torch.Tensor) -> bool:
 
 def decode_workspace_numel(rows: int, width: int, D: int) -> int:
     """int32 elements of the sparse decode kernel's workspace for rows = B * H, list width L, head
-    dim D. Allocate it zero-filled, once; the kernel leaves it reusable."""
+    dim D. Allocate it zero-filled, once; the kernel leaves it reusable by calls of the same rows,
+    width and D (its counters lie at places that depend on all three)."""
     from pqattn.kernels.decode import workspace_numel
 
     return workspace_numel(rows, width, D)
@@ -420,7 +421,8 @@ def sparse_decode(
     plus lse [B, H] (float32) when `return_lse`. An empty selection gives a zero row (lse -inf).
     `out` ([B, H, D], q's dtype, last dim contiguous) receives the result when given; on the kernel
     path (`decode_kernel_path`) `workspace` (zero-filled int32 of decode_workspace_numel(B * H, L, D)
-    elements) is used instead of allocating, so a decode loop allocates nothing.
+    elements) is used instead of allocating, so a decode loop allocates nothing; one workspace
+    serves calls of one (B * H, L, D).
     """
     _check_keys("k", k)
     B, Hkv, N, D = k.shape
