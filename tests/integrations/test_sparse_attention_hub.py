@@ -54,11 +54,39 @@ def make_call(
     return args, keys, book
 
 
+def check_selection(args, sparse_list, sparse_len, weights, codebook) -> None:
+    """The outputs of indexer_next(*args) by the checker's rules, against the reference over the
+    returned codebook: counts exactly, the heavy part as score multisets, dense weights exactly."""
+    query, key, _, sink, window, heavy, M, bits, _, io, _, cent = args[:12]
+    B, Hkv, N = key.shape[:3]
+    codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=key.device)
+    codes[:, :, io:] = codebook.transpose(1, 2).to(torch.uint8)
+    scores = ref.pq_scores(query[:, :, -1].double(), cent.double(), codes)
+    lengths = torch.full((B,), N, device=key.device)
+    threshold = heavy + io + 1 + 2**bits
+    want = ref.select_from_scores(
+        scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=io, short_threshold=threshold
+    )
+    assert torch.equal(sparse_len, want.counts.long())
+    problem = selection_problem(
+        sparse_list,
+        sparse_len,
+        scores,
+        lengths,
+        cand_lo=max(io, sink),
+        window=window,
+        short_threshold=threshold,
+        ref_sel=want,
+    )
+    assert problem is None, (N, problem)
+    assert torch.equal(weights, ref.dense_weights(ref.Selection(sparse_list, sparse_len), N))
+
+
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
 @pytest.mark.parametrize("fresh", [1, 5])
 def test_outputs_follow_the_original_contract(metric: str, fresh: int, device: torch.device) -> None:
     args, keys, _ = make_call(device, metric=metric, fresh=fresh)
-    query, _, _, sink, window, heavy, M, bits, _, io, _, cent, codebook, phi = args
+    _, _, _, sink, window, heavy, M, bits, _, io, _, cent, codebook, phi = args
     sparse_list, sparse_len, weights, cent_out, codebook_out, phi_out = indexer_next(*args)
     B, H, N = 1, 8, keys.shape[2]
     assert sparse_list.dtype == sparse_len.dtype == torch.int64 and weights.dtype == torch.float32
@@ -71,31 +99,7 @@ def test_outputs_follow_the_original_contract(metric: str, fresh: int, device: t
     assert torch.equal(codebook_out[:, : codebook.shape[1]], codebook)
     new = ref.encode(keys[:, :, N - fresh :], cent, None if phi is None else phi.reshape(B, 4, M), metric)
     assert torch.equal(codebook_out[:, codebook.shape[1] :].transpose(1, 2), new.long())
-    # Selection by the checker's rules, heavy part as score multisets.
-    codes = torch.zeros(B, 4, N, M, dtype=torch.uint8, device=device)
-    codes[:, :, io:] = codebook_out.transpose(1, 2).to(torch.uint8)
-    q = query[:, :, -1]
-    threshold = heavy + io + 1 + 2**bits
-    scores = ref.pq_scores(q.double(), cent.double(), codes)
-    lengths = torch.full((B,), N, device=device)
-    want = ref.select_from_scores(
-        scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=io, short_threshold=threshold
-    )
-    assert torch.equal(sparse_len, want.counts.long())
-    assert (
-        selection_problem(
-            sparse_list,
-            sparse_len,
-            scores,
-            lengths,
-            cand_lo=max(io, sink),
-            window=window,
-            short_threshold=threshold,
-            ref_sel=want,
-        )
-        is None
-    )
-    assert torch.equal(weights, ref.dense_weights(ref.Selection(sparse_list, sparse_len), N))
+    check_selection(args, sparse_list, sparse_len, weights, codebook_out)
     assert (sparse_list[..., :sink] == torch.arange(sink, device=device)).all(), "sink positions come first"
 
 
@@ -177,31 +181,11 @@ def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
     from pqattn.kernels.select import SELECT_CONFIGS
 
     tile = min(c.kwargs["TILE"] for c in SELECT_CONFIGS)
-    io, sink, window, heavy, bits, M = 8, 8, 8, 16, 4, 2
-    args, keys, book = make_call(device, N=tile + 6, io=io, sink=sink, window=window, heavy=heavy, fresh=10)
+    args, keys, _ = make_call(device, N=tile + 6, io=8, sink=8, window=8, heavy=16, fresh=10)
     args = list(args)
-    full = args[12]  # the codes of the first tile - 4 keys
+    full = args[12]  # the codes of keys 8 (init_offset) .. tile - 4
     for n in (tile - 3, tile + 2, tile + 6, tile - 2):
         args[1] = keys[:, :, :n]
-        args[12] = full[:, : min(n - 1, tile - 4) - io]
+        args[12] = full[:, : min(n - 1, tile - 4) - 8]
         sparse_list, sparse_len, weights, _, codebook, _ = indexer_next(*args)
-        codes = torch.zeros(1, 4, n, M, dtype=torch.uint8, device=device)
-        codes[:, :, io:] = codebook.transpose(1, 2).to(torch.uint8)
-        scores = ref.pq_scores(args[0][:, :, -1].double(), book.centroids.double(), codes)
-        lengths = torch.full((1,), n, device=device)
-        threshold = heavy + io + 1 + 2**bits
-        want = ref.select_from_scores(
-            scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=io, short_threshold=threshold
-        )
-        problem = selection_problem(
-            sparse_list,
-            sparse_len,
-            scores,
-            lengths,
-            cand_lo=max(io, sink),
-            window=window,
-            short_threshold=threshold,
-            ref_sel=want,
-        )
-        assert problem is None, (n, problem)
-        assert torch.equal(weights, ref.dense_weights(ref.Selection(sparse_list, sparse_len), n))
+        check_selection(args, sparse_list, sparse_len, weights, codebook)
