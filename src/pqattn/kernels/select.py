@@ -362,7 +362,8 @@ def _pq_select_kernel(
         # `need` keys at or above it. Every key of the row's top `need` is at or above it, so a
         # node may drop the keys below it: once a few nodes have published, most leaves keep fewer
         # than K_PAD keys and skip the search. Launching the rows fastest lets the first wave of a
-        # large launch publish for all the later ones. Word 0 (a leaf index: never a counter).
+        # large launch publish for all the later ones. It is the row's word 0: counters are indexed
+        # by node and node 0 is a leaf, which has none.
         thr = ws.to(tl.pointer_type(tl.uint32), bitcast=True)
         floor = tl.load(thr, cache_modifier=".cg")
 
