@@ -13,7 +13,16 @@ import triton.language as tl
 
 import pqattn
 from pqattn import reference as ref
-from pqattn.kernels.select import MAX_HEAVY, SELECT_CONFIGS, _top_k, configs_for, pq_select, workspace_numel
+from pqattn.kernels.select import (
+    MAX_HEAVY,
+    SELECT_CONFIGS,
+    SLACK_HEAVY_MAX,
+    _top_k,
+    configs_for,
+    k_pad,
+    pq_select,
+    workspace_numel,
+)
 from pqattn.lab.kernel_checks import selection_problem
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SELECT_CONFIGS]
@@ -165,6 +174,8 @@ def test_select_merge_tree(bits: int, config: triton.Config, lut_kernel: bool, d
     called twice on one workspace. C=4, M=2: 16 distinct scores, ties across every leaf."""
     tile = config.kwargs["TILE"]
     N = tile * 6 + tile // 3
+    # the largest of these whose slots are a quarter of the tile (doubled slots up to SLACK_HEAVY_MAX)
+    heavy = next(h for h in (tile // 4 - 3, tile // 8 - 3) if k_pad(h) == tile // 4)
     run_case(
         device,
         B=2,
@@ -177,7 +188,7 @@ def test_select_merge_tree(bits: int, config: triton.Config, lut_kernel: bool, d
         lengths=[N, N // 2 + 7],
         sink=5,
         window=9,
-        heavy=tile // 4 - 3,
+        heavy=heavy,
         init_offset=11,
         config=config,
         weights_dtype=torch.bfloat16,
@@ -212,10 +223,12 @@ def test_configs_share_one_workspace(device: torch.device) -> None:
 
 
 def test_configs_for_heavy() -> None:
-    """At least four children per merge, except above 4096 where the largest tile merges two."""
-    for heavy in (1, 128, 511, 512, 1024, 4096, MAX_HEAVY):
+    """At least four children per merge, except above 4096 where the largest tile merges two;
+    slots of at least twice heavy up to SLACK_HEAVY_MAX, of at least heavy above it."""
+    for heavy in (1, 128, 511, 512, 1024, 1025, 4096, MAX_HEAVY):
         tiles = [c.kwargs["TILE"] for c in configs_for(heavy)]
-        kp = 1 << max(heavy - 1, 0).bit_length()
+        kp = k_pad(heavy)
+        assert kp >= (2 * heavy if heavy <= SLACK_HEAVY_MAX else heavy) and kp & (kp - 1) == 0, (heavy, kp)
         assert tiles and all(t >= (4 * kp if heavy <= 4096 else 2 * kp) for t in tiles), (heavy, tiles)
     assert configs_for(MAX_HEAVY + 1) == ()
     assert pqattn.ops.MAX_KERNEL_HEAVY == MAX_HEAVY

@@ -43,7 +43,7 @@ from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
-# least four children of K_PAD = next_pow2(heavy) candidates (which bounds the tree's depth and its
+# least four children of K_PAD = k_pad(heavy) candidates (which bounds the tree's depth and its
 # workspace); only when no config does (heavy > 4096) the largest tile merges two.
 # maxnreg: capped at 128 registers the smaller tiles run without spills and four (2048) or two
 # (4096, 8192) programs fit on an SM instead of three or one (H200: 34 -> 28 us at B1 H32 N32K).
@@ -60,9 +60,20 @@ LUT_KERNEL_ABOVE = 65536  # tokens per row
 LUT_KERNEL_ABOVE_ROW_TOKENS = 1 << 21  # rows x tokens
 
 
+# Up to this heavy size a node's slot holds twice the power of two above heavy. A node may then
+# pass on anything between its top `need` and twice as many keys, so its search stops after a
+# few probes (4-8 on PQ-like scores instead of 11-15 for exactly `need`, numpy simulation of
+# 2048-token leaves); the merges get more keys. H200, graph replay: B=1, H=32, N=32000, heavy
+# 128: 22.6 -> 21.1 us (the best tile moves from 2048 to 4096 tokens); B=8, N=32K, heavy 1024:
+# 107.6 -> 93.9 us. Above it the tiles that a wider slot needs made it slower.
+SLACK_HEAVY_MAX = 1024
+
+
 def k_pad(heavy: int) -> int:
-    """Slot width of a tree node: heavy rounded up to a power of two (at least 1)."""
-    return 1 << max(heavy - 1, 0).bit_length()
+    """Slot width of a tree node: heavy rounded up to a power of two (at least 1), doubled up to
+    SLACK_HEAVY_MAX."""
+    p = 1 << max(heavy - 1, 0).bit_length()
+    return 2 * p if heavy <= SLACK_HEAVY_MAX else p
 
 
 def _valid_tiles(kp: int) -> list[int]:
