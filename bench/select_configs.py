@@ -52,7 +52,7 @@ def main() -> None:
             workspace=ws,
             n_tokens=N,
         )
-        for cfg in configs_for(heavy):
+        for cfg in configs_for(heavy, N):
             call = functools.partial(pq_select, q, cent, codes, lens, **kw, config=cfg)
             call()
             graph = timing.capture([call], dev, calls=10)

@@ -17,6 +17,7 @@ from pqattn.kernels.select import (
     MAX_HEAVY,
     SELECT_CONFIGS,
     SLACK_HEAVY_MAX,
+    SLACK_TOKENS_MAX,
     _top_k,
     configs_for,
     k_pad,
@@ -175,7 +176,7 @@ def test_select_merge_tree(bits: int, config: triton.Config, lut_kernel: bool, d
     tile = config.kwargs["TILE"]
     N = tile * 6 + tile // 3
     # the largest of these whose slots are a quarter of the tile (doubled slots up to SLACK_HEAVY_MAX)
-    heavy = next(h for h in (tile // 4 - 3, tile // 8 - 3) if k_pad(h) == tile // 4)
+    heavy = next(h for h in (tile // 4 - 3, tile // 8 - 3) if k_pad(h, N) == tile // 4)
     run_case(
         device,
         B=2,
@@ -224,13 +225,16 @@ def test_configs_share_one_workspace(device: torch.device) -> None:
 
 def test_configs_for_heavy() -> None:
     """At least four children per merge, except above 4096 where the largest tile merges two;
-    slots of at least twice heavy up to SLACK_HEAVY_MAX, of at least heavy above it."""
-    for heavy in (1, 128, 511, 512, 1024, 1025, 4096, MAX_HEAVY):
-        tiles = [c.kwargs["TILE"] for c in configs_for(heavy)]
-        kp = k_pad(heavy)
-        assert kp >= (2 * heavy if heavy <= SLACK_HEAVY_MAX else heavy) and kp & (kp - 1) == 0, (heavy, kp)
-        assert tiles and all(t >= (4 * kp if heavy <= 4096 else 2 * kp) for t in tiles), (heavy, tiles)
-    assert configs_for(MAX_HEAVY + 1) == ()
+    slots of at least twice heavy up to SLACK_HEAVY_MAX and SLACK_TOKENS_MAX, of heavy above."""
+    for n_tokens in (1000, SLACK_TOKENS_MAX, SLACK_TOKENS_MAX + 1):
+        for heavy in (1, 128, 511, 512, 1024, 1025, 4096, MAX_HEAVY):
+            tiles = [c.kwargs["TILE"] for c in configs_for(heavy, n_tokens)]
+            kp = k_pad(heavy, n_tokens)
+            slack = heavy <= SLACK_HEAVY_MAX and n_tokens <= SLACK_TOKENS_MAX
+            assert kp >= (2 * heavy if slack else heavy) and kp & (kp - 1) == 0, (heavy, n_tokens, kp)
+            assert kp < (4 * heavy if slack else 2 * heavy), (heavy, n_tokens, kp)
+            assert tiles and all(t >= (4 * kp if heavy <= 4096 else 2 * kp) for t in tiles), (heavy, tiles)
+        assert configs_for(MAX_HEAVY + 1, n_tokens) == ()
     assert pqattn.ops.MAX_KERNEL_HEAVY == MAX_HEAVY
 
 
@@ -300,7 +304,8 @@ def test_all_equal_scores_and_weights(q_dtype, weights_dtype, device: torch.devi
 def test_large_shapes_on_gpu(device: torch.device) -> None:
     if device.type != "cuda":
         pytest.skip("large shapes run compiled on the GPU")
-    for N, heavy in ((32000, 128), (131072, 2048), (1 << 20, 8192)):
+    # slots of twice heavy (N32K), of heavy (heavy 2048; N256K, past SLACK_TOKENS_MAX), two children per merge
+    for N, heavy in ((32000, 128), (131072, 2048), (1 << 18, 128), (1 << 20, 8192)):
         run_case(
             device,
             B=2,

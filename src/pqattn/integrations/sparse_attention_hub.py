@@ -34,7 +34,7 @@ def _workspace(device: torch.device, rows: int, M: int, C: int, N: int, heavy: i
     Calls on one device share it, so they must not run concurrently on different streams."""
     from pqattn.kernels.select import k_pad, max_tree_nodes
 
-    layout = (rows, M, C, max_tree_nodes(N, heavy), k_pad(heavy))
+    layout = (rows, M, C, max_tree_nodes(N, heavy), k_pad(heavy, N))
     cached = _WORKSPACES.get(device)
     if cached is None or cached[0] != layout:
         numel = ops.select_workspace_numel(rows, M, C, N, heavy)

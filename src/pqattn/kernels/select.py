@@ -43,7 +43,7 @@ from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
-# least four children of K_PAD = k_pad(heavy) candidates (which bounds the tree's depth and its
+# least four children of K_PAD = k_pad(heavy, n_tokens) candidates (which bounds the tree's depth and its
 # workspace); only when no config does (heavy > 4096) the largest tile merges two.
 # maxnreg: capped at 128 registers the smaller tiles run without spills and four (2048) or two
 # (4096, 8192) programs fit on an SM instead of three or one (H200: 34 -> 28 us at B1 H32 N32K).
@@ -60,20 +60,23 @@ LUT_KERNEL_ABOVE = 65536  # tokens per row
 LUT_KERNEL_ABOVE_ROW_TOKENS = 1 << 21  # rows x tokens
 
 
-# Up to this heavy size a node's slot holds twice the power of two above heavy. A node may then
-# pass on anything between its top `need` and twice as many keys, so its search stops after a
-# few probes (4-8 on PQ-like scores instead of 11-15 for exactly `need`, numpy simulation of
-# 2048-token leaves); the merges get more keys. H200, graph replay: B=1, H=32, N=32000, heavy
-# 128: 22.6 -> 21.1 us (the best tile moves from 2048 to 4096 tokens); B=8, N=32K, heavy 1024:
-# 107.6 -> 93.9 us. Above it the tiles that a wider slot needs made it slower.
+# Up to these sizes a node's slot holds twice the power of two above heavy. A node may then pass
+# on anything between its top `need` and twice as many keys, so its search stops after a few
+# probes (4-8 on PQ-like scores instead of 11-15 for exactly `need`, numpy simulation of
+# 2048-token leaves); the merges get more keys, and the thresholds that nodes publish are lower.
+# H200, graph replay, against slots of the power of two: N=32K gains (B=1 heavy 128 23.0 -> 20.9
+# us, heavy 1024 41.8 -> 34.3; B=8 heavy 1024 110.5 -> 95.3; B=32 heavy 1024 400 -> 348), N=128K
+# is even (0.98-1.06x), N=512K loses (0.90-0.95x: many waves, whose later leaves filter by the
+# published thresholds); heavy 2048 at N=128K: 84 -> 111 us (the 16K-token tile it needs).
 SLACK_HEAVY_MAX = 1024
+SLACK_TOKENS_MAX = 1 << 17
 
 
-def k_pad(heavy: int) -> int:
-    """Slot width of a tree node: heavy rounded up to a power of two (at least 1), doubled up to
-    SLACK_HEAVY_MAX."""
+def k_pad(heavy: int, n_tokens: int) -> int:
+    """Slot width of a tree node: heavy rounded up to a power of two (at least 1), doubled when
+    heavy <= SLACK_HEAVY_MAX and n_tokens <= SLACK_TOKENS_MAX."""
     p = 1 << max(heavy - 1, 0).bit_length()
-    return 2 * p if heavy <= SLACK_HEAVY_MAX else p
+    return 2 * p if heavy <= SLACK_HEAVY_MAX and n_tokens <= SLACK_TOKENS_MAX else p
 
 
 def _valid_tiles(kp: int) -> list[int]:
@@ -81,10 +84,15 @@ def _valid_tiles(kp: int) -> list[int]:
     return [t for t in tiles if t >= 4 * kp] or [t for t in tiles if t >= 2 * kp]
 
 
+def configs_for(heavy: int, n_tokens: int) -> tuple[triton.Config, ...]:
+    """The configs that serve this heavy size over n_tokens (see SELECT_CONFIGS); empty above
+    MAX_HEAVY."""
+    return _configs_for_slot(k_pad(heavy, n_tokens))
+
+
 @functools.cache
-def configs_for(heavy: int) -> tuple[triton.Config, ...]:
-    """The configs that serve this heavy size (see SELECT_CONFIGS); empty above MAX_HEAVY."""
-    tiles = _valid_tiles(k_pad(heavy))
+def _configs_for_slot(kp: int) -> tuple[triton.Config, ...]:
+    tiles = _valid_tiles(kp)
     return tuple(c for c in SELECT_CONFIGS if c.kwargs["TILE"] in tiles)
 
 
@@ -97,22 +105,24 @@ def tree_nodes(leaves: int, fan: int) -> int:
     return total
 
 
-@functools.cache  # the workspace sizes are recomputed on every call: keep them cheap
+# The workspace sizes are recomputed on every call: keep them cheap (bounded: a decode loop
+# brings a new n_tokens every step).
+@functools.lru_cache(maxsize=256)
 def max_tree_nodes(n_tokens: int, heavy: int) -> int:
     """The most tree nodes any config serving `heavy` builds over n_tokens."""
-    kp = k_pad(heavy)
+    kp = k_pad(heavy, n_tokens)
     return max(
         tree_nodes(max(-(-n_tokens // c.kwargs["TILE"]), 1), c.kwargs["TILE"] // kp)
-        for c in configs_for(heavy)
+        for c in configs_for(heavy, n_tokens)
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)
 def workspace_row_words(n_tokens: int, heavy: int) -> int:
     """int32 words per row of the tree workspace: a counter per node, then the slots (keys,
     positions, count). The layout is the same for every config (sized by the largest tree), so the
     autotuner's trial runs of one config never write over another config's counters."""
-    return max_tree_nodes(n_tokens, heavy) * (2 * k_pad(heavy) + 2)
+    return max_tree_nodes(n_tokens, heavy) * (2 * k_pad(heavy, n_tokens) + 2)
 
 
 def workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
@@ -511,21 +521,22 @@ def pq_select(
     least workspace_numel(B * H, M, C, n_tokens, heavy) elements (the kernel leaves its counters
     and thresholds at zero, at places that depend on B * H, M, C, n_tokens and heavy: reuse it
     only with the same five); weights [B, H, n_weights] or None. `config` forces one config of
-    SELECT_CONFIGS; by default the autotuner picks among configs_for(heavy) (the first of them
-    under the interpreter).
+    SELECT_CONFIGS; by default the autotuner picks among configs_for(heavy, n_tokens) (the first
+    of them under the interpreter).
     `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens >
     LUT_KERNEL_ABOVE or rows * n_tokens > LUT_KERNEL_ABOVE_ROW_TOKENS; see there).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
-    kp = k_pad(heavy)
-    valid = configs_for(heavy)
+    kp = k_pad(heavy, n_tokens)
+    valid = configs_for(heavy, n_tokens)
     if not valid:
         raise ValueError(f"heavy: expected at most {MAX_HEAVY} for the selection kernel, got {heavy}")
     if config is not None and config not in valid:
         raise ValueError(
-            f"config: TILE={config.kwargs['TILE']} does not serve heavy={heavy} (see configs_for)"
+            f"config: TILE={config.kwargs['TILE']} does not serve heavy={heavy} over {n_tokens} tokens "
+            "(see configs_for)"
         )
     if interpreted() and config is None:
         config = valid[0]

@@ -198,7 +198,9 @@ def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
 def _select_fits(case: dict, config: dict) -> bool:
     from pqattn.kernels.select import configs_for
 
-    return config["TILE"] in [c.kwargs["TILE"] for c in configs_for(case["opts"]["heavy"])]
+    return config["TILE"] in [
+        c.kwargs["TILE"] for c in configs_for(case["opts"]["heavy"], case["codes"].shape[2])
+    ]
 
 
 def _select_configs() -> list[dict]:
