@@ -64,11 +64,13 @@ LUT_KERNEL_ABOVE_ROW_TOKENS = 1 << 21  # rows x tokens
 # on anything between its top `need` and twice as many keys, so its search stops after a few
 # probes (4-8 on PQ-like scores instead of 11-15 for exactly `need`, numpy simulation of
 # 2048-token leaves); the merges get more keys, and the thresholds that nodes publish are lower.
-# H200, graph replay, against slots of the power of two: N=32K gains (B=1 heavy 128 23.0 -> 20.9
-# us, heavy 1024 41.8 -> 34.3; B=8 heavy 1024 110.5 -> 95.3; B=32 heavy 1024 400 -> 348), N=128K
-# is even (0.98-1.06x), N=512K loses (0.90-0.95x: many waves, whose later leaves filter by the
-# published thresholds); heavy 2048 at N=128K: 84 -> 111 us (the 16K-token tile it needs).
-SLACK_HEAVY_MAX = 1024
+# H200, graph replay, best config each, H=32, Hkv=8, speedup over slots of the power of two:
+#   heavy 128-256, B=1, N=4K-128K: 1.00-1.21x; B=8, N=32K, heavy 256: 1.07x
+#   heavy 512: B=1 1.01-1.17x up to N=64K, 0.99x at 128K; B=8, N=32K / 128K: 0.95x / 0.96x
+#   heavy 1024: B=1 0.66-0.96x except N=32K (1.14x); B=8, N=32K: 1.14x (not taken)
+#   N=512K, heavy 128 / 1024: 0.90-0.95x (many waves, whose later leaves filter by the published
+#   thresholds); heavy 2048 at N=128K: 0.76x (the 16K-token tile it needs).
+SLACK_HEAVY_MAX = 512
 SLACK_TOKENS_MAX = 1 << 17
 
 
