@@ -77,6 +77,20 @@ def test_more_splits_than_one_combine_step(device: torch.device) -> None:
     _check(_case(device, B=1, H=4, Hkv=2, N=L + 10, L=L, D=16, dtype=torch.float16, counts=counts), config)
 
 
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=CONFIG_IDS)
+def test_entries_past_the_count_are_never_read(config: triton.Config, device: torch.device) -> None:
+    """Past its count a list may hold anything (the kernel requests the first positions before the
+    count arrives): entries far out of the cache must not be gathered; a list of width 0 gives
+    zero rows."""
+    L = 2 * config.kwargs["BLOCK_L"] + 3
+    case = _case(device, B=1, H=4, Hkv=2, N=L + 8, L=L, D=32, dtype=torch.float16, counts=[L, 1, 0, L - 9])
+    cnt = case["counts"][..., None].long()
+    case["positions"] = torch.where(torch.arange(L, device=device) < cnt, case["positions"], 1 << 30)
+    _check(case, config)
+    empty = _case(device, B=1, H=2, Hkv=1, N=8, L=0, D=32, dtype=torch.float16, counts=[0, 0])
+    _check(empty, config)
+
+
 def test_single_split_and_one_token(device: torch.device) -> None:
     """One selected token: the output is its value row exactly (up to the dtype's rounding)."""
     case = _case(device, B=1, H=1, Hkv=1, N=10, L=1, D=32, dtype=torch.float32, counts=[1])

@@ -21,10 +21,15 @@ import triton.language as tl
 from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
-# by the tests and by `pqattn check`.
+# by the tests and by `pqattn check`. One warp per program wins on bf16 D=128: many small programs
+# keep more gathers in flight per SM. H200, `pqattn bench decode` (graph replay over rotating
+# inputs, H=32, Hkv=8), with the early position load and the unrolled combine below, against
+# 4-8 warps: B=1 N=32K L=384 8.2 -> 7.1 us, B=1 N=128K L=2304 26.8 -> 16.6 us, B=8 N=32K L=1280
+# 87.1 -> 49.0 us. More warps stay for D=256 and float32, whose rows would not fit one warp's
+# registers.
 DECODE_CONFIGS = [
     triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
-    for bl, bn, w in ((32, 32, 4), (64, 32, 4), (128, 64, 4), (256, 64, 8))
+    for bl, bn, w in ((32, 16, 1), (32, 32, 1), (64, 32, 1), (128, 32, 1), (64, 32, 2), (128, 64, 4))
 ]
 _COMBINE = 16  # partials combined per step by the last program of a row
 _LOG2E = 1.4426950408889634
@@ -72,8 +77,8 @@ def _sparse_decode_kernel(
     stride_oh,
     H,
     G,
-    width,
     qk_scale,  # scale * log2(e): the logits live in base 2
+    WIDTH: tl.constexpr,  # the list width L (a constexpr: the combine below unrolls over the splits)
     D: tl.constexpr,
     HAS_W: tl.constexpr,
     W_DENSE: tl.constexpr,  # weights indexed by token position [B, H, N] instead of by entry [B, H, L]
@@ -82,18 +87,23 @@ def _sparse_decode_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    SPLITS: tl.constexpr = (WIDTH + BLOCK_L - 1) // BLOCK_L + (WIDTH == 0)  # the grid's axis 0
     split = tl.program_id(0)
-    n_splits = tl.num_programs(0)
     row = tl.program_id(1)
     b = row // H
     h = row % H
     kvh = h // G
-    cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + h * stride_ch).to(tl.int32), width)
+    pos_row = pos_ptr + b * stride_pb + h * stride_ph
+    lo = split * BLOCK_L
+    # The first step's positions are requested before the count is known: the two loads share
+    # one latency instead of two on the dependent chain count -> positions -> gathers.
+    e = lo + tl.arange(0, BLOCK_N)
+    p = tl.load(pos_row + e, mask=e < WIDTH, other=0)
+    cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + h * stride_ch).to(tl.int32), WIDTH)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32) * qk_scale
     k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
     v_row = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
-    pos_row = pos_ptr + b * stride_pb + h * stride_ph
     w_row = w_ptr + b * stride_wb + h * stride_wh
 
     # The workspace: a counter per row, then the float32 partials (one tensor argument instead of
@@ -103,19 +113,20 @@ def _sparse_decode_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     s_sum = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([D], dtype=tl.float32)
-    lo = split * BLOCK_L
     hi = tl.minimum(lo + BLOCK_L, cnt)
     for start in range(lo, hi, BLOCK_N):
         e = start + tl.arange(0, BLOCK_N)
         ok = e < hi
-        p = tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
+        at = p.to(tl.int64)  # (past the count p may hold anything: every use below is masked)
         # Both gathers are issued before any reduction: the value rows' latency overlaps the keys'.
-        kt = tl.load(k_row + p[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
-        vt = tl.load(v_row + p[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
+        kt = tl.load(k_row + at[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
+        vt = tl.load(v_row + at[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
+        # the next step's positions, in flight while this step computes
+        p = tl.load(pos_row + e + BLOCK_N, mask=e + BLOCK_N < hi, other=0)
         s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)
         if HAS_W:
             if W_DENSE:
-                w = tl.load(w_row + p * stride_wl, mask=ok, other=1.0)
+                w = tl.load(w_row + at * stride_wl, mask=ok, other=1.0)
             else:
                 w = tl.load(w_row + e * stride_wl, mask=ok, other=1.0)
             s += tl.log2(w.to(tl.float32))
@@ -129,25 +140,26 @@ def _sparse_decode_kernel(
         m = m_new
 
     out_row = out_ptr + b * stride_ob + h * stride_oh
-    if n_splits == 1:
+    if SPLITS == 1:
         _finish(out_row, lse_ptr + row, acc, m, s_sum, D, HAS_LSE)
     else:
-        part = part_ptr + (row.to(tl.int64) * n_splits + split) * (D + 2)
+        part = part_ptr + (row.to(tl.int64) * SPLITS + split) * (D + 2)
         tl.store(part + d, acc)
         tl.store(part + D, m)
         tl.store(part + D + 1, s_sum)
         tl.debug_barrier()  # every thread's partial stores precede the release below
         arrived = tl.atomic_add(lock_ptr + row, 1, sem="acq_rel")
-        if arrived == n_splits - 1:  # the last split of the row combines
+        if arrived == SPLITS - 1:  # the last split of the row combines
             tl.atomic_xchg(lock_ptr + row, 0)  # ready for the next call
-            rows = part_ptr + row.to(tl.int64) * n_splits * (D + 2)
+            rows = part_ptr + row.to(tl.int64) * SPLITS * (D + 2)
             c = tl.arange(0, COMBINE)
-            # One pass, the partials' maxima merged online: a single round trip to L2 per COMBINE.
+            # One pass, the partials' maxima merged online. The loop is unrolled (SPLITS is a
+            # constexpr) so that no chunk's loads wait for the previous chunk's arithmetic.
             m_all = tl.full([], float("-inf"), tl.float32)
             acc = tl.zeros([D], dtype=tl.float32)
             s_sum = tl.zeros([], dtype=tl.float32)
-            for s0 in range(0, n_splits, COMBINE):
-                here = s0 + c < n_splits
+            for s0 in tl.static_range(0, SPLITS, COMBINE):
+                here = s0 + c < SPLITS
                 base = rows + (s0 + c) * (D + 2)
                 ms = tl.load(base + D, mask=here, other=float("-inf"), cache_modifier=".cg")
                 ls = tl.load(base + D + 1, mask=here, other=0.0, cache_modifier=".cg")
@@ -176,7 +188,7 @@ def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constex
 
 
 _sparse_decode_autotuned = triton.autotune(
-    configs=DECODE_CONFIGS, key=["width", "D", "H", "G", "HAS_W", "W_DENSE"]
+    configs=DECODE_CONFIGS, key=["WIDTH", "D", "H", "G", "HAS_W", "W_DENSE"]
 )(_sparse_decode_kernel)
 _sparse_decode_tuned = TunedLauncher(_sparse_decode_autotuned)
 _sparse_decode_launch = Launcher(_sparse_decode_kernel)
@@ -205,7 +217,8 @@ def sparse_decode(
     workspace_numel(B * H, L, D) elements (the kernel leaves its counters at zero); weights
     [B, H, L] per entry, or [B, H, N] by token position when `dense_weights`; lse [B * H] float32
     contiguous or None. `config` forces one config of DECODE_CONFIGS (the first under the
-    interpreter); by default the autotuner picks.
+    interpreter); by default the autotuner picks. L is a compile-time constant: each list width
+    compiles once (a model's sink + heavy + window is fixed).
     """
     B, H, D = q.shape
     Hkv = k.shape[1]
@@ -232,10 +245,10 @@ def sparse_decode(
         *out.stride()[:2],
         H,
         H // Hkv,
-        width,
         scale * _LOG2E,
     )
     meta = dict(
+        WIDTH=width,
         D=D,
         HAS_W=weights is not None,
         W_DENSE=dense_weights,

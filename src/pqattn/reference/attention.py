@@ -16,7 +16,10 @@ from pqattn.reference.pq import compute_dtype
 
 def _softmax_combine(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(logits) @ values with -inf-only rows giving zeros: logits [..., S], values [..., S, D]."""
-    m = logits.amax(-1, keepdim=True)
+    if logits.shape[-1] == 0:  # (amax refuses an empty axis)
+        m = logits.new_full((*logits.shape[:-1], 1), float("-inf"))
+    else:
+        m = logits.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(logits - m)
     denom = p.sum(-1, keepdim=True)
