@@ -1,7 +1,8 @@
 """Shared test set-up.
 
 * Every test draws fresh random inputs: the session seed comes from PQATTN_SEED or is drawn at
-  start and printed in the header, so a failure can be replayed with PQATTN_SEED=<seed>.
+  start and printed in the header and after a failure, so a failure can be replayed with
+  PQATTN_SEED=<seed>.
 * torch.empty / empty_like hand out NaN-filled float tensors (and int tensors full of a sentinel)
   so that an output element nobody wrote fails comparisons instead of passing by luck.
 """
@@ -26,6 +27,12 @@ def pytest_report_header(config: pytest.Config) -> str:
     return (
         f"pqattn: PQATTN_SEED={SEED}, device={DEVICE}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"
     )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    # -q hides the header, and CI logs keep only the tail: repeat the seed where a failure is read
+    if exitstatus != 0:
+        terminalreporter.write_line(f"replay with PQATTN_SEED={SEED}")
 
 
 @pytest.fixture(autouse=True)

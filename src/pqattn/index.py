@@ -106,6 +106,9 @@ class PQIndex:
         )
         self.lengths = torch.zeros((batch,), dtype=torch.int64, device=self.device)
         self._max_length = 0
+        # Histogram selection (ops.uses_histogram) on the kernel path: the combination counts of
+        # the candidate tokens [max(offset, sink), length - window), kept current by `append`.
+        self._hist: torch.Tensor | None = None
         self._selection: Selection | None = None  # decode-step output buffers (kernel path)
         self._workspace: torch.Tensor | None = None
         self._attn_out: torch.Tensor | None = None  # decode_step output and attention workspace
@@ -146,7 +149,72 @@ class PQIndex:
             index.phi.copy_(built.phi)
         index.lengths.copy_(lens)
         index._max_length = int(lens.max()) if B else 0
+        index._count_combos()
         return index
+
+    @classmethod
+    def from_codebook(
+        cls,
+        book: ops.PQCodebook,
+        lengths: torch.Tensor | list[int] | None = None,
+        *,
+        capacity: int | None = None,
+        config: PQConfig | None = None,
+    ) -> PQIndex:
+        """An index over a codebook built elsewhere (`build_index`, a saved one): centroids
+        [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M] uint8, phi for ip; `config` must match its
+        M, C and metric. The head dim comes from the centroids. capacity: N by default."""
+        config = config or PQConfig()
+        B, Hkv, M, C, width = book.centroids.shape
+        N = book.codes.shape[2]
+        ip = book.phi is not None
+        D = M * (width - ip)
+        if (M, C, ip) != (config.subvectors, 1 << config.bits, config.metric == "ip"):
+            raise ValueError(
+                f"book: expected M={config.subvectors}, C={1 << config.bits}, metric={config.metric} "
+                f"(config), got M={M}, C={C}, metric={'ip' if ip else 'euclidean'}"
+            )
+        check.tensor(
+            "book.codes", book.codes, shape=(B, Hkv, N, M), dims="[B, Hkv, N, M]", dtypes=(torch.uint8,)
+        )
+        capacity = N if capacity is None else capacity
+        if capacity < N:
+            raise ValueError(f"capacity: expected >= the codebook's N={N}, got {capacity}")
+        lens = check.lengths(lengths, B, N, book.codes.device)
+        index = cls(
+            config,
+            batch=B,
+            kv_heads=Hkv,
+            head_dim=D,
+            capacity=capacity,
+            device=book.codes.device,
+            dtype=book.centroids.dtype,
+        )
+        index.centroids.copy_(book.centroids)
+        index.codes[:, :, :N].copy_(book.codes)
+        if ip:
+            index.phi.copy_(book.phi)
+        index.lengths.copy_(lens)
+        index._max_length = int(lens.max()) if B else 0
+        index._count_combos()
+        return index
+
+    @property
+    def _cand_lo(self) -> int:
+        return max(self.config.offset, self.config.sink)
+
+    def _count_combos(self) -> None:
+        """(Re)count the histogram that the histogram selection reads, on the kernel path."""
+        M, C = self.config.subvectors, 1 << self.config.bits
+        probe = torch.empty(0, self.head_dim, device=self.device)
+        if not (ops.kernel_path(probe, self.centroids) and ops.uses_histogram(M, C)):
+            return
+        from pqattn.kernels.select_hist import count_combos
+
+        self._hist = torch.zeros((self.batch, self.kv_heads, C**M), dtype=torch.int32, device=self.device)
+        count_combos(
+            self.codes, self.lengths, self._hist, C=C, window=self.config.window, cand_lo=self._cand_lo
+        )
 
     def append(self, keys: torch.Tensor) -> None:
         """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
@@ -167,7 +235,16 @@ class PQIndex:
         if ops.kernel_path(keys, self.centroids):
             from pqattn.kernels.encode import pq_encode
 
-            pq_encode(keys.contiguous(), self.centroids, self.phi, self.codes, base=self.lengths)
+            pq_encode(
+                keys.contiguous(),
+                self.centroids,
+                self.phi,
+                self.codes,
+                base=self.lengths,
+                hist=self._hist,
+                window=self.config.window,
+                cand_lo=self._cand_lo,
+            )
             self.lengths += T
             self._max_length += T
             return
@@ -197,7 +274,19 @@ class PQIndex:
             )
             n = ops.select_workspace_numel(self.batch * H, M, C, self.codes.shape[2], c.heavy)
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
-        return ops.select_topk(
+        if not kernel:
+            return ops.select_topk(
+                q,
+                self.centroids,
+                self.codes,
+                self.lengths,
+                sink=c.sink,
+                window=c.window,
+                heavy=c.heavy,
+                init_offset=c.offset,
+            )
+        ops._check_score_inputs(q, self.centroids, self.codes)
+        return ops._select_kernel(
             q,
             self.centroids,
             self.codes,
@@ -205,9 +294,11 @@ class PQIndex:
             sink=c.sink,
             window=c.window,
             heavy=c.heavy,
-            init_offset=c.offset,
-            out=self._selection if kernel else None,
+            cand_lo=self._cand_lo,
+            short_threshold=c.width,
+            out=self._selection,
             workspace=self._workspace,
+            histogram=self._hist,
         )
 
     def attend(

@@ -36,25 +36,39 @@ class PQCodebook(NamedTuple):
     phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
 
 
-MAX_KERNEL_HEAVY = 8192  # the selection kernel's limit (pqattn.kernels.select.MAX_HEAVY)
+MAX_KERNEL_HEAVY = 8192  # the merge-tree selection's limit (pqattn.kernels.select.MAX_HEAVY)
+MAX_COMBOS = 4096  # C**M up to which selection runs through the code histogram (kernels.select_hist)
+
+
+def uses_histogram(M: int, C: int) -> bool:
+    """True when the selection kernel for M sub-vectors of C centroids is the histogram one:
+    C**M <= MAX_COMBOS code combinations (else the merge tree, pqattn.kernels.select)."""
+    return C**M <= MAX_COMBOS
 
 
 def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0) -> bool:
     """True when selection / encoding of these tensors runs the Triton kernels (else the reference).
 
-    CUDA tensors with a power-of-two sub-vector width >= 2 and heavy <= MAX_KERNEL_HEAVY take
-    the kernels; anything else takes the PyTorch reference (same answer, slower).
+    CUDA tensors with a power-of-two sub-vector width >= 2 take the kernels, when C**M <=
+    MAX_COMBOS (any heavy) or heavy <= MAX_KERNEL_HEAVY; anything else takes the PyTorch reference
+    (same answer, slower).
     """
-    D, M = q_or_keys.shape[-1], centroids.shape[2]
+    D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
-    return q_or_keys.is_cuda and dsub >= 2 and dsub & (dsub - 1) == 0 and heavy <= MAX_KERNEL_HEAVY
+    fits = uses_histogram(M, C) or heavy <= MAX_KERNEL_HEAVY
+    return q_or_keys.is_cuda and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
 
 
 def select_workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
     """int32 elements of the selection kernel's workspace for rows = B * H query rows over a token
-    axis of n_tokens: the LUTs plus the merge tree's slots, about rows * (n_tokens / TILE) * heavy * 8
-    bytes. Allocate it zero-filled, once; the kernel leaves it reusable by calls with the same
-    rows, M, C, n_tokens and heavy (its counters lie at places that depend on them)."""
+    axis of n_tokens. Histogram selection (C**M <= MAX_COMBOS): about rows * C**M * 5 bytes; merge
+    tree: the LUTs plus the tree's slots, about rows * (n_tokens / TILE) * heavy * 8 bytes.
+    Allocate it zero-filled, once; the kernels leave it reusable by calls with the same rows, M,
+    C, n_tokens and heavy (their counters lie at places that depend on them)."""
+    if uses_histogram(M, C):
+        from pqattn.kernels.select_hist import workspace_numel
+
+        return workspace_numel(rows, M, C)
     from pqattn.kernels.select import workspace_numel
 
     return workspace_numel(rows, M, C, n_tokens, heavy)
@@ -76,13 +90,17 @@ def _select_kernel(
     weights: torch.Tensor | None = None,
     code_base: int = 0,
     n_tokens: int | None = None,
+    histogram: torch.Tensor | None = None,
 ) -> Selection:
-    """Run the fused selection kernel, into `out` / `workspace` when given (no allocation then).
+    """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
 
     codes row r holds token code_base + r (the original's codebook starts at init_offset);
-    n_tokens: the token axis length N (codes.shape[-2] + code_base by default).
+    n_tokens: the token axis length N (codes.shape[-2] + code_base by default). histogram: the
+    combination counts of the candidates [cand_lo, n - window) that PQIndex keeps (histogram
+    selection only); without it the kernels count them first.
     """
     from pqattn.kernels.select import pq_select
+    from pqattn.kernels.select_hist import pq_select_hist
 
     B, H, _ = q.shape
     M, C = centroids.shape[2], centroids.shape[3]
@@ -116,11 +134,7 @@ def _select_kernel(
             f"select_workspace_numel(B*H, M, C, N, heavy)={need} elements, "
             f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
         )
-    pq_select(
-        q if q.stride(-1) == 1 else q.contiguous(),
-        centroids if centroids.stride(-1) == 1 else centroids.contiguous(),
-        codes,
-        lengths,
+    args = dict(
         sink=sink,
         window=window,
         heavy=heavy,
@@ -134,6 +148,12 @@ def _select_kernel(
         weights=weights,
         code_base=code_base,
     )
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
+    if uses_histogram(M, C):
+        pq_select_hist(q, centroids, codes, lengths, histogram=histogram, **args)
+    else:
+        pq_select(q, centroids, codes, lengths, **args)
     return out
 
 

@@ -25,6 +25,7 @@ def _model(kind: str, device: torch.device) -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
+        eos_token_id=None,  # a random model may greedily emit token 2 and end generation early
     )
     return model_cls(config).to(device).eval()
 

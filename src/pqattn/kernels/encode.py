@@ -4,6 +4,12 @@ One program per (sequence, KV head, new token). Distances are ||c||^2 - 2 <x, c>
 term does not change the argmin); for the ip metric x is augmented with sqrt(phi - ||x||^2)
 first. The code is written straight into the caller's code buffer, at row `base[b] + t` when a
 base (the sequence lengths) is given, so an append is one launch.
+
+With a histogram (PQIndex, histogram selection) the same launch keeps the combination counts of
+the candidate tokens [cand_lo, n - window) current: appending T tokens to n_old makes the
+positions [n_old - window, n_old + T - window) candidates. Program t adds the old position
+n_old - window + t (t < window, its code already stored) and its own token when that one is
+already past the window (t < T - window), so no program reads a code another one writes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ def _pq_encode_kernel(
     phi_ptr,
     base_ptr,
     out_ptr,
+    hist_ptr,
     stride_kb,
     stride_kk,
     stride_kt,
@@ -35,12 +42,16 @@ def _pq_encode_kernel(
     stride_om,
     Hkv,
     T,
+    window,
+    cand_lo,
     M: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IP: tl.constexpr,
     HAS_BASE: tl.constexpr,
+    HAS_HIST: tl.constexpr,
+    P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = pid % T
@@ -54,6 +65,7 @@ def _pq_encode_kernel(
     out = out_ptr + b * stride_ob + kvh * stride_ok + row * stride_on
     c_idx = tl.arange(0, C)
     d_idx = tl.arange(0, BLOCK_D)
+    combo = 0
     for m in tl.static_range(M):
         dot = tl.zeros([C], dtype=tl.float32)
         c_sq = tl.zeros([C], dtype=tl.float32)
@@ -74,6 +86,18 @@ def _pq_encode_kernel(
             c_sq += c_extra * c_extra
         code = tl.argmin(c_sq - 2.0 * dot, axis=0, tie_break_left=True)
         tl.store(out + m * stride_om, code.to(out_ptr.dtype.element_ty))
+        combo = combo * C + code
+    if HAS_HIST:
+        hist = hist_ptr + (b * Hkv + kvh).to(tl.int64) * P
+        if (t < T - window) & (row >= cand_lo):
+            tl.atomic_add(hist + combo, 1, sem="relaxed")
+        old = row - window
+        if (t < window) & (old >= cand_lo):
+            old_combo = 0
+            for m in tl.static_range(M):
+                code = tl.load(out_ptr + b * stride_ob + kvh * stride_ok + old * stride_on + m * stride_om)
+                old_combo = old_combo * C + code.to(tl.int32)
+            tl.atomic_add(hist + old_combo, 1, sem="relaxed")
 
 
 _pq_encode_launch = Launcher(_pq_encode_kernel)
@@ -85,11 +109,16 @@ def pq_encode(
     phi: torch.Tensor | None,
     out: torch.Tensor,
     base: torch.Tensor | None = None,
+    hist: torch.Tensor | None = None,
+    window: int = 0,
+    cand_lo: int = 0,
 ) -> None:
     """Write codes of keys [B, Hkv, T, D] into out (indexed [b, kvh, row, m] by its strides).
 
     centroids [B, Hkv, M, C, dsub(+1)] (last dim contiguous); phi [B, Hkv, M] contiguous for ip;
-    row = base[b] + t when base [B] is given, else t. Validated inputs only.
+    row = base[b] + t when base [B] is given, else t. hist [B, Hkv, C**M] int32 (contiguous, with
+    base): the candidate counts of pqattn.kernels.select_hist for lengths base, brought to base + T
+    (see the module's docstring). Validated inputs only.
     """
     B, Hkv, T, D = keys.shape
     M, C, width = centroids.shape[2], centroids.shape[3], centroids.shape[4]
@@ -99,13 +128,32 @@ def pq_encode(
         return
     _pq_encode_launch(
         (B * Hkv * T,),
-        (keys, centroids, phi if ip else centroids, base if base is not None else centroids, out),
+        (
+            keys,
+            centroids,
+            phi if ip else centroids,
+            base if base is not None else centroids,
+            out,
+            hist if hist is not None else out,
+        ),
         (
             *keys.stride()[:3],
             *centroids.stride()[:4],
             *out.stride(),
             Hkv,
             T,
+            window,
+            cand_lo,
         ),
-        dict(M=M, C=C, DSUB=dsub, BLOCK_D=min(dsub, 64), IP=ip, HAS_BASE=base is not None, num_warps=4),
+        dict(
+            M=M,
+            C=C,
+            DSUB=dsub,
+            BLOCK_D=min(dsub, 64),
+            IP=ip,
+            HAS_BASE=base is not None,
+            HAS_HIST=hist is not None,
+            P=C**M,
+            num_warps=4,
+        ),
     )

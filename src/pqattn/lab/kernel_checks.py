@@ -203,6 +203,65 @@ def _select_fits(case: dict, config: dict) -> bool:
     ]
 
 
+def _run_select_hist(case: dict, config: dict) -> tuple:
+    """The histogram selection; `lut_kernel` picks a counted histogram (PQIndex) over none."""
+    from pqattn.kernels.select_hist import count_combos, pq_select_hist, workspace_numel
+
+    q, cent = case["q"], case["centroids"]
+    B, H, _ = q.shape
+    Hkv, M, C, N = cent.shape[1], cent.shape[2], cent.shape[3], case["codes"].shape[2]
+    o = case["opts"]
+    positions = torch.empty(B, H, case["width"], dtype=torch.int32, device=q.device)
+    counts = torch.empty(B, H, dtype=torch.int32, device=q.device)
+    workspace = torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32, device=q.device)
+    hist = None
+    if case["lut_kernel"]:
+        hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=q.device)
+        count_combos(
+            case["kernel_codes"],
+            case["lengths"],
+            hist,
+            C=C,
+            window=o["window"],
+            cand_lo=o["cand_lo"],
+            code_base=case["code_base"],
+        )
+    w = None
+    if case["weights_dtype"] is not None:
+        w = torch.empty(B, H, N, dtype=case["weights_dtype"], device=q.device)
+    pq_select_hist(
+        q,
+        cent,
+        case["kernel_codes"],
+        case["lengths"],
+        **o,
+        short_threshold=case["short_threshold"],
+        width=case["width"],
+        positions=positions,
+        counts=counts,
+        workspace=workspace,
+        n_tokens=N,
+        histogram=hist,
+        weights=w,
+        code_base=case["code_base"],
+        config=triton.Config({"TILE": config["TILE"]}, num_warps=config["num_warps"]),
+    )
+    return positions, counts, w
+
+
+def _select_hist_fits(case: dict, config: dict) -> bool:
+    from pqattn.kernels.select_hist import MAX_COMBOS
+
+    cent = case["centroids"]
+    return cent.shape[3] ** cent.shape[2] <= MAX_COMBOS
+
+
+def _select_hist_configs() -> list[dict]:
+    from pqattn.kernels.select_hist import SCAN_CONFIGS
+
+    return [{**c.kwargs, "num_warps": c.num_warps} for c in SCAN_CONFIGS]
+
+
 def _select_configs() -> list[dict]:
     from pqattn.kernels.select import SELECT_CONFIGS
 
@@ -477,6 +536,15 @@ CHECKS: list[KernelCheck] = [
         _reference_select,
         _compare_select,
         _select_fits,
+    ),
+    KernelCheck(
+        "pq_select_hist",
+        _select_hist_configs,
+        _draw_select,
+        _run_select_hist,
+        _reference_select,
+        _compare_select,
+        _select_hist_fits,
     ),
     KernelCheck(
         "pq_encode",

@@ -17,6 +17,7 @@ import torch
 
 import pqattn.reference as ref
 from pqattn import ops
+from pqattn.index import PQConfig, PQIndex
 from pqattn.integrations.sparse_attention_hub import _grown_codebook, indexer_next
 from pqattn.lab import baselines
 
@@ -73,6 +74,13 @@ KERNEL_NOTE = "the Triton kernel on CUDA (the PyTorch reference on a CPU)"
 # ---- select: PQ top-k selection for one decode query per sequence (issue 4) -----------------------
 
 
+def _index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQIndex:
+    """A PQIndex over the case's codebook: what a decode loop selects through."""
+    config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy)
+    book = ops.PQCodebook(x["centroids"], x["codes"], None)
+    return PQIndex.from_codebook(book, x["lengths"], config=config)
+
+
 def _selection_buffers(
     B: int, H: int, L: int, M: int, C: int, N: int, heavy: int, device: torch.device
 ) -> tuple[ref.Selection, torch.Tensor]:
@@ -119,6 +127,7 @@ def _select_case(
             "scores": torch.randn(B * H, N, device=device, generator=g),
         }
         x["out"], x["workspace"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
+        x["index"] = _index(x, M, bits, sink, window, heavy)
         if compat:  # the original's call: all but the newest key quantized, int64 codebook
             x["query"] = x["q"][:, :, None].float()
             x["key"] = torch.randn(B, Hkv, N, D, device=device, generator=g)
@@ -157,6 +166,15 @@ def _select_case(
                 select_bytes,
                 select_flops,
                 note=KERNEL_NOTE,
+                skip=None if device.type == "cuda" else ref_skip,
+            ),
+            Impl(
+                "pqattn-index",
+                "pqattn",
+                lambda x: x["index"].select(x["q"]),
+                select_bytes,
+                select_flops,
+                note="PQIndex.select: the decode loop's call, with the code histogram its appends keep",
                 skip=None if device.type == "cuda" else ref_skip,
             ),
             Impl(
@@ -250,7 +268,6 @@ def _decode_case(
     L, C, dsub, es = sink + heavy + window, 2**bits, D // M, _esize(dtype)
     params = dict(B=B, H=H, Hkv=Hkv, N=N, D=D, sink=sink, heavy=heavy, window=window, M=M, bits=bits)
     params["dtype"] = str(dtype).removeprefix("torch.")
-    opts = dict(sink=sink, window=window, heavy=heavy, init_offset=sink)
 
     def make_inputs(seed: int) -> dict:
         g = _gen(seed, device)
@@ -276,7 +293,7 @@ def _decode_case(
             "out": torch.empty(B, H, D, device=device, dtype=dtype),
             "attn_ws": torch.zeros(ops.decode_workspace_numel(B * H, L, D), device=device, dtype=torch.int32),
         }
-        x["sel"], x["select_ws"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
+        x["index"] = _index(x, M, bits, sink, window, heavy)
         return x
 
     def attend(x: dict, positions: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -285,9 +302,7 @@ def _decode_case(
         )
 
     def step(x: dict) -> torch.Tensor:
-        sel = ops.select_topk(
-            x["q"], x["centroids"], x["codes"], x["lengths"], **opts, out=x["sel"], workspace=x["select_ws"]
-        )
+        sel = x["index"].select(x["q"])
         return attend(x, sel.positions, sel.counts)
 
     qo_bytes = 2 * B * H * D * es
@@ -316,7 +331,7 @@ def _decode_case(
                 step,
                 attn_bytes + select_bytes,
                 attn_flops + select_flops,
-                note="select + sparse attention, both Triton kernels on CUDA (one decode step of a layer)",
+                note="PQIndex.select + sparse attention, Triton kernels on CUDA (one decode step of a layer)",
                 versus=("sdpa",),
             ),
             Impl(

@@ -1,0 +1,511 @@
+"""PQ top-k selection through the histogram of code combinations (SPEC §2), when C**M <= 4096.
+
+A token's approximate score depends only on its code combination (c_0, ..., c_{M-1}), so with
+P = C**M <= MAX_COMBOS combinations a row's scores take at most P values, and how many candidate
+tokens carry each combination (the histogram of a sequence and KV head) does not depend on the
+query. The exact top-k threshold is then a search over P weighted values instead of N scores,
+and the tokens need a single pass that compares, with no search:
+  1. `_pq_histogram_kernel` (only when the caller keeps no histogram): every candidate token
+     [cand_lo, n - window) adds one to its combination's count, per (sequence, KV head). PQIndex
+     keeps its histogram current as keys are appended (pq_encode) and skips this launch.
+  2. `_pq_cut_kernel`, one program per (sequence, query head): the LUT, the score of every
+     combination, and a weighted search for the cut: every combination scoring above it is taken
+     whole, plus `quota` tokens of the combination at the cut (equal scores: any of them is a
+     correct choice). It writes one class per combination: 2 take, 1 tie, 0 skip.
+  3. `_pq_scan_kernel`, one program per (sequence, KV head, tile of tokens): reads the tile's codes
+     once for all query heads of the KV head, looks each token's class up, and writes the taken
+     positions at slots reserved with one atomic per tile and head (ties until the quota is met);
+     also sink, window, count, -1 padding and the dense 0/1 weights.
+No host sync and no allocation: the workspace is zeroed once, and the last tile of a (sequence,
+KV head) to finish resets its counters (and the histogram it consumed), so CUDA graphs replay it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
+from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _sum_min_max, _write_lut
+
+MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
+ROW_WORDS = 4  # per query row: k (heavy taken), quota (ties taken), slot counters for above / ties
+
+# The scan's autotune space: tokens per program and warps. Every config is exercised by the tests
+# and by `pqattn check`.
+SCAN_CONFIGS = [
+    triton.Config({"TILE": tile}, num_warps=warps)
+    for tile, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))
+]
+HIST_TILE = 2048
+CUT_WARPS = 4
+
+
+def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int, int]:
+    """int32-word offsets (histogram, classes, LUTs, row words, arrival counters) and the total.
+
+    The histogram region has a row per query row (the (sequence, KV head) rows it holds are
+    fewer); the classes are int8, P per query row."""
+    P = C**M
+    hist = 0
+    classes = hist + rows * P
+    luts = classes + -(-rows * P // 4)
+    words = luts + rows * M * C
+    arrive = words + rows * ROW_WORDS
+    return hist, classes, luts, words, arrive, arrive + rows
+
+
+def workspace_numel(rows: int, M: int, C: int) -> int:
+    return workspace_layout(rows, M, C)[-1]
+
+
+@triton.jit
+def _combo(code, M: tl.constexpr, BITS: tl.constexpr):
+    """The combination index sum_m code[:, m] << (BITS * (M-1-m)) of codes [T, M] (int32)."""
+    m = tl.arange(0, M)
+    weight = tl.full([M], 1, tl.int32) << ((M - 1 - m) * BITS)
+    return tl.sum(code * weight[None, :], axis=1)
+
+
+@triton.jit
+def _need(n, heavy, window, cand_lo):
+    """Candidates [cand_lo, n - window) and how many of them the heavy part takes."""
+    hi = n - window
+    return hi, tl.minimum(heavy, tl.maximum(hi - cand_lo, 0))
+
+
+@triton.jit
+def _pq_histogram_kernel(
+    codes_ptr,
+    len_ptr,
+    hist_ptr,
+    stride_kb,
+    stride_kk,
+    stride_kn,
+    stride_km,
+    Hkv,
+    heavy,
+    window,
+    cand_lo,
+    short_threshold,
+    code_base,
+    M: tl.constexpr,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    SKIP_SHORT: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """hist[b * Hkv + kvh, combo] += candidate tokens of this tile carrying combo. SKIP_SHORT:
+    count nothing for rows the selection will not search (short, or no heavy part)."""
+    grp = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = grp // Hkv
+    kvh = grp % Hkv
+    n = tl.load(len_ptr + b).to(tl.int32)
+    hi, need = _need(n, heavy, window, cand_lo)
+    active = (hi > tl.maximum(cand_lo, tile * TILE)) & (cand_lo < tile * TILE + TILE)
+    if SKIP_SHORT:
+        active = active & (n > short_threshold) & (need > 0)
+    if active:
+        offs = tile * TILE + tl.arange(0, TILE)
+        cand = (offs >= cand_lo) & (offs < hi)
+        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
+        combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
+        # one relaxed atomic per token: tl.histogram over P bins is slower (see select.py)
+        tl.atomic_add(hist_ptr + grp.to(tl.int64) * P + combo, 1, mask=cand, sem="relaxed")
+
+
+@triton.jit
+def _weighted_cut(key, w, need):
+    """(cut, quota, k) for keys [P] (0: no candidate) carrying w tokens each: the k = min(need,
+    sum w) largest tokens are all those of keys > cut plus `quota` of those of key == cut.
+
+    The search of pqattn.kernels.select._top_k with token counts: a bracket lo < hi of existing
+    keys with c_lo = tokens at or above lo > k and c_hi = tokens at or above hi < k; each step
+    probes a value inside (interpolating the counts; a step that fails to halve the bracket is
+    followed by a bisection) and snaps the bracket to the nearest keys on either side.
+    """
+    total, lo, top = _sum_min_max(w, tl.where(w > 0, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
+    k = tl.minimum(need, total)
+    lo = lo.to(tl.int64)
+    hi = top.to(tl.int64) + 1
+    c_lo = total
+    c_hi = 0
+    bisect = False
+    go = (k > 0) & (c_lo > k)
+    while go:
+        frac = (c_lo - k).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
+        guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
+        probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
+        p32 = probe.to(tl.uint32)
+        diff = key - p32  # wraps: see _top_k
+        c, d_min, d_max = _sum_min_max(tl.where(key >= p32, w, 0), diff, diff)
+        width = hi - lo
+        up = c >= k
+        lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
+        c_lo = tl.where(up, c, c_lo)
+        hi = tl.where(up, hi, (p32 + d_max).to(tl.int64) + 1)
+        c_hi = tl.where(up, c_hi, c)
+        bisect = 2 * (hi - lo) > width
+        go = (c_lo > k) & (hi - lo > 1)
+    # c_lo == k: every key >= lo is taken (cut just below lo, no ties); else hi == lo + 1: lo is
+    # the cut, c_hi tokens lie above it and the rest of the k are ties at lo.
+    exact = c_lo == k
+    cut = tl.where(k == 0, 0xFFFFFFFF, tl.where(exact, lo - 1, lo)).to(tl.uint32)
+    quota = tl.where(exact | (k == 0), 0, k - c_hi)
+    return cut, quota, k
+
+
+@triton.jit
+def _pq_cut_kernel(
+    q_ptr,
+    cent_ptr,
+    len_ptr,
+    hist_ptr,
+    ws_ptr,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ck,
+    stride_cm,
+    stride_cc,
+    H,
+    G,
+    heavy,
+    window,
+    cand_lo,
+    short_threshold,
+    class_off,
+    lut_off,
+    words_off,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // H
+    h = row % H
+    kvh = h // G
+    n = tl.load(len_ptr + b).to(tl.int32)
+    if n > short_threshold:
+        _, need = _need(n, heavy, window, cand_lo)
+        lut_row = _lut_base(ws_ptr) + lut_off + row * (M * C)
+        _write_lut(
+            q_ptr + b * stride_qb + h * stride_qh,
+            cent_ptr + b * stride_cb + kvh * stride_ck,
+            lut_row,
+            stride_cm,
+            stride_cc,
+            M,
+            C,
+            DSUB,
+            BLOCK_D,
+        )
+        tl.debug_barrier()
+        combo = tl.arange(0, P)
+        score = tl.zeros([P], tl.float32)
+        for m in tl.static_range(M):
+            score += tl.load(lut_row + m * C + ((combo >> ((M - 1 - m) * BITS)) & (C - 1)))
+        w = tl.load(hist_ptr + (row // G).to(tl.int64) * P + combo)
+        key = tl.where(w > 0, _order_key(score), 0)
+        cut, quota, k = _weighted_cut(key, w, need)
+        cls = tl.where(key > cut, 2, tl.where((key == cut) & (quota > 0), 1, 0))
+        tl.store(
+            ws_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + class_off * 4 + row * P + combo,
+            cls.to(tl.int8),
+        )
+        words = ws_ptr + words_off + row * 4
+        tl.store(words, k)
+        tl.store(words + 1, quota)
+
+
+@triton.jit
+def _pq_scan_kernel(
+    codes_ptr,
+    len_ptr,
+    hist_ptr,
+    ws_ptr,
+    pos_ptr,
+    cnt_ptr,
+    w_ptr,
+    stride_kb,
+    stride_kk,
+    stride_kn,
+    stride_km,
+    stride_pb,
+    stride_ph,
+    stride_wb,
+    stride_wh,
+    H,
+    G,
+    Hkv,
+    n_weights,
+    sink,
+    window,
+    heavy,
+    cand_lo,
+    short_threshold,
+    width,
+    code_base,
+    class_off,
+    words_off,
+    arrive_off,
+    n_bucket,  # autotune key only: the power of two above the token axis
+    M: tl.constexpr,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    HAS_W: tl.constexpr,
+    CONSUME_HIST: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    grp = tl.program_id(0)  # b * Hkv + kvh
+    tile = tl.program_id(1)
+    n_tiles = tl.num_programs(1)
+    b = grp // Hkv
+    kvh = grp % Hkv
+    n = tl.load(len_ptr + b).to(tl.int32)
+    lane = tl.arange(0, TILE)
+    offs = tile * TILE + lane
+    one = tl.full([TILE], 1.0, tl.float32)
+    if n <= short_threshold:  # short sequence: every token, as in pqattn.kernels.select
+        for g in range(G):
+            h = kvh * G + g
+            pos_row = pos_ptr + b * stride_pb + h * stride_ph
+            tl.store(pos_row + offs, tl.where(offs < n, offs, -1), mask=offs < width)
+            if tile == n_tiles - 1:
+                for start in range(n_tiles * TILE, width, TILE):
+                    tail = start + lane
+                    tl.store(pos_row + tail, tl.full([TILE], -1, tl.int32), mask=tail < width)
+                tl.store(cnt_ptr + b * H + h, n)
+            if HAS_W:
+                w_row = w_ptr + b * stride_wb + h * stride_wh
+                tl.store(
+                    w_row + offs,
+                    tl.where(offs < n, one, 0.0).to(w_ptr.dtype.element_ty),
+                    mask=offs < n_weights,
+                )
+    else:
+        hi, need = _need(n, heavy, window, cand_lo)
+        n_sink = tl.minimum(sink, n)
+        win_lo = tl.maximum(hi, n_sink)
+        n_win = n - win_lo
+        tile_has = (need > 0) & (tl.minimum(hi, tile * TILE + TILE) > tl.maximum(cand_lo, tile * TILE))
+        cand = (offs >= cand_lo) & (offs < hi) & tile_has
+        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
+        combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
+        classes = ws_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + class_off * 4
+        keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
+        for g in range(G):
+            h = kvh * G + g
+            row = b * H + h
+            pos_row = pos_ptr + b * stride_pb + h * stride_ph
+            words = ws_ptr + words_off + row * 4
+            k = tl.load(words)
+            quota = tl.load(words + 1)
+            take = offs < 0
+            if tile_has:
+                cls = tl.load(classes + row * P + combo, mask=cand, other=0)
+                above = cls == 2
+                tie = cls == 1
+                packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # both ranks in one scan
+                inclusive = tl.cumsum(packed, 0)
+                total = tl.sum(packed, 0)
+                n_above = total & 0xFFFF
+                n_tie = total >> 16
+                base_above = n_above * 0
+                base_tie = n_tie * 0
+                if n_above > 0:
+                    base_above = tl.atomic_add(words + 2, n_above, sem="relaxed")
+                if (n_tie > 0) & (quota > 0):
+                    base_tie = tl.atomic_add(words + 3, n_tie, sem="relaxed")
+                tie_rank = base_tie + (inclusive >> 16) - 1
+                take_tie = tie & (tie_rank < quota)
+                slot = tl.where(above, base_above + (inclusive & 0xFFFF) - 1, k - quota + tie_rank)
+                take = above | take_tie
+                tl.store(pos_row + n_sink + slot, offs, mask=take)
+            if HAS_W:
+                w_row = w_ptr + b * stride_wb + h * stride_wh
+                tl.store(
+                    w_row + offs,
+                    tl.where(keep | take, one, 0.0).to(w_ptr.dtype.element_ty),
+                    mask=offs < n_weights,
+                )
+            if tile == 0:
+                for start in range(0, n_sink, TILE):
+                    o = start + lane
+                    tl.store(pos_row + o, o, mask=o < n_sink)
+                for start in range(0, n_win, TILE):
+                    o = start + lane
+                    tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
+                count = n_sink + k + n_win
+                for start in range(count, width, TILE):
+                    o = start + lane
+                    tl.store(pos_row + o, tl.full([TILE], -1, tl.int32), mask=o < width)
+                tl.store(cnt_ptr + b * H + h, count)
+        # the last tile of this (sequence, KV head) leaves its counters ready for the next call
+        arrived = tl.atomic_add(ws_ptr + arrive_off + grp, 1, sem="acq_rel")
+        if arrived == n_tiles - 1:
+            for g in range(G):
+                words = ws_ptr + words_off + (b * H + kvh * G + g) * 4
+                tl.store(words + 2, 0)
+                tl.store(words + 3, 0)
+            tl.store(ws_ptr + arrive_off + grp, 0)
+            if CONSUME_HIST:
+                for start in range(0, P, TILE):
+                    o = start + lane
+                    tl.store(hist_ptr + grp.to(tl.int64) * P + o, tl.zeros([TILE], tl.int32), mask=o < P)
+
+
+_pq_scan_autotuned = triton.autotune(
+    configs=SCAN_CONFIGS, key=["n_bucket", "G", "M", "P", "HAS_W", "CONSUME_HIST"]
+)(_pq_scan_kernel)
+_pq_scan_tuned = TunedLauncher(_pq_scan_autotuned)
+_pq_scan_launch = Launcher(_pq_scan_kernel)
+_pq_cut_launch = Launcher(_pq_cut_kernel)
+_pq_histogram_launch = Launcher(_pq_histogram_kernel)
+
+
+def count_combos(
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    hist: torch.Tensor,
+    *,
+    C: int,
+    window: int,
+    cand_lo: int,
+    heavy: int = 1,
+    short_threshold: int = -1,
+    code_base: int = 0,
+    skip_short: bool = False,
+) -> None:
+    """Add the combination counts of the candidate tokens [cand_lo, n - window) to hist.
+
+    codes [B, Hkv, N, M] by strides (row r: token code_base + r); hist int32 with a contiguous
+    row of C**M counts per (b, kvh), zero where nothing was counted yet."""
+    B, Hkv, N, M = codes.shape
+    N += code_base
+    grid = (B * Hkv, max(-(-N // HIST_TILE), 1))
+    _pq_histogram_launch(
+        grid,
+        (codes, lengths, hist),
+        (*codes.stride(), Hkv, heavy, window, cand_lo, short_threshold, code_base),
+        dict(M=M, BITS=C.bit_length() - 1, P=C**M, SKIP_SHORT=skip_short, TILE=HIST_TILE, num_warps=4),
+    )
+
+
+def pq_select_hist(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    cand_lo: int,
+    short_threshold: int,
+    width: int,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    workspace: torch.Tensor,
+    n_tokens: int,
+    histogram: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    code_base: int = 0,
+    config: triton.Config | None = None,
+) -> None:
+    """Launch the histogram selection on validated inputs (arguments as pqattn.kernels.select.pq_select).
+
+    histogram: [B, Hkv, C**M] int32 counts of the candidate tokens [cand_lo, n - window) per
+    combination for the current lengths (PQIndex keeps one); None counts them into the workspace
+    first (one more launch). workspace: int32, zero-filled once, workspace_numel(B * H, M, C)
+    elements. `config` forces one of SCAN_CONFIGS (the first under the interpreter by default).
+    """
+    B, H, D = q.shape
+    Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
+    if C**M > MAX_COMBOS:
+        raise ValueError(f"centroids: the histogram selection needs C**M <= {MAX_COMBOS}, got C={C}, M={M}")
+    rows = B * H
+    _, class_off, lut_off, words_off, arrive_off, _ = workspace_layout(rows, M, C)
+    need = workspace_numel(rows, M, C)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
+            f"with {workspace.numel()}"
+        )
+    if config is not None and config not in SCAN_CONFIGS:
+        raise ValueError("config: expected one of SCAN_CONFIGS")
+    if interpreted() and config is None:
+        config = SCAN_CONFIGS[0]
+    G = H // Hkv
+    consume = histogram is None
+    if consume:
+        histogram = workspace  # its histogram region opens it
+        count_combos(
+            codes,
+            lengths,
+            workspace,
+            C=C,
+            window=window,
+            cand_lo=cand_lo,
+            heavy=heavy,
+            short_threshold=short_threshold,
+            code_base=code_base,
+            skip_short=True,
+        )
+    dsub = D // M
+    _pq_cut_launch(
+        (rows,),
+        (q, centroids, lengths, histogram, workspace),
+        (
+            *q.stride()[:2],
+            *centroids.stride()[:4],
+            H,
+            G,
+            heavy,
+            window,
+            cand_lo,
+            short_threshold,
+            class_off,
+            lut_off,
+            words_off,
+        ),
+        dict(
+            M=M, C=C, BITS=C.bit_length() - 1, P=C**M, DSUB=dsub, BLOCK_D=min(dsub, 64), num_warps=CUT_WARPS
+        ),
+    )
+    w = weights if weights is not None else counts
+    n_tok = max(n_tokens, 1)
+    n_bucket = 1 << (n_tok - 1).bit_length()
+    tensors = (codes, lengths, histogram, workspace, positions, counts, w)
+    scalars = (
+        *codes.stride(),
+        *positions.stride()[:2],
+        *w.stride()[:2],
+        H,
+        G,
+        Hkv,
+        weights.shape[2] if weights is not None else 0,
+        sink,
+        window,
+        heavy,
+        cand_lo,
+        short_threshold,
+        width,
+        code_base,
+        class_off,
+        words_off,
+        arrive_off,
+        n_bucket,
+    )
+    meta = dict(M=M, BITS=C.bit_length() - 1, P=C**M, HAS_W=weights is not None, CONSUME_HIST=consume)
+    if config is None:
+        key = (n_bucket, G, M, C, weights is not None, consume)
+        _pq_scan_tuned(key, lambda m: (B * Hkv, -(-n_tok // m["TILE"])), tensors, scalars, meta)
+    else:
+        grid = (B * Hkv, -(-n_tok // config.kwargs["TILE"]))
+        _pq_scan_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})

@@ -1,0 +1,289 @@
+"""The histogram selection (C**M <= 4096) and the histogram that pq_encode keeps, against the reference.
+
+Runs under the Triton interpreter on a CPU (small shapes) and compiled on a GPU (also large ones).
+The random fuzz over all configs is `pqattn check` (the `pq_select_hist` rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+import pqattn
+from pqattn import ops
+from pqattn import reference as ref
+from pqattn.kernels.encode import pq_encode
+from pqattn.kernels.select_hist import (
+    MAX_COMBOS,
+    ROW_WORDS,
+    SCAN_CONFIGS,
+    count_combos,
+    pq_select_hist,
+    workspace_layout,
+    workspace_numel,
+)
+from pqattn.lab.kernel_checks import selection_problem
+
+CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SCAN_CONFIGS]
+
+
+def _histogram(codes, lengths, C, window, cand_lo) -> torch.Tensor:
+    """The candidate counts per code combination, from the codes in plain torch."""
+    B, Hkv, N, M = codes.shape
+    combo = torch.zeros(B, Hkv, N, dtype=torch.long, device=codes.device)
+    for m in range(M):
+        combo = combo * C + codes[..., m].long()
+    p = torch.arange(N, device=codes.device)
+    cand = (p >= cand_lo) & (p < lengths.long()[:, None] - window)  # [B, N]
+    hist = torch.zeros(B, Hkv, C**M, dtype=torch.long, device=codes.device)
+    hist.scatter_add_(2, combo, cand[:, None, :].expand(B, Hkv, N).long())
+    return hist.int()
+
+
+def run_case(
+    device,
+    *,
+    B,
+    H,
+    Hkv,
+    N,
+    D,
+    M,
+    bits,
+    lengths,
+    sink,
+    window,
+    heavy,
+    init_offset,
+    config,
+    maintained,
+    round_centroids=False,
+    weights_dtype=None,
+    calls=2,
+) -> None:
+    C = 2**bits
+    q = torch.randn(B, H, D, device=device)
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    if round_centroids:  # few distinct scores: ties at the cut
+        cent = cent.round()
+    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
+    lens = torch.tensor(lengths, device=device)
+    threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
+    width = ref.selection_width(sink, window, heavy, min(threshold, N))
+    pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
+    cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+    workspace = torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32, device=device)
+    hist = _histogram(codes, lens, C, window, cand_lo) if maintained else None
+    w = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
+    for _ in range(calls):  # later calls reuse the workspace: the kernels must leave it reusable
+        q.normal_()
+        pq_select_hist(
+            q,
+            cent,
+            codes,
+            lens,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
+            width=width,
+            positions=pos.fill_(-7),
+            counts=cnt.fill_(-7),
+            workspace=workspace,
+            n_tokens=N,
+            histogram=hist,
+            weights=w,
+            config=config,
+        )
+        scores = ref.pq_scores(q.double(), cent.double(), codes)
+        want = ref.select_from_scores(
+            scores, lens, sink=sink, window=window, heavy=heavy, init_offset=cand_lo
+        )
+        problem = selection_problem(
+            pos, cnt, scores, lens, cand_lo=cand_lo, window=window, short_threshold=threshold, ref_sel=want
+        )
+        assert problem is None, problem
+        if w is not None:
+            assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
+        hist_off, _, _, words, arrive, end = workspace_layout(B * H, M, C)
+        counters = workspace[words:end].view(-1)
+        assert (counters[: B * H * ROW_WORDS].view(B * H, ROW_WORDS)[:, 2:] == 0).all(), "slot counters reset"
+        assert (workspace[arrive:end] == 0).all(), "arrival counters reset"
+        if not maintained:
+            assert (workspace[hist_off : hist_off + B * H * C**M] == 0).all(), "consumed histogram zeroed"
+
+
+CASES = {
+    "basic": dict(
+        B=1, H=2, Hkv=2, N=300, D=32, M=2, bits=6, lengths=[300], sink=4, window=8, heavy=20, init_offset=4
+    ),
+    # ragged, GQA 4, one sequence under the short rule
+    "ragged-gqa-short": dict(
+        B=3,
+        H=8,
+        Hkv=2,
+        N=211,
+        D=64,
+        M=4,
+        bits=3,
+        lengths=[211, 97, 30],
+        sink=3,
+        window=5,
+        heavy=17,
+        init_offset=6,
+    ),
+    # heavy > candidates (and short)
+    "heavy-exceeds": dict(
+        B=2, H=4, Hkv=4, N=64, D=32, M=8, bits=1, lengths=[64, 61], sink=2, window=2, heavy=100, init_offset=0
+    ),
+    # C=2, M=4: 16 distinct scores (ties everywhere); an empty sequence
+    "ties-empty": dict(
+        B=2, H=2, Hkv=1, N=150, D=32, M=4, bits=1, lengths=[150, 0], sink=5, window=5, heavy=9, init_offset=12
+    ),
+    "no-sink-window-M1": dict(
+        B=1, H=4, Hkv=2, N=120, D=64, M=1, bits=8, lengths=[120], sink=0, window=0, heavy=7, init_offset=0
+    ),
+    # several tiles of every config, ties at the cut shared between tiles, weights
+    "tiles-ties-weights": dict(
+        B=2,
+        H=4,
+        Hkv=2,
+        N=9000,
+        D=32,
+        M=1,
+        bits=2,
+        lengths=[9000, 4000],
+        sink=4,
+        window=8,
+        heavy=700,
+        init_offset=4,
+        round_centroids=True,
+        weights_dtype=torch.bfloat16,
+    ),
+}
+
+
+@pytest.mark.parametrize("maintained", [False, True], ids=["counted", "maintained"])
+@pytest.mark.parametrize("config", SCAN_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_select_cases(case: dict, config: triton.Config, maintained: bool, device: torch.device) -> None:
+    run_case(device, **case, config=config, maintained=maintained)
+
+
+def test_count_combos_matches_torch(device: torch.device) -> None:
+    codes = torch.randint(0, 8, (2, 3, 5000, 2), device=device, dtype=torch.uint8)
+    lens = torch.tensor([5000, 1234], device=device)
+    hist = torch.zeros(2, 3, 64, dtype=torch.int32, device=device)
+    count_combos(codes, lens, hist, C=8, window=7, cand_lo=5)
+    assert torch.equal(hist, _histogram(codes, lens, 8, 7, 5))
+
+
+@pytest.mark.parametrize(
+    "T, window, lengths", [(1, 8, [300, 0]), (9, 6, [100, 3]), (4, 0, [50, 7]), (3, 3, [2, 40])]
+)
+def test_encode_keeps_the_histogram(T: int, window: int, lengths: list[int], device: torch.device) -> None:
+    """Appends of T keys (T above and below the window) move tokens out of the window into the
+    candidates: the histogram the encode launch keeps equals a fresh count after every append."""
+    B, Hkv, N, D, M, C, cand_lo = 2, 2, 400, 32, 2, 4, 5
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
+    lens = torch.tensor(lengths, device=device)
+    hist = _histogram(codes, lens, C, window, cand_lo)
+    for _ in range(4):
+        pq_encode(
+            torch.randn(B, Hkv, T, D, device=device),
+            cent,
+            None,
+            codes,
+            base=lens,
+            hist=hist,
+            window=window,
+            cand_lo=cand_lo,
+        )
+        lens += T
+        assert torch.equal(hist, _histogram(codes, lens, C, window, cand_lo))
+
+
+def test_routing_and_workspace() -> None:
+    assert ops.uses_histogram(2, 64) and ops.uses_histogram(1, 256) and not ops.uses_histogram(2, 128)
+    assert ops.MAX_COMBOS == MAX_COMBOS
+    assert ops.select_workspace_numel(32, 2, 64, 32000, 128) == workspace_numel(32, 2, 64)
+    q = torch.empty(1, 4, 128)
+    assert not ops.kernel_path(q, torch.empty(1, 1, 2, 64, 64))  # CPU tensors: the reference
+    with pytest.raises(ValueError, match="C\\*\\*M"):
+        pq_select_hist(
+            q,
+            torch.empty(1, 1, 2, 128, 64),
+            torch.empty(1, 1, 8, 2, dtype=torch.uint8),
+            torch.tensor([8]),
+            sink=0,
+            window=0,
+            heavy=1,
+            cand_lo=0,
+            short_threshold=1,
+            width=1,
+            positions=torch.empty(1, 4, 1, dtype=torch.int32),
+            counts=torch.empty(1, 4, dtype=torch.int32),
+            workspace=torch.zeros(8, dtype=torch.int32),
+            n_tokens=8,
+        )
+
+
+def test_large_shapes_on_gpu(device: torch.device) -> None:
+    """Compiled, autotuned: long rows, heavy above the merge tree's limit, GQA 4, ragged."""
+    if device.type != "cuda":
+        pytest.skip("large shapes run compiled on the GPU")
+    for maintained in (False, True):
+        run_case(
+            device,
+            B=2,
+            H=8,
+            Hkv=2,
+            N=200_000,
+            D=128,
+            M=2,
+            bits=6,
+            lengths=[200_000, 150_001],
+            sink=128,
+            window=128,
+            heavy=10_000,
+            init_offset=128,
+            config=None,
+            maintained=maintained,
+            calls=3,
+        )
+
+
+def test_index_keeps_its_histogram_on_gpu(device: torch.device) -> None:
+    """PQIndex (histogram selection): build, appends in steps of 1 and 5, selections exact."""
+    if device.type != "cuda":
+        pytest.skip("the index takes the kernels for CUDA tensors")
+    B, Hkv, H, N, D = 2, 2, 8, 3000, 64
+    cfg = pqattn.PQConfig(subvectors=2, bits=5, sink=16, window=32, heavy=64, iters=2)
+    keys = torch.randn(B, Hkv, N + 20, D, device=device)
+    index = pqattn.PQIndex.build(keys[:, :, :N], [N, 2000], capacity=N + 20, config=cfg)
+    for T in (1, 5, 1, 5):
+        n = index.lengths.clone()
+        new = torch.randn(B, Hkv, T, D, device=device)
+        index.append(new)
+        want = _histogram(index.codes, index.lengths, 32, cfg.window, max(cfg.offset, cfg.sink))
+        assert torch.equal(index._hist, want) and torch.equal(index.lengths, n + T)
+        q = torch.randn(B, H, D, device=device)
+        sel = index.select(q)
+        scores = ref.pq_scores(q.double(), index.centroids.double(), index.codes)
+        ref_sel = ref.select_from_scores(
+            scores, index.lengths, sink=cfg.sink, window=cfg.window, heavy=cfg.heavy, init_offset=cfg.offset
+        )
+        problem = selection_problem(
+            sel.positions,
+            sel.counts,
+            scores,
+            index.lengths,
+            cand_lo=max(cfg.offset, cfg.sink),
+            window=cfg.window,
+            short_threshold=cfg.width,
+            ref_sel=ref_sel,
+        )
+        assert problem is None, problem
