@@ -95,8 +95,10 @@ def _pq_encode_kernel(
         if (t < window) & (old >= cand_lo):
             old_combo = 0
             for m in tl.static_range(M):
-                code = tl.load(out_ptr + b * stride_ob + kvh * stride_ok + old * stride_on + m * stride_om)
-                old_combo = old_combo * C + code.to(tl.int32)
+                old_code = tl.load(
+                    out_ptr + b * stride_ob + kvh * stride_ok + old * stride_on + m * stride_om
+                )
+                old_combo = old_combo * C + old_code.to(tl.int32)
             tl.atomic_add(hist + old_combo, 1, sem="relaxed")
 
 

@@ -16,8 +16,9 @@ and the tokens need a single pass that compares, with no search:
      once for all query heads of the KV head, looks each token's class up, and writes the taken
      positions at slots reserved with one atomic per tile and head (ties until the quota is met);
      also sink, window, count, -1 padding and the dense 0/1 weights.
-No host sync and no allocation: the workspace is zeroed once, and the last tile of a (sequence,
-KV head) to finish resets its counters (and the histogram it consumed), so CUDA graphs replay it.
+No host sync and no allocation: the workspace is zeroed once; the cut launch zeroes the slot
+counters of its rows before the scan launch uses them, and the scan's first tile of a (sequence,
+KV head) zeroes the histogram that the cut launch consumed, so CUDA graphs replay the launches.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _sum_min_max, _write_lut
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
-ROW_WORDS = 4  # per query row: k (heavy taken), quota (ties taken), slot counters for above / ties
+ROW_WORDS = 4  # per query row: k, quota, slot counters (above, ties)
+_ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)
 
 # The scan's autotune space: tokens per program and warps. Every config is exercised by the tests
 # and by `pqattn check`.
@@ -42,8 +44,8 @@ HIST_TILE = 2048
 CUT_WARPS = 4
 
 
-def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int, int]:
-    """int32-word offsets (histogram, classes, LUTs, row words, arrival counters) and the total.
+def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int]:
+    """int32-word offsets (histogram, classes, LUTs, row words) and the total.
 
     The histogram region has a row per query row (the (sequence, KV head) rows it holds are
     fewer); the classes are int8, P per query row."""
@@ -52,8 +54,7 @@ def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int
     classes = hist + rows * P
     luts = classes + -(-rows * P // 4)
     words = luts + rows * M * C
-    arrive = words + rows * ROW_WORDS
-    return hist, classes, luts, words, arrive, arrive + rows
+    return hist, classes, luts, words, words + rows * ROW_WORDS
 
 
 def workspace_numel(rows: int, M: int, C: int) -> int:
@@ -218,9 +219,11 @@ def _pq_cut_kernel(
             ws_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + class_off * 4 + row * P + combo,
             cls.to(tl.int8),
         )
-        words = ws_ptr + words_off + row * 4
+        words = ws_ptr + words_off + row * _ROW_WORDS
         tl.store(words, k)
         tl.store(words + 1, quota)
+        tl.store(words + 2, 0)  # the scan's slot counters: it runs after this launch
+        tl.store(words + 3, 0)
 
 
 @triton.jit
@@ -253,11 +256,11 @@ def _pq_scan_kernel(
     code_base,
     class_off,
     words_off,
-    arrive_off,
     n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
     BITS: tl.constexpr,
     P: tl.constexpr,
+    GP: tl.constexpr,
     HAS_W: tl.constexpr,
     CONSUME_HIST: tl.constexpr,
     TILE: tl.constexpr,
@@ -299,69 +302,66 @@ def _pq_scan_kernel(
         combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
         classes = ws_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + class_off * 4
         keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
-        for g in range(G):
-            h = kvh * G + g
-            row = b * H + h
-            pos_row = pos_ptr + b * stride_pb + h * stride_ph
-            words = ws_ptr + words_off + row * 4
-            k = tl.load(words)
-            quota = tl.load(words + 1)
-            take = offs < 0
-            if tile_has:
-                cls = tl.load(classes + row * P + combo, mask=cand, other=0)
-                above = cls == 2
-                tie = cls == 1
-                packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # both ranks in one scan
-                inclusive = tl.cumsum(packed, 0)
-                total = tl.sum(packed, 0)
-                n_above = total & 0xFFFF
-                n_tie = total >> 16
-                base_above = n_above * 0
-                base_tie = n_tie * 0
-                if n_above > 0:
-                    base_above = tl.atomic_add(words + 2, n_above, sem="relaxed")
-                if (n_tie > 0) & (quota > 0):
-                    base_tie = tl.atomic_add(words + 3, n_tie, sem="relaxed")
-                tie_rank = base_tie + (inclusive >> 16) - 1
-                take_tie = tie & (tie_rank < quota)
-                slot = tl.where(above, base_above + (inclusive & 0xFFFF) - 1, k - quota + tie_rank)
-                take = above | take_tie
-                tl.store(pos_row + n_sink + slot, offs, mask=take)
-            if HAS_W:
-                w_row = w_ptr + b * stride_wb + h * stride_wh
-                tl.store(
-                    w_row + offs,
-                    tl.where(keep | take, one, 0.0).to(w_ptr.dtype.element_ty),
-                    mask=offs < n_weights,
-                )
-            if tile == 0:
+        # The group's query heads side by side ([GP, TILE]): their slot atomics go out together
+        # instead of one round trip after another.
+        g = tl.arange(0, GP)
+        g_ok = g < G
+        h = kvh * G + g
+        words = ws_ptr + words_off + (b * H + h) * _ROW_WORDS
+        k = tl.load(words, mask=g_ok, other=0)
+        quota = tl.load(words + 1, mask=g_ok, other=0)
+        take = (offs[None, :] < 0) & g_ok[:, None]
+        if tile_has:
+            cls = tl.load(
+                classes + (b * H + h)[:, None] * P + combo[None, :],
+                mask=g_ok[:, None] & cand[None, :],
+                other=0,
+            )
+            above = cls == 2
+            tie = cls == 1
+            packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # both ranks in one scan
+            inclusive = tl.cumsum(packed, 1)
+            total = tl.sum(packed, 1)
+            n_above = total & 0xFFFF
+            n_tie = total >> 16
+            base_above = tl.atomic_add(words + 2, n_above, mask=n_above > 0, sem="relaxed")
+            base_tie = tl.atomic_add(words + 3, n_tie, mask=(n_tie > 0) & (quota > 0), sem="relaxed")
+            tie_rank = base_tie[:, None] + (inclusive >> 16) - 1
+            take_tie = tie & (tie_rank < quota[:, None])
+            slot = tl.where(
+                above, base_above[:, None] + (inclusive & 0xFFFF) - 1, (k - quota)[:, None] + tie_rank
+            )
+            take = above | take_tie
+            pos = pos_ptr + b * stride_pb + h[:, None] * stride_ph + n_sink + slot
+            tl.store(pos, tl.zeros([GP, TILE], tl.int32) + offs[None, :], mask=take)
+        if HAS_W:
+            w_rows = w_ptr + b * stride_wb + h[:, None] * stride_wh + offs[None, :]
+            value = tl.where(keep[None, :] | take, 1.0, 0.0).to(w_ptr.dtype.element_ty)
+            tl.store(w_rows, value, mask=g_ok[:, None] & (offs < n_weights)[None, :])
+        if tile == 0:
+            for gi in range(G):
+                hh = kvh * G + gi
+                pos_row = pos_ptr + b * stride_pb + hh * stride_ph
+                kk = tl.load(ws_ptr + words_off + (b * H + hh) * _ROW_WORDS)
                 for start in range(0, n_sink, TILE):
                     o = start + lane
                     tl.store(pos_row + o, o, mask=o < n_sink)
                 for start in range(0, n_win, TILE):
                     o = start + lane
-                    tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
-                count = n_sink + k + n_win
+                    tl.store(pos_row + n_sink + kk + o, win_lo + o, mask=o < n_win)
+                count = n_sink + kk + n_win
                 for start in range(count, width, TILE):
                     o = start + lane
                     tl.store(pos_row + o, tl.full([TILE], -1, tl.int32), mask=o < width)
-                tl.store(cnt_ptr + b * H + h, count)
-        # the last tile of this (sequence, KV head) leaves its counters ready for the next call
-        arrived = tl.atomic_add(ws_ptr + arrive_off + grp, 1, sem="acq_rel")
-        if arrived == n_tiles - 1:
-            for g in range(G):
-                words = ws_ptr + words_off + (b * H + kvh * G + g) * 4
-                tl.store(words + 2, 0)
-                tl.store(words + 3, 0)
-            tl.store(ws_ptr + arrive_off + grp, 0)
-            if CONSUME_HIST:
+                tl.store(cnt_ptr + b * H + hh, count)
+            if CONSUME_HIST:  # the cut launch has read it: zero for the next call
                 for start in range(0, P, TILE):
                     o = start + lane
                     tl.store(hist_ptr + grp.to(tl.int64) * P + o, tl.zeros([TILE], tl.int32), mask=o < P)
 
 
 _pq_scan_autotuned = triton.autotune(
-    configs=SCAN_CONFIGS, key=["n_bucket", "G", "M", "P", "HAS_W", "CONSUME_HIST"]
+    configs=SCAN_CONFIGS, key=["n_bucket", "GP", "M", "P", "HAS_W", "CONSUME_HIST"]
 )(_pq_scan_kernel)
 _pq_scan_tuned = TunedLauncher(_pq_scan_autotuned)
 _pq_scan_launch = Launcher(_pq_scan_kernel)
@@ -430,7 +430,7 @@ def pq_select_hist(
     if C**M > MAX_COMBOS:
         raise ValueError(f"centroids: the histogram selection needs C**M <= {MAX_COMBOS}, got C={C}, M={M}")
     rows = B * H
-    _, class_off, lut_off, words_off, arrive_off, _ = workspace_layout(rows, M, C)
+    _, class_off, lut_off, words_off, _ = workspace_layout(rows, M, C)
     need = workspace_numel(rows, M, C)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
@@ -499,12 +499,12 @@ def pq_select_hist(
         code_base,
         class_off,
         words_off,
-        arrive_off,
         n_bucket,
     )
-    meta = dict(M=M, BITS=C.bit_length() - 1, P=C**M, HAS_W=weights is not None, CONSUME_HIST=consume)
+    GP = 1 << (G - 1).bit_length()
+    meta = dict(M=M, BITS=C.bit_length() - 1, P=C**M, GP=GP, HAS_W=weights is not None, CONSUME_HIST=consume)
     if config is None:
-        key = (n_bucket, G, M, C, weights is not None, consume)
+        key = (n_bucket, GP, M, C, weights is not None, consume)
         _pq_scan_tuned(key, lambda m: (B * Hkv, -(-n_tok // m["TILE"])), tensors, scalars, meta)
     else:
         grid = (B * Hkv, -(-n_tok // config.kwargs["TILE"]))
