@@ -275,17 +275,17 @@ def _pq_scan_kernel(
     offs = tile * TILE + lane
     one = tl.full([TILE], 1.0, tl.float32)
     if n <= short_threshold:  # short sequence: every token, as in pqattn.kernels.select
-        for g in range(G):
-            h = kvh * G + g
-            pos_row = pos_ptr + b * stride_pb + h * stride_ph
+        for gi in range(G):
+            hh = kvh * G + gi
+            pos_row = pos_ptr + b * stride_pb + hh * stride_ph
             tl.store(pos_row + offs, tl.where(offs < n, offs, -1), mask=offs < width)
             if tile == n_tiles - 1:
                 for start in range(n_tiles * TILE, width, TILE):
                     tail = start + lane
                     tl.store(pos_row + tail, tl.full([TILE], -1, tl.int32), mask=tail < width)
-                tl.store(cnt_ptr + b * H + h, n)
+                tl.store(cnt_ptr + b * H + hh, n)
             if HAS_W:
-                w_row = w_ptr + b * stride_wb + h * stride_wh
+                w_row = w_ptr + b * stride_wb + hh * stride_wh
                 tl.store(
                     w_row + offs,
                     tl.where(offs < n, one, 0.0).to(w_ptr.dtype.element_ty),
