@@ -106,8 +106,10 @@ def run_case(
         assert problem is None, problem
         if w is not None:
             assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
+        hist_off, _, _, words, arrive, end = workspace_layout(B * H, M, C)
+        assert (workspace[words:arrive].view(B * H, -1)[:, 2:] == 0).all(), "slot counters zeroed"
+        assert (workspace[arrive:end] == 0).all(), "arrival counters zeroed"
         if not maintained:
-            hist_off = workspace_layout(B * H, M, C)[0]
             assert (workspace[hist_off : hist_off + B * H * C**M] == 0).all(), "consumed histogram zeroed"
 
 
@@ -283,3 +285,28 @@ def test_index_keeps_its_histogram_on_gpu(device: torch.device) -> None:
             ref_sel=ref_sel,
         )
         assert problem is None, problem
+
+
+def test_the_scan_runs_again_as_it_is(device: torch.device, monkeypatch) -> None:
+    """The autotuner times the scan launch several times after one cut launch: each run must leave
+    the slot counters as it found them and write the same selection."""
+    import pqattn.kernels.select_hist as select_hist
+
+    B, H, Hkv, N, D, M, C = 1, 4, 2, 3000, 32, 2, 8
+    q = torch.randn(B, H, D, device=device)
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device).round()
+    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
+    lens = torch.tensor([N], device=device)
+    ws = torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32, device=device)
+    kw = dict(
+        sink=4, window=4, heavy=300, cand_lo=4, short_threshold=308, width=308, workspace=ws, n_tokens=N
+    )
+    runs = []
+    for _ in range(2):
+        pos = torch.full((B, H, 308), -7, dtype=torch.int32, device=device)
+        cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+        pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
+        runs.append(pos.sort(-1).values)
+        monkeypatch.setattr(select_hist, "_pq_cut_launch", lambda *a: None)
+        monkeypatch.setattr(select_hist, "count_combos", lambda *a, **k: None)
+    assert torch.equal(runs[0], runs[1])

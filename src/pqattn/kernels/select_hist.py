@@ -16,9 +16,9 @@ and the tokens need a single pass that compares, with no search:
      once for all query heads of the KV head, looks each token's class up, and writes the taken
      positions at slots reserved with one atomic per tile and head (ties until the quota is met);
      also sink, window, count, -1 padding and the dense 0/1 weights.
-No host sync and no allocation: the workspace is zeroed once; the cut launch zeroes the slot
-counters of its rows before the scan launch uses them, and the scan's first tile of a (sequence,
-KV head) zeroes the histogram that the cut launch consumed, so CUDA graphs replay the launches.
+No host sync and no allocation: the workspace is zeroed once; the scan's last tile of a (sequence,
+KV head) to finish zeroes its slot counters and its first tile the histogram that the cut launch
+consumed, so the launches can run again as they are (autotuner trials, CUDA graph replays).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ HIST_TILE = 2048
 CUT_WARPS = 4
 
 
-def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int]:
-    """int32-word offsets (histogram, classes, LUTs, row words) and the total.
+def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int, int]:
+    """int32-word offsets (histogram, classes, LUTs, row words, arrival counters) and the total.
 
     The histogram region has a row per query row (the (sequence, KV head) rows it holds are
     fewer); the classes are int8, P per query row."""
@@ -54,7 +54,8 @@ def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int
     classes = hist + rows * P
     luts = classes + -(-rows * P // 4)
     words = luts + rows * M * C
-    return hist, classes, luts, words, words + rows * ROW_WORDS
+    arrive = words + rows * ROW_WORDS
+    return hist, classes, luts, words, arrive, arrive + rows
 
 
 def workspace_numel(rows: int, M: int, C: int) -> int:
@@ -222,8 +223,6 @@ def _pq_cut_kernel(
         words = ws_ptr + words_off + row * _ROW_WORDS
         tl.store(words, k)
         tl.store(words + 1, quota)
-        tl.store(words + 2, 0)  # the scan's slot counters: it runs after this launch
-        tl.store(words + 3, 0)
 
 
 @triton.jit
@@ -256,6 +255,7 @@ def _pq_scan_kernel(
     code_base,
     class_off,
     words_off,
+    arrive_off,
     n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
     BITS: tl.constexpr,
@@ -358,6 +358,13 @@ def _pq_scan_kernel(
                 for start in range(0, P, TILE):
                     o = start + lane
                     tl.store(hist_ptr + grp.to(tl.int64) * P + o, tl.zeros([TILE], tl.int32), mask=o < P)
+        # The last tile of this (sequence, KV head) to finish zeroes the slot counters, so that
+        # the launch can run again as it is (the autotuner's trials, graph replays).
+        arrived = tl.atomic_add(ws_ptr + arrive_off + grp, 1, sem="acq_rel")
+        if arrived == n_tiles - 1:
+            tl.store(words + 2, tl.zeros([GP], tl.int32), mask=g_ok)
+            tl.store(words + 3, tl.zeros([GP], tl.int32), mask=g_ok)
+            tl.store(ws_ptr + arrive_off + grp, 0)
 
 
 _pq_scan_autotuned = triton.autotune(
@@ -430,7 +437,7 @@ def pq_select_hist(
     if C**M > MAX_COMBOS:
         raise ValueError(f"centroids: the histogram selection needs C**M <= {MAX_COMBOS}, got C={C}, M={M}")
     rows = B * H
-    _, class_off, lut_off, words_off, _ = workspace_layout(rows, M, C)
+    _, class_off, lut_off, words_off, arrive_off, _ = workspace_layout(rows, M, C)
     need = workspace_numel(rows, M, C)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
@@ -499,6 +506,7 @@ def pq_select_hist(
         code_base,
         class_off,
         words_off,
+        arrive_off,
         n_bucket,
     )
     GP = 1 << (G - 1).bit_length()
