@@ -106,8 +106,8 @@ def run_case(
         assert problem is None, problem
         if w is not None:
             assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
-        hist_off, _, _, words, arrive, end = workspace_layout(B * H, M, C)
-        assert (workspace[words:arrive].view(B * H, -1)[:, 2:] == 0).all(), "slot counters zeroed"
+        hist_off, _, words, arrive, end = workspace_layout(B * H, M, C)
+        assert (workspace[words:arrive].view(B * H, -1)[:, 2:4] == 0).all(), "slot counters zeroed"
         assert (workspace[arrive:end] == 0).all(), "arrival counters zeroed"
         if not maintained:
             assert (workspace[hist_off : hist_off + B * H * C**M] == 0).all(), "consumed histogram zeroed"

@@ -11,11 +11,12 @@ and the tokens need a single pass that compares, with no search:
   2. `_pq_cut_kernel`, one program per (sequence, query head): the LUT, the score of every
      combination, and a weighted search for the cut: every combination scoring above it is taken
      whole, plus `quota` tokens of the combination at the cut (equal scores: any of them is a
-     correct choice). It writes one class per combination: 2 take, 1 tie, 0 skip.
+     correct choice). It leaves the LUT, the cut, k and the quota in the workspace.
   3. `_pq_scan_kernel`, one program per (sequence, KV head, tile of tokens): reads the tile's codes
-     once for all query heads of the KV head, looks each token's class up, and writes the taken
-     positions at slots reserved with one atomic per tile and head (ties until the quota is met);
-     also sink, window, count, -1 padding and the dense 0/1 weights.
+     once for all query heads of the KV head, scores each token from the LUT exactly as the cut
+     launch scored its combination, compares with the cut, and writes the taken positions at
+     slots reserved with one atomic per tile and head (ties until the quota is met); also sink,
+     window, count, -1 padding and the dense 0/1 weights.
 No host sync and no allocation: the workspace is zeroed once; the scan's last tile of a (sequence,
 KV head) to finish zeroes its slot counters and its first tile the histogram that the cut launch
 consumed, so the launches can run again as they are (autotuner trials, CUDA graph replays).
@@ -31,7 +32,7 @@ from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _sum_min_max, _write_lut
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
-ROW_WORDS = 4  # per query row: k, quota, slot counters (above, ties)
+ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
 _ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)
 
 # The scan's autotune space: tokens per program and warps. Every config is exercised by the tests
@@ -44,18 +45,16 @@ HIST_TILE = 2048
 CUT_WARPS = 4
 
 
-def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int, int]:
-    """int32-word offsets (histogram, classes, LUTs, row words, arrival counters) and the total.
+def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int]:
+    """int32-word offsets (histogram, LUTs, row words, arrival counters) and the total.
 
     The histogram region has a row per query row (the (sequence, KV head) rows it holds are
-    fewer); the classes are int8, P per query row."""
-    P = C**M
+    fewer)."""
     hist = 0
-    classes = hist + rows * P
-    luts = classes + -(-rows * P // 4)
+    luts = hist + rows * C**M
     words = luts + rows * M * C
     arrive = words + rows * ROW_WORDS
-    return hist, classes, luts, words, arrive, arrive + rows
+    return hist, luts, words, arrive, arrive + rows
 
 
 def workspace_numel(rows: int, M: int, C: int) -> int:
@@ -178,7 +177,6 @@ def _pq_cut_kernel(
     window,
     cand_lo,
     short_threshold,
-    class_off,
     lut_off,
     words_off,
     M: tl.constexpr,
@@ -215,14 +213,10 @@ def _pq_cut_kernel(
         w = tl.load(hist_ptr + (row // G).to(tl.int64) * P + combo)
         key = tl.where(w > 0, _order_key(score), 0)
         cut, quota, k = _weighted_cut(key, w, need)
-        cls = tl.where(key > cut, 2, tl.where((key == cut) & (quota > 0), 1, 0))
-        tl.store(
-            ws_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + class_off * 4 + row * P + combo,
-            cls.to(tl.int8),
-        )
         words = ws_ptr + words_off + row * _ROW_WORDS
         tl.store(words, k)
         tl.store(words + 1, quota)
+        tl.store(words + 4, cut.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -253,12 +247,12 @@ def _pq_scan_kernel(
     short_threshold,
     width,
     code_base,
-    class_off,
+    lut_off,
     words_off,
     arrive_off,
     n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
-    BITS: tl.constexpr,
+    C: tl.constexpr,
     P: tl.constexpr,
     GP: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -299,8 +293,7 @@ def _pq_scan_kernel(
         tile_has = (need > 0) & (tl.minimum(hi, tile * TILE + TILE) > tl.maximum(cand_lo, tile * TILE))
         cand = (offs >= cand_lo) & (offs < hi) & tile_has
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
-        classes = ws_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + class_off * 4
+        code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
         keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
         # The group's query heads side by side ([GP, TILE]): their slot atomics go out together
         # instead of one round trip after another.
@@ -310,15 +303,22 @@ def _pq_scan_kernel(
         words = ws_ptr + words_off + (b * H + h) * _ROW_WORDS
         k = tl.load(words, mask=g_ok, other=0)
         quota = tl.load(words + 1, mask=g_ok, other=0)
+        cut = tl.load(words + 4, mask=g_ok, other=-1).to(tl.uint32, bitcast=True)
         take = (offs[None, :] < 0) & g_ok[:, None]
         if tile_has:
-            cls = tl.load(
-                classes + (b * H + h)[:, None] * P + combo[None, :],
-                mask=g_ok[:, None] & cand[None, :],
-                other=0,
-            )
-            above = cls == 2
-            tie = cls == 1
+            # Each token's score from its head's LUT, summed in the cut launch's order, so that
+            # it is bit for bit the score the cut was chosen among. (The LUT is a few cache lines;
+            # a table per combination was not: its gathers spread over many more lines.)
+            lut = _lut_base(ws_ptr) + lut_off + (b * H + h) * (M * C)
+            ok = g_ok[:, None] & cand[None, :]
+            m_idx = tl.arange(0, M)
+            score = tl.zeros([GP, TILE], tl.float32)
+            for m in tl.static_range(M):
+                code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
+                score += tl.load(lut[:, None] + m * C + code_m[None, :], mask=ok, other=0.0)
+            key = _order_key(score)
+            above = ok & (key > cut[:, None])
+            tie = ok & (key == cut[:, None]) & (quota > 0)[:, None]
             packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # both ranks in one scan
             inclusive = tl.cumsum(packed, 1)
             total = tl.sum(packed, 1)
@@ -437,7 +437,7 @@ def pq_select_hist(
     if C**M > MAX_COMBOS:
         raise ValueError(f"centroids: the histogram selection needs C**M <= {MAX_COMBOS}, got C={C}, M={M}")
     rows = B * H
-    _, class_off, lut_off, words_off, arrive_off, _ = workspace_layout(rows, M, C)
+    _, lut_off, words_off, arrive_off, _ = workspace_layout(rows, M, C)
     need = workspace_numel(rows, M, C)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
@@ -477,7 +477,6 @@ def pq_select_hist(
             window,
             cand_lo,
             short_threshold,
-            class_off,
             lut_off,
             words_off,
         ),
@@ -504,13 +503,13 @@ def pq_select_hist(
         short_threshold,
         width,
         code_base,
-        class_off,
+        lut_off,
         words_off,
         arrive_off,
         n_bucket,
     )
     GP = 1 << (G - 1).bit_length()
-    meta = dict(M=M, BITS=C.bit_length() - 1, P=C**M, GP=GP, HAS_W=weights is not None, CONSUME_HIST=consume)
+    meta = dict(M=M, C=C, P=C**M, GP=GP, HAS_W=weights is not None, CONSUME_HIST=consume)
     if config is None:
         key = (n_bucket, GP, M, C, weights is not None, consume)
         _pq_scan_tuned(key, lambda m: (B * Hkv, -(-n_tok // m["TILE"])), tensors, scalars, meta)
