@@ -71,7 +71,9 @@ class PQIndex:
     GPU, `append` is one encode launch that writes codes at each sequence's length, and `select`
     one selection launch into buffers the index owns (allocated at the first call for a head
     count): the steady state allocates nothing and can be captured in a CUDA graph. The Selection
-    that `select` returns is that buffer: it is overwritten by the next call.
+    that `select` returns is that buffer: it is overwritten by the next call. With at most 4096
+    code combinations the index also keeps, on a GPU, how many candidate tokens carry each
+    (histogram selection): change `codes` and `lengths` only through `append`.
     """
 
     def __init__(
