@@ -154,7 +154,7 @@ def _weighted_cut(key, w, need):
     # the cut, c_hi tokens lie above it and the rest of the k are ties at lo.
     exact = c_lo == k
     cut = tl.where(k == 0, 0xFFFFFFFF, tl.where(exact, lo - 1, lo)).to(tl.uint32)
-    quota = tl.where(exact | (k == 0), 0, k - c_hi)
+    quota = tl.where(exact, 0, tl.where(k == 0, 0, k - c_hi))
     return cut, quota, k
 
 
@@ -291,7 +291,8 @@ def _pq_scan_kernel(
         win_lo = tl.maximum(hi, n_sink)
         n_win = n - win_lo
         tile_has = (need > 0) & (tl.minimum(hi, tile * TILE + TILE) > tl.maximum(cand_lo, tile * TILE))
-        cand = (offs >= cand_lo) & (offs < hi) & tile_has
+        # (a block & a scalar bool would be int32 under Triton 3.9's interpreter)
+        cand = (offs >= cand_lo) & (offs < tl.where(tile_has, hi, cand_lo))
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
         code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
         keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
