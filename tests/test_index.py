@@ -191,3 +191,24 @@ def test_decode_step_in_a_cuda_graph(device: torch.device) -> None:
         assert torch.equal(index.lengths, shadow.lengths)
         assert torch.equal(k_cache, k_shadow)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_from_codebook_holds_a_codebook_built_elsewhere(device: torch.device) -> None:
+    cfg = PQConfig(subvectors=2, bits=3, sink=2, window=2, heavy=5, iters=2)
+    keys = torch.randn(2, 2, 60, 16, device=device)
+    book = pqattn.build_index(
+        keys, torch.tensor([60, 41], device=device), subvectors=2, bits=3, iters=2, init_offset=2
+    )
+    index = PQIndex.from_codebook(book, [60, 41], capacity=64, config=cfg)
+    assert index.head_dim == 16 and index.capacity == 64 and index.lengths.tolist() == [60, 41]
+    assert torch.equal(index.codes[:, :, :60], book.codes) and torch.equal(index.centroids, book.centroids)
+    q = torch.randn(2, 4, 16, device=device)
+    want = pqattn.select_topk(
+        q, book.centroids, book.codes, index.lengths, sink=2, window=2, heavy=5, init_offset=2
+    )
+    got = index.select(q)
+    assert torch.equal(got.counts, want.counts)
+    with pytest.raises(ValueError, match="book: expected M=2, C=16"):
+        PQIndex.from_codebook(book, [60, 41], config=PQConfig(subvectors=2, bits=4))
+    with pytest.raises(ValueError, match="capacity"):
+        PQIndex.from_codebook(book, [60, 41], capacity=10, config=cfg)

@@ -132,7 +132,7 @@ class PQIndex:
         """
         config = config or PQConfig()
         ops._check_keys("keys", keys)
-        B, Hkv, N, D = keys.shape
+        B, _, N, D = keys.shape
         capacity = N if capacity is None else capacity
         check.positive_int("capacity", capacity)
         if capacity < N:
@@ -141,18 +141,7 @@ class PQIndex:
         check.subvectors(config.subvectors, D)
         c = config
         built = ops._build(keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed)
-        dtype = built.centroids.dtype
-        index = cls(
-            config, batch=B, kv_heads=Hkv, head_dim=D, capacity=capacity, device=keys.device, dtype=dtype
-        )
-        index.centroids.copy_(built.centroids)
-        index.codes[:, :, :N].copy_(built.codes)
-        if built.phi is not None:
-            index.phi.copy_(built.phi)
-        index.lengths.copy_(lens)
-        index._max_length = int(lens.max()) if B else 0
-        index._count_combos()
-        return index
+        return cls._filled(config, built, lens, capacity, D)
 
     @classmethod
     def from_codebook(
@@ -180,21 +169,30 @@ class PQIndex:
             "book.codes", book.codes, shape=(B, Hkv, N, M), dims="[B, Hkv, N, M]", dtypes=(torch.uint8,)
         )
         capacity = N if capacity is None else capacity
+        check.positive_int("capacity", capacity)
         if capacity < N:
             raise ValueError(f"capacity: expected >= the codebook's N={N}, got {capacity}")
         lens = check.lengths(lengths, B, N, book.codes.device)
+        return cls._filled(config, book, lens, capacity, D)
+
+    @classmethod
+    def _filled(
+        cls, config: PQConfig, book: ops.PQCodebook, lens: torch.Tensor, capacity: int, head_dim: int
+    ) -> PQIndex:
+        """A new index holding `book` (validated) for sequences of lengths `lens`."""
+        B, Hkv, N = book.codes.shape[:3]
         index = cls(
             config,
             batch=B,
             kv_heads=Hkv,
-            head_dim=D,
+            head_dim=head_dim,
             capacity=capacity,
             device=book.codes.device,
             dtype=book.centroids.dtype,
         )
         index.centroids.copy_(book.centroids)
         index.codes[:, :, :N].copy_(book.codes)
-        if ip:
+        if book.phi is not None:
             index.phi.copy_(book.phi)
         index.lengths.copy_(lens)
         index._max_length = int(lens.max()) if B else 0
