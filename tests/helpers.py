@@ -32,3 +32,28 @@ def rows_as_sets(positions: torch.Tensor, counts: torch.Tensor) -> list[list[set
             row.append(set(items))
         out.append(row)
     return out
+
+
+def assert_selection_exact(
+    pos, cnt, weights, q, centroids, codes, lengths, *, sink, window, heavy, cand_lo, short_threshold
+) -> None:
+    """A kernel's selection (and dense weights, when given) obeys SPEC §2 against the float64
+    reference for the same query."""
+    from pqattn import reference as ref
+    from pqattn.lab.kernel_checks import selection_problem
+
+    scores = ref.pq_scores(q.double(), centroids.double(), codes)
+    want = ref.select_from_scores(scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=cand_lo)
+    problem = selection_problem(
+        pos,
+        cnt,
+        scores,
+        lengths,
+        cand_lo=cand_lo,
+        window=window,
+        short_threshold=short_threshold,
+        ref_sel=want,
+    )
+    assert problem is None, problem
+    if weights is not None:
+        assert torch.equal(weights.float(), ref.dense_weights(ref.Selection(pos, cnt), codes.shape[2]))

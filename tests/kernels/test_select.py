@@ -25,6 +25,7 @@ from pqattn.kernels.select import (
     workspace_numel,
 )
 from pqattn.lab.kernel_checks import selection_problem
+from tests.helpers import assert_selection_exact
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SELECT_CONFIGS]
 
@@ -85,16 +86,20 @@ def run_case(
             config=config,
             lut_kernel=lut_kernel,
         )
-        scores = ref.pq_scores(q.double(), cent.double(), codes)
-        want = ref.select_from_scores(
-            scores, lens, sink=sink, window=window, heavy=heavy, init_offset=cand_lo
+        assert_selection_exact(
+            pos,
+            cnt,
+            w,
+            q,
+            cent,
+            codes,
+            lens,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
         )
-        problem = selection_problem(
-            pos, cnt, scores, lens, cand_lo=cand_lo, window=window, short_threshold=threshold, ref_sel=want
-        )
-        assert problem is None, problem
-        if w is not None:
-            assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
 
 
 @pytest.mark.parametrize("config", SELECT_CONFIGS, ids=CONFIG_IDS)

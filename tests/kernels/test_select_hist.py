@@ -22,7 +22,7 @@ from pqattn.kernels.select_hist import (
     workspace_layout,
     workspace_numel,
 )
-from pqattn.lab.kernel_checks import selection_problem
+from tests.helpers import assert_selection_exact
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SCAN_CONFIGS]
 
@@ -96,16 +96,20 @@ def run_case(
             weights=w,
             config=config,
         )
-        scores = ref.pq_scores(q.double(), cent.double(), codes)
-        want = ref.select_from_scores(
-            scores, lens, sink=sink, window=window, heavy=heavy, init_offset=cand_lo
+        assert_selection_exact(
+            pos,
+            cnt,
+            w,
+            q,
+            cent,
+            codes,
+            lens,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
         )
-        problem = selection_problem(
-            pos, cnt, scores, lens, cand_lo=cand_lo, window=window, short_threshold=threshold, ref_sel=want
-        )
-        assert problem is None, problem
-        if w is not None:
-            assert torch.equal(w.float(), ref.dense_weights(ref.Selection(pos, cnt), N))
         hist_off, _, words, arrive, end = workspace_layout(B * H, M, C)
         assert (workspace[words:arrive].view(B * H, -1)[:, 2:4] == 0).all(), "slot counters zeroed"
         assert (workspace[arrive:end] == 0).all(), "arrival counters zeroed"
@@ -270,21 +274,21 @@ def test_index_keeps_its_histogram_on_gpu(device: torch.device) -> None:
         assert torch.equal(index._hist, want) and torch.equal(index.lengths, n + T)
         q = torch.randn(B, H, D, device=device)
         sel = index.select(q)
-        scores = ref.pq_scores(q.double(), index.centroids.double(), index.codes)
-        ref_sel = ref.select_from_scores(
-            scores, index.lengths, sink=cfg.sink, window=cfg.window, heavy=cfg.heavy, init_offset=cfg.offset
-        )
-        problem = selection_problem(
+        c = cfg
+        assert_selection_exact(
             sel.positions,
             sel.counts,
-            scores,
+            None,
+            q,
+            index.centroids,
+            index.codes,
             index.lengths,
-            cand_lo=max(cfg.offset, cfg.sink),
-            window=cfg.window,
-            short_threshold=cfg.width,
-            ref_sel=ref_sel,
+            sink=c.sink,
+            window=c.window,
+            heavy=c.heavy,
+            cand_lo=max(c.offset, c.sink),
+            short_threshold=c.width,
         )
-        assert problem is None, problem
 
 
 def test_the_scan_runs_again_as_it_is(device: torch.device, monkeypatch) -> None:

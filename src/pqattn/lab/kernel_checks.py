@@ -121,21 +121,27 @@ def _draw_select(gen: torch.Generator, device: torch.device, large: bool) -> dic
     }
 
 
+def _select_outputs(case: dict) -> tuple:
+    """Positions, counts and (when the case asks) dense weights for a selection kernel to fill."""
+    q = case["q"]
+    B, H, _ = q.shape
+    positions = torch.empty(B, H, case["width"], dtype=torch.int32, device=q.device)
+    counts = torch.empty(B, H, dtype=torch.int32, device=q.device)
+    w = None
+    if case["weights_dtype"] is not None:
+        w = torch.empty(B, H, case["codes"].shape[2], dtype=case["weights_dtype"], device=q.device)
+    return positions, counts, w
+
+
 def _run_select(case: dict, config: dict) -> tuple:
-    from pqattn.kernels.select import pq_select
+    from pqattn.kernels.select import pq_select, workspace_numel
 
     q, cent = case["q"], case["centroids"]
     B, H, _ = q.shape
     M, C, N = cent.shape[2], cent.shape[3], case["codes"].shape[2]
-    positions = torch.empty(B, H, case["width"], dtype=torch.int32, device=q.device)
-    counts = torch.empty(B, H, dtype=torch.int32, device=q.device)
-    from pqattn.kernels.select import workspace_numel
-
+    positions, counts, w = _select_outputs(case)
     heavy = case["opts"]["heavy"]
     workspace = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=q.device)
-    w = None
-    if case["weights_dtype"] is not None:
-        w = torch.empty(B, H, N, dtype=case["weights_dtype"], device=q.device)
     pq_select(
         q,
         cent,
@@ -211,8 +217,7 @@ def _run_select_hist(case: dict, config: dict) -> tuple:
     B, H, _ = q.shape
     Hkv, M, C, N = cent.shape[1], cent.shape[2], cent.shape[3], case["codes"].shape[2]
     o = case["opts"]
-    positions = torch.empty(B, H, case["width"], dtype=torch.int32, device=q.device)
-    counts = torch.empty(B, H, dtype=torch.int32, device=q.device)
+    positions, counts, w = _select_outputs(case)
     workspace = torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32, device=q.device)
     hist = None
     if case["lut_kernel"]:
@@ -226,9 +231,6 @@ def _run_select_hist(case: dict, config: dict) -> tuple:
             cand_lo=o["cand_lo"],
             code_base=case["code_base"],
         )
-    w = None
-    if case["weights_dtype"] is not None:
-        w = torch.empty(B, H, N, dtype=case["weights_dtype"], device=q.device)
     pq_select_hist(
         q,
         cent,
