@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pqattn import ops
+from pqattn.kernels.launch import interpreted
 from pqattn.lab.check import poisoned_allocations
 
 SEED = int(os.environ.get("PQATTN_SEED", random.SystemRandom().randrange(1 << 31)))
@@ -49,3 +51,12 @@ def _nan_poison_empty() -> Iterator[None]:
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture
+def kernel_routes(monkeypatch, device: torch.device) -> None:
+    """PQIndex takes the Triton kernels: on a GPU as it is, on a CPU under the interpreter."""
+    if device.type != "cuda":
+        if not interpreted():
+            pytest.skip("CPU tensors run the kernels under Triton's interpreter only")
+        monkeypatch.setattr(ops, "KERNEL_DEVICES", ("cuda", "cpu"))

@@ -57,3 +57,21 @@ def assert_selection_exact(
     assert problem is None, problem
     if weights is not None:
         assert torch.equal(weights.float(), ref.dense_weights(ref.Selection(pos, cnt), codes.shape[2]))
+
+
+def assert_index_selection(index, sel, q) -> None:
+    """A PQIndex's selection for q obeys SPEC §2 for the index's config, codes and lengths."""
+    c = index.config
+    assert_selection_exact(
+        *sel,
+        None,
+        q,
+        index.centroids,
+        index.codes,
+        index.lengths,
+        sink=c.sink,
+        window=c.window,
+        heavy=c.heavy,
+        cand_lo=max(c.offset, c.sink),
+        short_threshold=c.width,
+    )

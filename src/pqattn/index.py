@@ -8,7 +8,10 @@ import torch
 
 from pqattn import _validate as check
 from pqattn import ops
+from pqattn.kernels.launch import Plan, recording, signature
 from pqattn.reference import Selection
+
+_MAX_PLANS = 16  # plans an index keeps (the oldest goes first)
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,16 @@ class PQIndex:
             out = index.attend(q, k_cache, v_cache)   # select + sparse attention, [B, H, D]
 
     The host keeps the longest length, so `append` checks capacity without a device sync. On a
-    GPU, `append` is one encode launch that writes codes at each sequence's length, and `select`
-    one selection launch into buffers the index owns (allocated at the first call for a head
-    count): the steady state allocates nothing and can be captured in a CUDA graph. The Selection
-    that `select` returns is that buffer: it is overwritten by the next call. With at most 4096
-    code combinations the index also keeps, on a GPU, how many candidate tokens carry each
-    (histogram selection): change `codes` and `lengths` only through `append`.
+    GPU, `append` is one encode launch that writes codes at each sequence's length and advances
+    the lengths, and `select` the selection launches into buffers the index owns (allocated at
+    the first call for a head count): the steady state allocates nothing and can be captured in a
+    CUDA graph. The Selection that `select` returns is that buffer: it is overwritten by the next
+    call. With at most 4096 code combinations the index also keeps, on a GPU, how many candidate
+    tokens carry each (histogram selection): change `codes` and `lengths` only through `append`.
+
+    Eager calls: once a method has run for inputs of some shapes, strides, dtypes and alignment,
+    the index keeps its launches as a `pqattn.kernels.launch.Plan` and later calls with inputs of
+    that signature replay them (no argument checks beyond the signature, no Triton dispatch).
     """
 
     def __init__(
@@ -116,6 +123,10 @@ class PQIndex:
         self._attn_out: torch.Tensor | None = None  # decode_step output and attention workspace
         self._attn_workspace: torch.Tensor | None = None
         self._attn_layout: tuple[int, int, int] | None = None
+        # the encode launch's arrival counters per sequence: its last program advances the length
+        self._arrivals = torch.zeros((batch,), dtype=torch.int32, device=self.device)
+        # recorded launches per (method, input signature): valid while the buffers above are
+        self._plans: dict[tuple, Plan] = {}
 
     @classmethod
     def build(
@@ -211,6 +222,7 @@ class PQIndex:
             return
         from pqattn.kernels.select_hist import count_combos
 
+        self._forget(self._hist)
         self._hist = torch.zeros((self.batch, self.kv_heads, C**M), dtype=torch.int32, device=self.device)
         count_combos(
             self.codes, self.lengths, self._hist, C=C, window=self.config.window, cand_lo=self._cand_lo
@@ -218,41 +230,82 @@ class PQIndex:
 
     def append(self, keys: torch.Tensor) -> None:
         """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
-        check.tensor(
-            "keys",
-            keys,
-            shape=(self.batch, self.kv_heads, None, self.head_dim),
-            dims="[B, Hkv, T, D]",
-            dtypes=check.FLOAT_DTYPES,
-            device=self.device,
-        )
+        plan = self._plans.get(("append", signature(keys)))
+        if plan is None:
+            check.tensor(
+                "keys",
+                keys,
+                shape=(self.batch, self.kv_heads, None, self.head_dim),
+                dims="[B, Hkv, T, D]",
+                dtypes=check.FLOAT_DTYPES,
+                device=self.device,
+            )
         T = keys.shape[2]
+        self._check_room(T, "keys")
+        if plan is not None:
+            plan(keys)
+        elif ops.kernel_path(keys, self.centroids):
+            with recording() as rec:
+                self._encode(keys)
+            self._keep(("append", signature(keys)), rec, keys)
+        else:
+            new = ops.encode_keys(keys, self.centroids, self.phi, metric=self.config.metric)
+            slots = (self.lengths[:, None] + torch.arange(T, device=self.device))[:, None, :, None]
+            self.codes.scatter_(2, slots.expand(-1, self.kv_heads, -1, self.config.subvectors), new)
+            self.lengths += T
+        self._max_length += T
+
+    def _check_room(self, T: int, name: str) -> None:
         if self._max_length + T > self.capacity:
             raise ValueError(
-                f"keys: appending T={T} tokens to sequences of up to {self._max_length} tokens needs "
+                f"{name}: appending T={T} tokens to sequences of up to {self._max_length} tokens needs "
                 f"lengths <= capacity={self.capacity}, got {self._max_length + T}"
             )
-        if ops.kernel_path(keys, self.centroids):
-            from pqattn.kernels.encode import pq_encode
 
-            pq_encode(
-                keys.contiguous(),
-                self.centroids,
-                self.phi,
-                self.codes,
-                base=self.lengths,
-                hist=self._hist,
-                window=self.config.window,
-                cand_lo=self._cand_lo,
-            )
-            self.lengths += T
-            self._max_length += T
-            return
-        new = ops.encode_keys(keys, self.centroids, self.phi, metric=self.config.metric)
-        slots = (self.lengths[:, None] + torch.arange(T, device=self.device))[:, None, :, None]
-        self.codes.scatter_(2, slots.expand(-1, self.kv_heads, -1, self.config.subvectors), new)
-        self.lengths += T
-        self._max_length += T
+    def _encode(self, keys: torch.Tensor, kv_cache: tuple | None = None) -> None:
+        """The encode launch (kernel path): codes at each length, the histogram, the lengths
+        advanced in the same launch, and with kv_cache (k_cache, v_cache, values) the new rows
+        stored into the caches."""
+        from pqattn.kernels.encode import pq_encode
+
+        pq_encode(
+            keys,
+            self.centroids,
+            self.phi,
+            self.codes,
+            base=self.lengths,
+            hist=self._hist,
+            window=self.config.window,
+            cand_lo=self._cand_lo,
+            kv_cache=kv_cache,
+            advance=self._arrivals,
+        )
+
+    def _forget(self, *buffers: torch.Tensor | None) -> None:
+        """Drop the plans that use these buffers (about to be replaced: replays would use the old)."""
+        old = [b for b in buffers if b is not None]
+        if old:
+            self._plans = {k: p for k, p in self._plans.items() if not any(p.holds(b) for b in old)}
+
+    def _keep(self, key: tuple, rec, *inputs: torch.Tensor) -> None:
+        """Keep the launches recorded for these inputs as a plan, when they make one."""
+        owned = (
+            self.centroids,
+            self.codes,
+            self.phi,
+            self.lengths,
+            self._hist,
+            self._arrivals,
+            self._workspace,
+            self._attn_out,
+            self._attn_workspace,
+            *(self._selection or ()),
+        )
+        plan = Plan.build(rec, inputs, owned)
+        if plan is not None:
+            if len(self._plans) >= _MAX_PLANS:  # e.g. a caller whose cache grows: a new stride per step
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
 
     def sync_lengths(self) -> None:
         """Refresh the host's longest-length counter from the device (one sync).
@@ -264,16 +317,13 @@ class PQIndex:
 
     def select(self, q: torch.Tensor) -> Selection:
         """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
+        key = ("select", signature(q))
+        plan = self._plans.get(key)
+        if plan is not None:
+            plan(q)
+            return self._selection
         c = self.config
         kernel = ops.kernel_path(q, self.centroids, c.heavy)
-        if kernel and (self._selection is None or self._selection.counts.shape[1] != q.shape[1]):
-            H, M, C = q.shape[1], c.subvectors, 1 << c.bits
-            self._selection = Selection(
-                torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
-                torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
-            )
-            n = ops.select_workspace_numel(self.batch * H, M, C, self.codes.shape[2], c.heavy)
-            self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         if not kernel:
             return ops.select_topk(
                 q,
@@ -286,20 +336,32 @@ class PQIndex:
                 init_offset=c.offset,
             )
         ops._check_score_inputs(q, self.centroids, self.codes)
-        return ops._select_kernel(
-            q,
-            self.centroids,
-            self.codes,
-            self.lengths,
-            sink=c.sink,
-            window=c.window,
-            heavy=c.heavy,
-            cand_lo=self._cand_lo,
-            short_threshold=c.width,
-            out=self._selection,
-            workspace=self._workspace,
-            histogram=self._hist,
-        )
+        if self._selection is None or self._selection.counts.shape[1] != q.shape[1]:
+            H, M, C = q.shape[1], c.subvectors, 1 << c.bits
+            self._forget(self._workspace, *(self._selection or ()))
+            self._selection = Selection(
+                torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
+            )
+            n = ops.select_workspace_numel(self.batch * H, M, C, self.codes.shape[2], c.heavy)
+            self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
+        with recording() as rec:
+            ops._select_kernel(
+                q,
+                self.centroids,
+                self.codes,
+                self.lengths,
+                sink=c.sink,
+                window=c.window,
+                heavy=c.heavy,
+                cand_lo=self._cand_lo,
+                short_threshold=c.width,
+                out=self._selection,
+                workspace=self._workspace,
+                histogram=self._hist,
+            )
+        self._keep(key, rec, q)
+        return self._selection
 
     def attend(
         self,
@@ -320,15 +382,43 @@ class PQIndex:
                 f"k_cache: expected at least {self._max_length} tokens on axis 2 (the longest sequence), "
                 f"got {k_cache.shape[2]}"
             )
+        inputs = (q, k_cache, v_cache) if selection is None else (q, k_cache, v_cache, *selection)
+        key = ("attend", signature(*inputs), scale)
+        plan = self._plans.get(key)
+        if plan is not None:
+            plan(*inputs)
+            return self._attn_out
+        with recording() as rec:
+            out = self._attend(q, k_cache, v_cache, selection, scale)
+        if self._kernels_only(q, select=selection is None):
+            self._keep(key, rec, *inputs)
+        return out
+
+    def _kernels_only(self, q: torch.Tensor, select: bool) -> bool:
+        """True when every part of an attend ran Triton launches (a plan replays only those)."""
+        return ops.decode_kernel_path(q) and (
+            not select or ops.kernel_path(q, self.centroids, self.config.heavy)
+        )
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        selection: Selection | None,
+        scale: float | None,
+    ) -> torch.Tensor:
         sel = self.select(q) if selection is None else selection
         if not ops.decode_kernel_path(q):
             return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)
         B, H, D = q.shape
         L = sel.positions.shape[-1]
         if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
+            self._forget(self._attn_out)
             self._attn_out = torch.empty_like(q)
         # the kernel leaves its counters at zero, at places that depend on the layout
         if self._attn_workspace is None or self._attn_layout != (B * H, L, D):
+            self._forget(self._attn_workspace)
             need = ops.decode_workspace_numel(B * H, L, D)
             self._attn_workspace = torch.zeros(need, dtype=torch.int32, device=self.device)
             self._attn_layout = (B * H, L, D)
@@ -359,9 +449,18 @@ class PQIndex:
         Writes k_new / v_new into the caches at position lengths[b] (read on the device: no sync),
         appends the key to the index (lengths += 1), selects for q and attends over the selection
         (the new token is in the window when window >= 1). Returns out [B, H, D] in q's dtype. With
-        CUDA tensors every step is the same launches on the same buffers: capture one call in a
-        CUDA graph and replay it per token (call `sync_lengths()` after replays).
+        CUDA tensors the store, the encoding and the length update are one launch, and every step
+        is the same launches on the same buffers: capture one call in a CUDA graph and replay it
+        per token (call `sync_lengths()` after replays).
         """
+        inputs = (q, k_new, v_new, k_cache, v_cache)
+        key = ("step", signature(*inputs), scale)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._check_room(1, "k_new")
+            plan(*inputs)
+            self._max_length += 1
+            return self._attn_out
         kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             check.tensor(
@@ -380,10 +479,17 @@ class PQIndex:
                 raise ValueError(
                     f"{name}: expected at least capacity={self.capacity} tokens on axis 2, got {t.shape[2]}"
                 )
-        if self._max_length + 1 > self.capacity:
-            raise ValueError(f"k_new: the index is full (capacity={self.capacity})")
-        slot = self.lengths.view(-1, 1, 1, 1).long().expand(kv_shape)
-        k_cache.scatter_(2, slot, k_new.to(k_cache.dtype))
-        v_cache.scatter_(2, slot, v_new.to(v_cache.dtype))
-        self.append(k_new)
-        return self.attend(q, k_cache, v_cache, scale=scale)
+        self._check_room(1, "k_new")
+        if not ops.kernel_path(k_new, self.centroids):
+            slot = self.lengths.view(-1, 1, 1, 1).long().expand(kv_shape)
+            k_cache.scatter_(2, slot, k_new.to(k_cache.dtype))
+            v_cache.scatter_(2, slot, v_new.to(v_cache.dtype))
+            self.append(k_new)
+            return self.attend(q, k_cache, v_cache, scale=scale)
+        with recording() as rec:
+            self._encode(k_new, kv_cache=(k_cache, v_cache, v_new))
+            self._max_length += 1
+            out = self._attend(q, k_cache, v_cache, None, scale)
+        if self._kernels_only(q, select=True):
+            self._keep(key, rec, *inputs)
+        return out

@@ -46,6 +46,11 @@ def uses_histogram(M: int, C: int) -> bool:
     return C**M <= MAX_COMBOS
 
 
+# Devices whose tensors take the Triton kernels. Tests add "cpu" under Triton's interpreter to
+# run the kernel paths of PQIndex and the functional API on a machine without a GPU.
+KERNEL_DEVICES = ("cuda",)
+
+
 def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0) -> bool:
     """True when selection / encoding of these tensors runs the Triton kernels (else the reference).
 
@@ -56,7 +61,7 @@ def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0
     D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
     fits = uses_histogram(M, C) or heavy <= MAX_KERNEL_HEAVY
-    return q_or_keys.is_cuda and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
+    return q_or_keys.device.type in KERNEL_DEVICES and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
 
 
 def select_workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int:
@@ -406,7 +411,7 @@ def selection_weights(
 def decode_kernel_path(q: torch.Tensor) -> bool:
     """True when sparse_decode of this query runs the Triton kernel: CUDA, D a power of two in 16..256."""
     D = q.shape[-1]
-    return q.is_cuda and 16 <= D <= 256 and D & (D - 1) == 0
+    return q.device.type in KERNEL_DEVICES and 16 <= D <= 256 and D & (D - 1) == 0
 
 
 def decode_workspace_numel(rows: int, width: int, D: int) -> int:

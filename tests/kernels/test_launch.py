@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, TunedLauncher, arg_spec, interpreted
+from pqattn.kernels.launch import Launcher, Plan, TunedLauncher, arg_spec, interpreted, recording
 
 try:  # Triton's own specialisation of one argument (a private API: the test skips without it)
     from triton._C.libtriton import native_specialize_impl
@@ -164,3 +164,80 @@ def test_configs_with_a_pre_hook_are_refused() -> None:
     hooked = [triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: None)]
     with pytest.raises(ValueError, match="pre-hook"):
         TunedLauncher(_FakeAutotuner(hooked, pick=0))
+
+
+def test_a_plan_replays_its_launches_with_new_inputs(device: torch.device) -> None:
+    """Recorded launches replay with the inputs put in place of the recorded ones (compiled: raw
+    pointers; interpreter: through the Launcher), the owned buffers bound."""
+    launch = Launcher(_affine)
+    x0, y = torch.randn(40, device=device), torch.empty(40, device=device)
+    launch((3,), (x0, y), (40, 2.0), {"BLOCK": 16})  # compiles, so the next call is recordable
+    with recording() as rec:
+        launch((3,), (x0, y), (40, 2.0), {"BLOCK": 16})
+    plan = Plan.build(rec, (x0,), (y,))
+    assert plan is not None
+    for _ in range(3):
+        x = torch.randn(40, device=device)
+        y.fill_(float("nan"))
+        plan(x)
+        torch.testing.assert_close(y, x * 2.0 + 40, rtol=0, atol=0)
+    assert Plan.build(rec, (x0,), ()) is None, "y is neither an input nor owned: a temporary"
+    assert Plan.build(None, (x0,), (y,)) is None
+
+
+def test_recordings_nest_and_an_unrecordable_launch_spoils_one() -> None:
+    tuner = _FakeAutotuner(CONFIGS, pick=0)
+    tuned = TunedLauncher(tuner)
+    tuned.launch = lambda grid, tensors, scalars, kw: None
+    x = torch.zeros(3)
+    grid = lambda c: (1,)  # noqa: E731
+    with recording() as outer:
+        with recording() as inner:
+            assert inner is None
+        tuned((1,), grid, (x,), (5,), {})  # the autotuner's first run: not a launch to repeat
+    assert outer is not None and not outer.complete
+    assert Plan.build(outer, (x,), ()) is None
+
+
+class _FakeCompiled:
+    """A compiled kernel whose launcher records its arguments."""
+
+    function, packed_metadata = 77, (4, 1, 0)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.run = lambda *args: self.calls.append(args)
+
+
+def test_a_compiled_plan_passes_what_the_launcher_passes(monkeypatch) -> None:
+    """The plan's direct launch: the arguments of the Launcher's own launch for the same inputs,
+    tensors as their addresses (Triton's launcher takes an int as a pointer), on the stream and
+    device current at the call; on another device it goes through the Launcher."""
+    from pqattn.kernels import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_INTERPRETED", False)
+    monkeypatch.setattr(launch_mod, "_hooked", lambda: False)
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_current_stream", lambda device: 1234)
+    fake = _FakeCompiled()
+    launch = Launcher(_affine)
+    compiled = []
+    monkeypatch.setattr(
+        launch,
+        "_compile_and_launch",
+        lambda key, *a: (compiled.append(key), launch.kernels.update({key: (fake, (16,))})),
+    )
+    x0, y = torch.randn(40), torch.empty(40)
+    launch((3,), (x0, y), (40, 2.0), {"BLOCK": 16})
+    with recording() as rec:
+        launch((3,), (x0, y), (40, 2.0), {"BLOCK": 16})
+    plan = Plan.build(rec, (x0,), (y,))
+    x = torch.randn(40)
+    launch((3,), (x, y), (40, 2.0), {"BLOCK": 16})
+    plan(x)
+    by_launcher, by_plan = fake.calls[-2], fake.calls[-1]
+    assert by_plan == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in by_launcher)
+    assert by_plan[:4] == (3, 1, 1, 1234) and by_plan[4:6] == (77, (4, 1, 0))
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 1)
+    plan(x)  # no kernel for device 1 yet: the Launcher compiles it
+    assert len(fake.calls) == 3 and len(compiled) == 2

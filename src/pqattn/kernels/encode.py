@@ -10,6 +10,11 @@ the candidate tokens [cand_lo, n - window) current: appending T tokens to n_old 
 positions [n_old - window, n_old + T - window) candidates. Program t adds the old position
 n_old - window + t (t < window, its code already stored) and its own token when that one is
 already past the window (t < T - window), so no program reads a code another one writes.
+
+A decode step fuses more into the launch, so that it is one node instead of four: the new key
+and value rows are stored into the caller's KV cache at row base[b] + t (cast to the cache's
+dtype), and the last program of a sequence to finish advances base[b] by T (an arrival counter
+per sequence: every program of the sequence has read base[b] before it arrives).
 """
 
 from __future__ import annotations
@@ -29,9 +34,14 @@ def _pq_encode_kernel(
     base_ptr,
     out_ptr,
     hist_ptr,
+    kc_ptr,
+    vc_ptr,
+    vn_ptr,
+    arrive_ptr,
     stride_kb,
     stride_kk,
     stride_kt,
+    stride_kd,
     stride_cb,
     stride_ck,
     stride_cm,
@@ -40,6 +50,18 @@ def _pq_encode_kernel(
     stride_ok,
     stride_on,
     stride_om,
+    stride_kcb,
+    stride_kck,
+    stride_kcn,
+    stride_kcd,
+    stride_vcb,
+    stride_vck,
+    stride_vcn,
+    stride_vcd,
+    stride_vnb,
+    stride_vnk,
+    stride_vnt,
+    stride_vnd,
     Hkv,
     T,
     window,
@@ -52,6 +74,8 @@ def _pq_encode_kernel(
     HAS_BASE: tl.constexpr,
     HAS_HIST: tl.constexpr,
     P: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = pid % T
@@ -71,7 +95,7 @@ def _pq_encode_kernel(
         c_sq = tl.zeros([C], dtype=tl.float32)
         x_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
         for d0 in tl.static_range(0, DSUB, BLOCK_D):
-            x = tl.load(key + m * DSUB + d0 + d_idx).to(tl.float32)
+            x = tl.load(key + (m * DSUB + d0 + d_idx) * stride_kd).to(tl.float32)
             c = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
                 tl.float32
             )
@@ -100,6 +124,19 @@ def _pq_encode_kernel(
                 )
                 old_combo = old_combo * C + old_code.to(tl.int32)
             tl.atomic_add(hist + old_combo, 1, sem="relaxed")
+    if STORE_KV:
+        k_dst = kc_ptr + b * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
+        v_dst = vc_ptr + b * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
+        v_src = vn_ptr + b * stride_vnb + kvh * stride_vnk + t * stride_vnt
+        for d0 in tl.static_range(0, M * DSUB, BLOCK_D):
+            d = d0 + d_idx
+            tl.store(k_dst + d * stride_kcd, tl.load(key + d * stride_kd).to(kc_ptr.dtype.element_ty))
+            tl.store(v_dst + d * stride_vcd, tl.load(v_src + d * stride_vnd).to(vc_ptr.dtype.element_ty))
+    if ADVANCE:
+        arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
+        if arrived == Hkv * T - 1:
+            tl.store(base_ptr + b, (row - t + T).to(base_ptr.dtype.element_ty))
+            tl.store(arrive_ptr + b, 0)
 
 
 _pq_encode_launch = Launcher(_pq_encode_kernel)
@@ -114,13 +151,18 @@ def pq_encode(
     hist: torch.Tensor | None = None,
     window: int = 0,
     cand_lo: int = 0,
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    advance: torch.Tensor | None = None,
 ) -> None:
     """Write codes of keys [B, Hkv, T, D] into out (indexed [b, kvh, row, m] by its strides).
 
     centroids [B, Hkv, M, C, dsub(+1)] (last dim contiguous); phi [B, Hkv, M] contiguous for ip;
     row = base[b] + t when base [B] is given, else t. hist [B, Hkv, C**M] int32 (contiguous, with
     base): the candidate counts of pqattn.kernels.select_hist for lengths base, brought to base + T
-    (see the module's docstring). Validated inputs only.
+    (see the module's docstring). kv_cache (with base): (k_cache, v_cache, values), the caches
+    [B, Hkv, >= base + T, D] receive keys and values [B, Hkv, T, D] at rows base[b] + t.
+    advance (with base): int32 [B] arrival counters, zero-filled once (left at zero): base += T
+    in the same launch. Validated inputs only.
     """
     B, Hkv, T, D = keys.shape
     M, C, width = centroids.shape[2], centroids.shape[3], centroids.shape[4]
@@ -128,6 +170,9 @@ def pq_encode(
     ip = width == dsub + 1
     if T == 0:
         return
+    if (kv_cache is not None or advance is not None) and base is None:
+        raise ValueError("base: kv_cache and advance write at base[b] + t; expected base, got None")
+    k_cache, v_cache, values = kv_cache if kv_cache is not None else (keys, keys, keys)
     _pq_encode_launch(
         (B * Hkv * T,),
         (
@@ -137,11 +182,18 @@ def pq_encode(
             base if base is not None else centroids,
             out,
             hist if hist is not None else out,
+            k_cache,
+            v_cache,
+            values,
+            advance if advance is not None else out,
         ),
         (
-            *keys.stride()[:3],
+            *keys.stride(),
             *centroids.stride()[:4],
             *out.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *values.stride(),
             Hkv,
             T,
             window,
@@ -156,6 +208,8 @@ def pq_encode(
             HAS_BASE=base is not None,
             HAS_HIST=hist is not None,
             P=C**M,
+            STORE_KV=kv_cache is not None,
+            ADVANCE=advance is not None,
             num_warps=4,
         ),
     )

@@ -17,12 +17,19 @@ launch hook is installed (a profiler), and under the interpreter, every call tak
 `TunedLauncher` adds an autotuner in front: it tunes once per key, then launches the chosen config
 through a Launcher (Triton's autotuner costs tens of microseconds more per call: argument dicts,
 its key, hooks).
+
+`Plan` goes one step further for a caller that repeats the same launches on the same buffers (a
+decode loop): the launches made inside `recording()` are replayed with new input tensors put in
+place of the recorded ones, every other argument bound once, pointers passed as integers (Triton's
+launcher asks the driver about every tensor it is given).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -90,6 +97,8 @@ class Launcher:
 
     def __call__(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, kwargs: dict) -> None:
         if interpreted() or _hooked():
+            if _recording is not None:
+                _recording.add(self, grid, tensors, scalars, kwargs, None, hooked=not interpreted())
             self.fn[grid](*tensors, *scalars, **kwargs)
             return
         device = _current_device()
@@ -102,11 +111,15 @@ class Launcher:
             key = (head, *map(arg_spec, scalars))
             entry = self.kernels.get(key)
             if entry is None:
+                if _recording is not None:
+                    _recording.complete = False  # a first call: the next one is recorded
                 self._compile_and_launch(key, grid, tensors, scalars, kwargs)
                 return
             if len(self.recent) >= self.RECENT:
                 self.recent.clear()
             self.recent[exact] = entry
+        if _recording is not None:
+            _recording.add(self, grid, tensors, scalars, kwargs, (device, entry))
         kernel, constants = entry
         grid = (*grid, 1, 1)
         kernel.run(
@@ -160,6 +173,8 @@ class TunedLauncher:
         full_key = (*key, tensors[0].device, *(t.dtype for t in tensors))
         chosen = self.chosen.get(full_key)
         if chosen is None:
+            if _recording is not None:
+                _recording.complete = False  # the autotuner's trials are not a launch to repeat
             self.autotuned[grid](*tensors, *scalars, **meta)
             config = self.autotuned.best_config
             self.chosen[full_key] = (config, config.all_kwargs())
@@ -167,3 +182,143 @@ class TunedLauncher:
         config, kwargs = chosen
         self.autotuned.best_config = config
         self.launch(grid(config.kwargs), tensors, scalars, {**meta, **kwargs})
+        if _recording is not None and _recording.launches:
+            _recording.launches[-1].tuned = (self.autotuned, config)
+
+
+@dataclass(slots=True)
+class _Launch:
+    """One recorded launch: the Launcher call, and the compiled kernel it ran, (device, (kernel,
+    constants)), None under the interpreter or a launch hook."""
+
+    launcher: Launcher
+    grid: tuple
+    tensors: tuple
+    scalars: tuple
+    kwargs: dict
+    compiled: tuple | None
+    tuned: tuple | None = None  # (autotuner, config) when a TunedLauncher chose the config
+
+
+class Recording:
+    """The Launcher launches made inside `recording()`. `complete` is False when one of them could
+    not be recorded as a plain launch (a compilation, an autotuning, a launch hook)."""
+
+    def __init__(self) -> None:
+        self.launches: list[_Launch] = []
+        self.complete = True
+
+    def add(self, launcher, grid, tensors, scalars, kwargs, compiled, hooked: bool = False) -> None:
+        if hooked:
+            self.complete = False
+        self.launches.append(_Launch(launcher, grid, tensors, scalars, kwargs, compiled))
+
+
+_recording: Recording | None = None
+
+
+@contextmanager
+def recording() -> Iterator[Recording | None]:
+    """Record the Launcher launches made in the block. Inside another recording it yields None
+    and the outer recording gets the launches."""
+    global _recording
+    if _recording is not None:
+        yield None
+        return
+    _recording = Recording()
+    try:
+        yield _recording
+    finally:
+        _recording = None
+
+
+def signature(*tensors: torch.Tensor) -> tuple | None:
+    """What a Plan's launches depend on in its input tensors: shape, strides, dtype, device, and
+    whether the address is 16-byte aligned (part of a compiled kernel's specialisation). None
+    when one of them is not a tensor (no plan: the caller's checks report it)."""
+    try:
+        return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0) for t in tensors)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _substituted(tensors: tuple, slots: tuple, inputs: tuple) -> tuple:
+    out = list(tensors)
+    for i, j in slots:
+        out[i] = inputs[j]
+    return tuple(out)
+
+
+class Plan:
+    """Recorded launches replayed with new inputs.
+
+    `Plan.build(rec, inputs, owned)` accepts a complete recording in which every tensor argument
+    is one of `inputs` (replaced on each call, by position) or one of `owned` (buffers that keep
+    their storage for the plan's life: the plan holds them); any other tensor (a temporary the
+    recorded call made, e.g. a contiguous copy) means no plan, since replaying would read a stale
+    copy. The scalar arguments are replayed as recorded, so the caller keys its plans by
+    everything they derive from: `signature(*inputs)` and its own state.
+
+    A call launches each kernel with its bound arguments and the inputs' addresses on the current
+    stream (so it can be captured in a CUDA graph). Under the interpreter, while a launch hook is
+    installed (a profiler) or while recording (so that an outer recording sees the launches), it
+    replays through the Launcher calls instead.
+    """
+
+    def __init__(self, launches: list[tuple], owned: tuple) -> None:
+        self._launches = launches
+        self._owned = owned  # the bound buffers: kept alive
+
+    def holds(self, buffer: torch.Tensor) -> bool:
+        """True when the launches read or write `buffer` (an owned tensor given to build)."""
+        return any(t is buffer for t in self._owned)
+
+    @classmethod
+    def build(
+        cls, rec: Recording | None, inputs: Sequence[torch.Tensor], owned: Sequence[torch.Tensor | None]
+    ) -> Plan | None:
+        if rec is None or not rec.complete or not rec.launches:
+            return None
+        input_ids = {id(t): i for i, t in enumerate(inputs)}
+        owned_ids = {id(t): t for t in owned if t is not None}
+        used: dict[int, torch.Tensor] = {}
+        launches = []
+        for r in rec.launches:
+            slots = []
+            for i, t in enumerate(r.tensors):
+                if id(t) in input_ids:
+                    slots.append((i, input_ids[id(t)]))
+                elif id(t) in owned_ids:
+                    used[id(t)] = t
+                else:
+                    return None
+            # the recorded inputs are not kept (a plan must not hold the caller's KV cache alive)
+            kept = replace(r, tensors=tuple(None if id(t) in input_ids else t for t in r.tensors))
+            bound = None
+            if r.compiled is not None:
+                device, (kernel, constants) = r.compiled
+                ptrs = [t.data_ptr() for t in r.tensors]
+                grid = (*r.grid, 1, 1)
+                head = (grid[0], grid[1], grid[2])
+                tail = (kernel.function, kernel.packed_metadata, None, None, None)
+                bound = (kernel.run, device, head, tail, [*ptrs, *r.scalars, *constants])
+            launches.append((kept, tuple(slots), bound))
+        return cls(launches, tuple(used.values()))
+
+    def __call__(self, *inputs: torch.Tensor) -> None:
+        slow = interpreted() or _recording is not None or _hooked()
+        for r, slots, bound in self._launches:
+            if r.tuned is not None:
+                r.tuned[0].best_config = r.tuned[1]  # as TunedLauncher does: the lab reads it
+            if slow or bound is None:
+                r.launcher(r.grid, _substituted(r.tensors, slots, inputs), r.scalars, r.kwargs)
+                continue
+            run, device, head, tail, args = bound
+            if _current_device() != device:  # the kernel is loaded on the recorded device
+                r.launcher(r.grid, _substituted(r.tensors, slots, inputs), r.scalars, r.kwargs)
+                continue
+            if slots:
+                args = args.copy()
+                for i, j in slots:
+                    args[i] = inputs[j].data_ptr()
+            run(*head, _current_stream(device), *tail, *args)

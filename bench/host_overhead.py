@@ -1,0 +1,118 @@
+"""Host (Python) time of PQIndex's eager calls, with and without its launch plans, on any machine.
+
+Each Triton launch is replaced by a stand-in compiled kernel whose launch does nothing, so what is
+timed is the Python between the call and the driver: argument checks, buffer management, the
+launchers' argument handling, a plan's replay. The driver's own launch (a few microseconds per
+kernel on a GPU host) and the GPU work come on top; `pqattn bench select decode` on a GPU measures
+those end to end. Shapes: the decode suite's N=32K case (B=1, H=32, Hkv=8, D=128, M=2, bits 6).
+
+Usage: PYTHONPATH=src python3 bench/host_overhead.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+import pqattn
+from pqattn import ops
+from pqattn.kernels import launch
+
+
+class _IdleKernel:
+    """A compiled kernel whose launch does nothing."""
+
+    function, packed_metadata = 0, (4, 1, 0)
+
+    def run(self, *args) -> None:
+        pass
+
+
+def _stub_launches() -> None:
+    """Run the kernel paths on CPU tensors with idle launches (the launchers' own code unchanged)."""
+    idle = _IdleKernel()
+
+    def compile_idle(self, key, grid, tensors, scalars, kwargs) -> None:
+        names = self.fn.arg_names[len(tensors) + len(scalars) :]
+        self.kernels[key] = (idle, tuple(kwargs[n] for n in names))
+
+    def first_config(self, key, grid, tensors, scalars, meta) -> None:
+        config = self.autotuned.configs[0]
+        self.autotuned.best_config = config
+        self.launch(grid(config.kwargs), tensors, scalars, {**meta, **config.all_kwargs()})
+
+    ops.KERNEL_DEVICES = ("cuda", "cpu")
+    launch._INTERPRETED = False
+    launch._hooked = lambda: False
+    launch._current_device = lambda: 0
+    launch._current_stream = lambda device: 0
+    launch.Launcher._compile_and_launch = compile_idle
+    launch.TunedLauncher.__call__ = first_config
+
+
+def _median_us(fn: Callable[[], object], calls: int = 2000, samples: int = 7) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+    _stub_launches()
+    B, H, Hkv, N, D = 1, 32, 8, 32768, 128
+    config = pqattn.PQConfig(subvectors=2, bits=6, sink=128, window=128, heavy=128)
+    book = ops.PQCodebook(
+        torch.randn(B, Hkv, 2, 64, D // 2), torch.randint(0, 64, (B, Hkv, N - 64, 2), dtype=torch.uint8), None
+    )
+    index = pqattn.PQIndex.from_codebook(book, [N - 64], capacity=N, config=config)
+    q = torch.randn(B, H, D, dtype=torch.bfloat16)
+    k_cache = torch.zeros(B, Hkv, N, D, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_new = torch.randn(B, Hkv, 1, D, dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+
+    def rewound(fn: Callable[[], object]) -> Callable[[], None]:
+        def call() -> None:
+            index._max_length = 0  # the lengths themselves are never read on the host
+            fn()
+
+        return call
+
+    sel = index.select(q)
+    calls = {
+        "select": lambda: index.select(q),
+        "attend": lambda: index.attend(q, k_cache, v_cache, sel),
+        "append": rewound(lambda: index.append(k_new)),
+        "decode_step": rewound(lambda: index.decode_step(q, k_new, v_new, k_cache, v_cache)),
+    }
+    rows = {name: {"plans_us": _median_us(fn)} for name, fn in calls.items()}
+    build = launch.Plan.build
+    launch.Plan.build = classmethod(lambda cls, *a: None)
+    index._plans.clear()
+    for name, fn in calls.items():
+        rows[name]["no_plans_us"] = _median_us(fn)
+    launch.Plan.build = build
+    print(f"{'call':12s} {'no plans':>10s} {'plans':>8s}  (host us per call, launches idle)")
+    for name, r in rows.items():
+        print(f"{name:12s} {r['no_plans_us']:10.1f} {r['plans_us']:8.1f}")
+    if args.json:
+        env = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor()}
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "shape": [B, H, Hkv, N, D], "calls": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
