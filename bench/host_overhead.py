@@ -3,8 +3,9 @@
 Each Triton launch is replaced by a stand-in compiled kernel whose launch does nothing, so what is
 timed is the Python between the call and the driver: argument checks, buffer management, the
 launchers' argument handling, a plan's replay. The driver's own launch (a few microseconds per
-kernel on a GPU host) and the GPU work come on top; `pqattn bench select decode` on a GPU measures
-those end to end. Shapes: the decode suite's N=32K case (B=1, H=32, Hkv=8, D=128, M=2, bits 6).
+kernel on a GPU host) and the GPU work come on top; `pqattn bench select decode` on a GPU
+measures those end to end. The functional calls are given their output and workspace buffers.
+Shapes: the decode suite's N=32K case (B=1, H=32, Hkv=8, D=128, M=2, bits 6).
 
 Usage: PYTHONPATH=src python3 bench/host_overhead.py [--json PATH]
 """
@@ -92,22 +93,41 @@ def main() -> None:
         return call
 
     sel = index.select(q)
+    c = config
+    out_sel = pqattn.Selection(torch.empty_like(sel.positions), torch.empty_like(sel.counts))
+    select_ws = torch.zeros(ops.select_workspace_numel(B * H, 2, 64, N, c.heavy), dtype=torch.int32)
+    out = torch.empty_like(q)
+    attn_ws = torch.zeros(ops.decode_workspace_numel(B * H, c.width, D), dtype=torch.int32)
     calls = {
-        "select": lambda: index.select(q),
-        "attend": lambda: index.attend(q, k_cache, v_cache, sel),
-        "append": rewound(lambda: index.append(k_new)),
-        "decode_step": rewound(lambda: index.decode_step(q, k_new, v_new, k_cache, v_cache)),
+        "PQIndex.select": lambda: index.select(q),
+        "PQIndex.attend": lambda: index.attend(q, k_cache, v_cache, sel),
+        "PQIndex.append": rewound(lambda: index.append(k_new)),
+        "PQIndex.decode_step": rewound(lambda: index.decode_step(q, k_new, v_new, k_cache, v_cache)),
+        "select_topk": lambda: pqattn.select_topk(
+            q,
+            index.centroids,
+            index.codes,
+            index.lengths,
+            sink=c.sink,
+            window=c.window,
+            heavy=c.heavy,
+            init_offset=c.offset,
+            out=out_sel,
+            workspace=select_ws,
+        ),
+        "sparse_decode": lambda: pqattn.sparse_decode(q, k_cache, v_cache, *sel, out=out, workspace=attn_ws),
     }
     rows = {name: {"plans_us": _median_us(fn)} for name, fn in calls.items()}
     build = launch.Plan.build
     launch.Plan.build = classmethod(lambda cls, *a: None)
     index._plans.clear()
+    ops._PLANS.clear()
     for name, fn in calls.items():
         rows[name]["no_plans_us"] = _median_us(fn)
     launch.Plan.build = build
-    print(f"{'call':12s} {'no plans':>10s} {'plans':>8s}  (host us per call, launches idle)")
+    print(f"{'call':20s} {'no plans':>10s} {'plans':>8s}  (host us per call, launches idle)")
     for name, r in rows.items():
-        print(f"{name:12s} {r['no_plans_us']:10.1f} {r['plans_us']:8.1f}")
+        print(f"{name:20s} {r['no_plans_us']:10.1f} {r['plans_us']:8.1f}")
     if args.json:
         env = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor()}
         with open(args.json, "w") as f:

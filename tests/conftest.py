@@ -55,8 +55,10 @@ def device() -> torch.device:
 
 @pytest.fixture
 def kernel_routes(monkeypatch, device: torch.device) -> None:
-    """PQIndex takes the Triton kernels: on a GPU as it is, on a CPU under the interpreter."""
+    """PQIndex and the functional API take the Triton kernels: on a GPU as they do, on a CPU under
+    the interpreter."""
     if device.type != "cuda":
         if not interpreted():
             pytest.skip("CPU tensors run the kernels under Triton's interpreter only")
         monkeypatch.setattr(ops, "KERNEL_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(ops, "_PLANS", {})  # plans recorded on these routes end with the test

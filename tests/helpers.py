@@ -75,3 +75,18 @@ def assert_index_selection(index, sel, q) -> None:
         cand_lo=max(c.offset, c.sink),
         short_threshold=c.width,
     )
+
+
+def count_plan_replays(monkeypatch) -> list[int]:
+    """Count the calls of every pqattn.kernels.launch.Plan from now on (in a one-element list)."""
+    from pqattn.kernels.launch import Plan
+
+    replays = [0]
+    replay = Plan.__call__
+
+    def counted(self, *inputs):
+        replays[0] += 1
+        return replay(self, *inputs)
+
+    monkeypatch.setattr(Plan, "__call__", counted)
+    return replays

@@ -9,8 +9,7 @@ import pqattn
 from pqattn import PQConfig, PQIndex
 from pqattn import reference as ref
 from pqattn.index import _MAX_PLANS
-from pqattn.kernels.launch import Plan
-from tests.helpers import assert_close, assert_index_selection, rows_as_sets
+from tests.helpers import assert_close, assert_index_selection, count_plan_replays, rows_as_sets
 
 
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
@@ -216,18 +215,6 @@ def test_from_codebook_holds_a_codebook_built_elsewhere(device: torch.device) ->
         PQIndex.from_codebook(book, [60, 41], capacity=10, config=cfg)
 
 
-def _counting_plans(monkeypatch) -> list[int]:
-    replays = [0]
-    replay = Plan.__call__
-
-    def counted(self, *inputs):
-        replays[0] += 1
-        return replay(self, *inputs)
-
-    monkeypatch.setattr(Plan, "__call__", counted)
-    return replays
-
-
 @pytest.mark.parametrize("subvectors", [2, 4], ids=["histogram", "tree"])
 def test_eager_decode_steps_replay_their_plan(subvectors: int, kernel_routes, monkeypatch, device) -> None:
     """The first step records its launches (store + encode + length update, selection, attention),
@@ -242,7 +229,7 @@ def test_eager_decode_steps_replay_their_plan(subvectors: int, kernel_routes, mo
     for b, n in enumerate(lengths):
         k_cache[b, :, :n] = keys[b, :, :n]
         v_cache[b, :, :n].normal_()
-    replays = _counting_plans(monkeypatch)
+    replays = count_plan_replays(monkeypatch)
     for t in range(steps):
         q = torch.randn(B, H, D, device=device)
         k_new = torch.randn(B, Hkv, 1, D, device=device)
@@ -268,7 +255,7 @@ def test_plans_follow_the_buffers_they_write(kernel_routes, monkeypatch, device)
     replaces the selection buffers, and the plans that wrote the old ones go; a query that needs a
     copy (not contiguous in D) makes no plan."""
     index, k_cache, v_cache, lengths = _step_setup(device, steps=4)
-    replays = _counting_plans(monkeypatch)
+    replays = count_plan_replays(monkeypatch)
 
     def check(q: torch.Tensor) -> None:
         sel = index.select(q)

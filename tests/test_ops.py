@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import pqattn
+from pqattn import ops
 from pqattn import reference as ref
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_selection_exact, count_plan_replays
 
 
 def _inputs(device: torch.device, B: int = 2, H: int = 8, Hkv: int = 2, N: int = 96, D: int = 16):
@@ -148,3 +149,56 @@ class TestValidation:
         cnt = torch.ones(2, 8, dtype=torch.int32)
         with _raises(ValueError, "q", "device", "cuda", "cpu"):
             pqattn.sparse_decode(q, k.cuda(), v.cuda(), pos.cuda(), cnt.cuda())
+
+
+def test_functional_calls_with_their_buffers_replay_a_plan(kernel_routes, monkeypatch, device) -> None:
+    """select_topk and sparse_decode given out and workspace: the second call with tensors of the
+    same signature replays the first one's launches on the new tensors; another signature (a wrong
+    shape among them) takes the checks again."""
+    B, H, Hkv, N, D, M, C = 2, 4, 2, 200, 32, 2, 8
+    sink, window, heavy = 4, 8, 16
+    L = sink + heavy + window
+    book = pqattn.build_index(torch.randn(B, Hkv, N, D, device=device), subvectors=M, bits=3, iters=1)
+    lengths = torch.tensor([N, N - 60], device=device)
+    k, v = torch.randn(B, Hkv, N, D, device=device), torch.randn(B, Hkv, N, D, device=device)
+    sel = pqattn.Selection(
+        torch.empty(B, H, L, dtype=torch.int32, device=device),
+        torch.empty(B, H, dtype=torch.int32, device=device),
+    )
+    ws = torch.zeros(ops.select_workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=device)
+    out = torch.empty(B, H, D, device=device)
+    attn_ws = torch.zeros(ops.decode_workspace_numel(B * H, L, D), dtype=torch.int32, device=device)
+    replays = count_plan_replays(monkeypatch)
+    for _ in range(3):
+        q = torch.randn(B, H, D, device=device)
+        got = pqattn.select_topk(
+            q,
+            book.centroids,
+            book.codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            out=sel,
+            workspace=ws,
+        )
+        assert got is sel
+        assert_selection_exact(
+            *sel,
+            None,
+            q,
+            book.centroids,
+            book.codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=sink,
+            short_threshold=L,
+        )
+        res = pqattn.sparse_decode(q, k, v, *sel, out=out, workspace=attn_ws)
+        assert res is out
+        assert_close(out, ref.sparse_decode(q, k, v, *sel), atol=1e-5, rtol=1e-5)
+    assert replays[0] == 4
+    with pytest.raises(ValueError, match="out"):
+        pqattn.sparse_decode(q, k, v, *sel, out=out[:, :2], workspace=attn_ws)

@@ -12,6 +12,11 @@ which computes the same answer. `kernel_path` says which one a call takes.
 Decode-path functions (`pq_scores`, `select_topk`, `select_streaming`, `sparse_decode`) never read
 tensor values on the host, so they never synchronize: `lengths` must hold values <= N, which the
 caller (or `PQIndex`, which tracks lengths on the host) guarantees.
+
+`select_topk` and `sparse_decode` given their `out` and `workspace` (a decode loop's buffers) keep
+their kernel launches as a `pqattn.kernels.launch.Plan` per signature of their tensors and
+values of their other arguments: a later call that matches replays it, with no checks beyond
+that match (the same checks passed for the same shapes, dtypes and devices).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from pqattn import _validate as check
 from pqattn import reference as ref
+from pqattn.kernels.launch import Plan, recording, signature
 from pqattn.reference import Selection
 
 if TYPE_CHECKING:
@@ -34,6 +40,24 @@ class PQCodebook(NamedTuple):
     centroids: torch.Tensor  # [B, Hkv, M, C, dsub] (euclidean) or [B, Hkv, M, C, dsub + 1] (ip)
     codes: torch.Tensor  # [B, Hkv, N, M] uint8, by absolute token position
     phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
+
+
+_PLANS: dict[tuple, Plan] = {}  # by (function, signature of every tensor, other arguments)
+_MAX_PLANS = 64
+
+
+def _plan_key(name: str, tensors: tuple, *args: object) -> tuple | None:
+    """The key of a call whose every tensor is an input of the plan (None: no plan for it)."""
+    sig = signature(*tensors)
+    return None if sig is None else (name, sig, args, tuple(map(type, args)))
+
+
+def _keep_plan(key: tuple | None, rec, tensors: tuple) -> None:
+    plan = None if key is None else Plan.build(rec, tensors, ())
+    if plan is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
 
 
 MAX_KERNEL_HEAVY = 8192  # the merge-tree selection's limit (pqattn.kernels.select.MAX_HEAVY)
@@ -339,23 +363,34 @@ def select_topk(
     decode loop with no allocation. One workspace serves calls of one (B * H, M, C, N, heavy); the
     kernel leaves it ready for the next such call, not for another layout.
     """
+    key = tensors = None
+    if out is not None and workspace is not None:
+        tensors = (q, centroids, codes, lengths, *out, workspace)
+        key = _plan_key("select_topk", tensors, sink, window, heavy, init_offset)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            plan(*tensors)
+            return out
     _check_score_inputs(q, centroids, codes)
     _check_lengths(lengths, q.shape[0], q.device)
     _check_sizes(sink, window, heavy, init_offset)
     if kernel_path(q, centroids, heavy):
-        return _select_kernel(
-            q,
-            centroids,
-            codes,
-            lengths,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=max(init_offset, sink),
-            short_threshold=sink + heavy + window,
-            out=out,
-            workspace=workspace,
-        )
+        with recording() as rec:
+            sel = _select_kernel(
+                q,
+                centroids,
+                codes,
+                lengths,
+                sink=sink,
+                window=window,
+                heavy=heavy,
+                cand_lo=max(init_offset, sink),
+                short_threshold=sink + heavy + window,
+                out=out,
+                workspace=workspace,
+            )
+        _keep_plan(key, rec, tensors)
+        return sel
     return ref.select_from_scores(
         ref.pq_scores(q, centroids, codes),
         lengths,
@@ -449,6 +484,14 @@ def sparse_decode(
     elements) is used instead of allocating, so a decode loop allocates nothing; one workspace
     serves calls of one (B * H, L, D).
     """
+    key = tensors = None
+    if out is not None and workspace is not None and not return_lse:
+        tensors = (q, k, v, positions, counts, out, workspace, *(() if weights is None else (weights,)))
+        key = _plan_key("sparse_decode", tensors, scale, dense_weights)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            plan(*tensors)
+            return out
     _check_keys("k", k)
     B, Hkv, N, D = k.shape
     check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
@@ -497,19 +540,21 @@ def sparse_decode(
     def last_contiguous(t: torch.Tensor) -> torch.Tensor:
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    launch(
-        last_contiguous(q),
-        last_contiguous(k),
-        last_contiguous(v),
-        positions,
-        counts,
-        out=out,
-        workspace=workspace,
-        weights=weights,
-        dense_weights=dense_weights,
-        lse=lse,
-        scale=scale,
-    )
+    with recording() as rec:
+        launch(
+            last_contiguous(q),
+            last_contiguous(k),
+            last_contiguous(v),
+            positions,
+            counts,
+            out=out,
+            workspace=workspace,
+            weights=weights,
+            dense_weights=dense_weights,
+            lse=lse,
+            scale=scale,
+        )
+    _keep_plan(key, rec, tensors)
     return (out, lse.view(B, H)) if return_lse else out
 
 
