@@ -10,7 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, Plan, TunedLauncher, arg_spec, interpreted, recording
+from pqattn.kernels.launch import (
+    Launcher,
+    Plan,
+    TunedLauncher,
+    arg_spec,
+    autotuning,
+    interpreted,
+    recording,
+)
 
 try:  # Triton's own specialisation of one argument (a private API: the test skips without it)
     from triton._C.libtriton import native_specialize_impl
@@ -241,3 +249,18 @@ def test_a_compiled_plan_passes_what_the_launcher_passes(monkeypatch) -> None:
     monkeypatch.setattr(launch_mod, "_current_device", lambda: 1)
     plan(x)  # no kernel for device 1 yet: the Launcher compiles it
     assert len(fake.calls) == 3 and len(compiled) == 2
+
+
+def test_autotuning_is_off_under_the_interpreter_or_when_asked(monkeypatch) -> None:
+    from pqattn.kernels import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_INTERPRETED", False)
+    for value, on in ((None, True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv("PQATTN_AUTOTUNE", raising=False)
+        else:
+            monkeypatch.setenv("PQATTN_AUTOTUNE", value)
+        assert autotuning() is on
+    monkeypatch.setattr(launch_mod, "_INTERPRETED", True)
+    monkeypatch.setenv("PQATTN_AUTOTUNE", "1")
+    assert autotuning() is False

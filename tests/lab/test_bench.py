@@ -177,11 +177,12 @@ def test_sync_free_case_is_graph_timed_on_gpu(device: torch.device) -> None:
     assert row["timings"]["graph"]["median_us"] > 0
 
 
-def test_autotuned_choice_is_recorded_per_row_on_gpu(device: torch.device) -> None:
+def test_autotuned_choice_is_recorded_per_row_on_gpu(device: torch.device, monkeypatch) -> None:
     """A row whose implementation ran an autotuned kernel records the config chosen for its shape;
     baselines record none."""
     if device.type != "cuda":
         pytest.skip("the kernels are autotuned on the GPU only (one forced config under the interpreter)")
+    monkeypatch.setenv("PQATTN_AUTOTUNE", "1")
     doc = run_bench(["select"], size="tiny", device=device, impls=["pqattn", "torch.topk"])
     rows = {r["impl"]: r for r in doc["results"]}
     # the tiny case has C**M = 256 code combinations: the histogram selection's scan is tuned

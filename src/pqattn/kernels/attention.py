@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pqattn.kernels.launch import interpreted
+from pqattn.kernels.launch import autotuning
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -324,14 +324,14 @@ def flash_forward(
 ) -> None:
     """Launch on validated inputs: q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (last dims contiguous, D a
     power of two in 16..256, fp16/bf16/fp32), out like q, lse [B, H, Sq] float32 contiguous or
-    None. `config` forces one of ATTENTION_CONFIGS (the first under the interpreter); a TMA config
+    None. `config` forces one of ATTENTION_CONFIGS (the first that fits when not `autotuning()`); a TMA config
     needs 16-byte aligned bases and strides. `group_rows` overrides rows_per_group (tests)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    if interpreted() and config is None:
-        config = ATTENTION_CONFIGS[0]
     descs = _descriptors(q, k, v)
+    if config is None and not autotuning():
+        config = next(c for c in ATTENTION_CONFIGS if descs is not None or not c.kwargs["TMA"])
     if config is not None and config.kwargs["TMA"] and descs is None:
         raise ValueError("config: a TMA config needs q, k, v with 16-byte aligned bases and strides")
     args = (

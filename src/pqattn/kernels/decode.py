@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
+from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
 # by the tests and by `pqattn check`. One warp per program wins on bf16 D=128: many small programs
@@ -217,8 +217,8 @@ def sparse_decode(
     [B, H, D] (last dim contiguous); workspace: int32, zero-filled once, at least
     workspace_numel(B * H, L, D) elements (the kernel leaves its counters at zero); weights
     [B, H, L] per entry, or [B, H, N] by token position when `dense_weights`; lse [B * H] float32
-    contiguous or None. `config` forces one config of DECODE_CONFIGS (the first under the
-    interpreter); by default the autotuner picks. L is a compile-time constant: each list width
+    contiguous or None. `config` forces one config of DECODE_CONFIGS (the first when not
+    `autotuning()`); by default the autotuner picks. L is a compile-time constant: each list width
     compiles once (a model's sink + heavy + window is fixed).
     """
     B, H, D = q.shape
@@ -230,7 +230,7 @@ def sparse_decode(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
             f"with {workspace.numel()}"
         )
-    if interpreted() and config is None:
+    if config is None and not autotuning():
         config = DECODE_CONFIGS[0]
     rows = B * H
     w = weights if weights is not None else positions  # (not read without weights)

@@ -43,6 +43,13 @@ def interpreted() -> bool:
     return _INTERPRETED
 
 
+def autotuning() -> bool:
+    """False under the interpreter, or with the environment variable PQATTN_AUTOTUNE=0 (quick
+    test runs on a GPU): the launchers then take the first config of their space that fits the
+    call instead of timing them all (every config is correct; the tests run each one)."""
+    return not _INTERPRETED and os.environ.get("PQATTN_AUTOTUNE", "1") != "0"
+
+
 def arg_spec(arg: object) -> object:
     """What a compiled kernel depends on in one runtime argument (a hashable key, at least as fine
     as Triton's specialisation of it)."""

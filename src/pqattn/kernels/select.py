@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
+from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
@@ -524,7 +524,7 @@ def pq_select(
     and thresholds at zero, at places that depend on B * H, M, C, n_tokens and heavy: reuse it
     only with the same five); weights [B, H, n_weights] or None. `config` forces one config of
     SELECT_CONFIGS; by default the autotuner picks among configs_for(heavy, n_tokens) (the first
-    of them under the interpreter).
+    of them when not `autotuning()`).
     `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens >
     LUT_KERNEL_ABOVE or rows * n_tokens > LUT_KERNEL_ABOVE_ROW_TOKENS; see there).
     """
@@ -540,7 +540,7 @@ def pq_select(
             f"config: TILE={config.kwargs['TILE']} does not serve heavy={heavy} over {n_tokens} tokens "
             "(see configs_for)"
         )
-    if interpreted() and config is None:
+    if config is None and not autotuning():
         config = valid[0]
     rows = B * H
     need = workspace_numel(rows, M, C, n_tokens, heavy)

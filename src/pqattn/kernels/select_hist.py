@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, TunedLauncher, interpreted
+from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _sum_min_max, _write_lut
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
@@ -431,7 +431,8 @@ def pq_select_hist(
     histogram: [B, Hkv, C**M] int32 counts of the candidate tokens [cand_lo, n - window) per
     combination for the current lengths (PQIndex keeps one); None counts them into the workspace
     first (one more launch). workspace: int32, zero-filled once, workspace_numel(B * H, M, C)
-    elements. `config` forces one of SCAN_CONFIGS (the first under the interpreter by default).
+    elements. `config` forces one of SCAN_CONFIGS (by default the autotuner picks; the first when
+    not `autotuning()`).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -447,7 +448,7 @@ def pq_select_hist(
         )
     if config is not None and config not in SCAN_CONFIGS:
         raise ValueError("config: expected one of SCAN_CONFIGS")
-    if interpreted() and config is None:
+    if config is None and not autotuning():
         config = SCAN_CONFIGS[0]
     G = H // Hkv
     consume = histogram is None
