@@ -218,63 +218,67 @@ def test_from_codebook_holds_a_codebook_built_elsewhere(device: torch.device) ->
 @pytest.mark.parametrize("subvectors", [2, 4], ids=["histogram", "tree"])
 def test_eager_decode_steps_replay_their_plan(subvectors: int, kernel_routes, monkeypatch, device) -> None:
     """The first step records its launches (store + encode + length update, selection, attention),
-    the next ones replay them: each step's caches, lengths and output match the reference."""
+    the next ones replay them: each step's caches, lengths and output match the reference. (A first
+    run warms Triton's caches: a launch that compiles or autotunes is not recorded.)"""
     B, H, Hkv, N, D, steps = 2, 8, 2, 300, 64, 4
     config = pqattn.PQConfig(subvectors=subvectors, bits=4, sink=4, window=8, heavy=32, iters=2)
-    keys = torch.randn(B, Hkv, N + steps, D, device=device)
     lengths = [N, N - 70]
-    index = pqattn.PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config)
-    k_cache = torch.zeros(B, Hkv, N + steps, D, device=device)
-    v_cache = torch.zeros_like(k_cache)
-    for b, n in enumerate(lengths):
-        k_cache[b, :, :n] = keys[b, :, :n]
-        v_cache[b, :, :n].normal_()
-    replays = count_plan_replays(monkeypatch)
-    for t in range(steps):
-        q = torch.randn(B, H, D, device=device)
-        k_new = torch.randn(B, Hkv, 1, D, device=device)
-        v_new = torch.randn(B, Hkv, 1, D, device=device)
-        out = index.decode_step(q, k_new, v_new, k_cache, v_cache)
-        assert index.lengths.tolist() == [n + t + 1 for n in lengths]
+    for warm in (True, False):
+        keys = torch.randn(B, Hkv, N + steps, D, device=device)
+        index = pqattn.PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config)
+        k_cache = torch.zeros(B, Hkv, N + steps, D, device=device)
+        v_cache = torch.zeros_like(k_cache)
         for b, n in enumerate(lengths):
-            assert torch.equal(k_cache[b, :, n + t], k_new[b, :, 0])
-            assert torch.equal(v_cache[b, :, n + t], v_new[b, :, 0])
-        sel = index._selection  # the step's own (ties at the cut may be broken either way)
-        assert_index_selection(index, sel, q)
-        new_codes = ref.encode(k_new, index.centroids, None)
-        for b, n in enumerate(lengths):
-            assert torch.equal(index.codes[b, :, n + t], new_codes[b, :, 0])
-        want = ref.sparse_decode(q.double(), k_cache.double(), v_cache.double(), *sel)
-        assert_close(out, want, atol=1e-5, rtol=1e-5, what=f"step {t}")
-        assert replays[0] == t, "the first step records, the next ones replay"
-    assert index._max_length == N + steps
+            k_cache[b, :, :n] = keys[b, :, :n]
+            v_cache[b, :, :n].normal_()
+        replays = count_plan_replays(monkeypatch)
+        for t in range(steps):
+            q = torch.randn(B, H, D, device=device)
+            k_new = torch.randn(B, Hkv, 1, D, device=device)
+            v_new = torch.randn(B, Hkv, 1, D, device=device)
+            out = index.decode_step(q, k_new, v_new, k_cache, v_cache)
+            assert index.lengths.tolist() == [n + t + 1 for n in lengths]
+            for b, n in enumerate(lengths):
+                assert torch.equal(k_cache[b, :, n + t], k_new[b, :, 0])
+                assert torch.equal(v_cache[b, :, n + t], v_new[b, :, 0])
+            sel = index._selection  # the step's own (ties at the cut may be broken either way)
+            assert_index_selection(index, sel, q)
+            new_codes = ref.encode(k_new, index.centroids, None)
+            for b, n in enumerate(lengths):
+                assert torch.equal(index.codes[b, :, n + t], new_codes[b, :, 0])
+            want = ref.sparse_decode(q.double(), k_cache.double(), v_cache.double(), *sel)
+            assert_close(out, want, atol=1e-5, rtol=1e-5, what=f"step {t}")
+            assert warm or replays[0] == t, "the first step records, the next ones replay"
+        assert index._max_length == N + steps
+
+
+def _select_attend(index: PQIndex, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
+    sel = index.select(q)
+    assert_index_selection(index, sel, q)
+    out = index.attend(q, k_cache, v_cache, sel)
+    assert_close(out, ref.sparse_decode(q, k_cache, v_cache, *sel), atol=1e-5, rtol=1e-5)
 
 
 def test_plans_follow_the_buffers_they_write(kernel_routes, monkeypatch, device) -> None:
     """select / append / attend replay per input signature; a call of another head count
     replaces the selection buffers, and the plans that wrote the old ones go; a query that needs a
-    copy (not contiguous in D) makes no plan."""
-    index, k_cache, v_cache, lengths = _step_setup(device, steps=4)
-    replays = count_plan_replays(monkeypatch)
+    copy (not contiguous in D) makes no plan. (A first run warms Triton's caches.)"""
+    for warm in (True, False):
+        index, k_cache, v_cache, lengths = _step_setup(device, steps=4)
+        replays = count_plan_replays(monkeypatch)
 
-    def check(q: torch.Tensor) -> None:
-        sel = index.select(q)
-        assert_index_selection(index, sel, q)
-        out = index.attend(q, k_cache, v_cache, sel)
-        assert_close(out, ref.sparse_decode(q, k_cache, v_cache, *sel), atol=1e-5, rtol=1e-5)
-
-    D = k_cache.shape[-1]
-    for H in (8, 8, 4, 8):
-        check(torch.randn(2, H, D, device=device))
-    assert replays[0] == 2, "the second H=8 call replays select and attend; the last H=8 rebuilt"
-    k_new = torch.randn(2, 2, 1, D, device=device)
-    for _ in range(2):
-        index.append(k_new)
-    assert replays[0] == 3
-    assert index.lengths.tolist() == [n + 2 for n in lengths] and index._max_length == max(lengths) + 2
-    check(torch.randn(2, 8, 2 * D, device=device)[..., ::2])
-    check(torch.randn(2, 8, 2 * D, device=device)[..., ::2])
-    assert not any(key[0] == "select" and key[1][0][1][-1] == 2 for key in index._plans)
+        D = k_cache.shape[-1]
+        for H in (8, 8, 4, 8):
+            _select_attend(index, k_cache, v_cache, torch.randn(2, H, D, device=device))
+        assert warm or replays[0] == 2, "the second H=8 call replays select and attend; the last rebuilt"
+        k_new = torch.randn(2, 2, 1, D, device=device)
+        for _ in range(2):
+            index.append(k_new)
+        assert warm or replays[0] == 3
+        assert index.lengths.tolist() == [n + 2 for n in lengths] and index._max_length == max(lengths) + 2
+        for _ in range(2):
+            _select_attend(index, k_cache, v_cache, torch.randn(2, 8, 2 * D, device=device)[..., ::2])
+        assert not any(key[0] == "select" and key[1][0][1][-1] == 2 for key in index._plans)
 
 
 def test_an_index_keeps_a_bounded_number_of_plans(kernel_routes, device) -> None:

@@ -343,7 +343,9 @@ class PQIndex:
                 torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
                 torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
             )
-            n = ops.select_workspace_numel(self.batch * H, M, C, self.codes.shape[2], c.heavy)
+            n = ops.select_workspace_numel(
+                self.batch * H, M, C, self.codes.shape[2], c.heavy, kept_histogram=self._hist is not None
+            )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         with recording() as rec:
             ops._select_kernel(

@@ -14,6 +14,8 @@ import pqattn
 from pqattn import ops
 from pqattn import reference as ref
 from pqattn.kernels.encode import pq_encode
+from pqattn.kernels.launch import recording
+from pqattn.kernels.select import workspace_numel as tree_workspace_numel
 from pqattn.kernels.select_hist import (
     MAX_COMBOS,
     SCAN_CONFIGS,
@@ -211,7 +213,11 @@ def test_encode_keeps_the_histogram(T: int, window: int, lengths: list[int], dev
 def test_routing_and_workspace() -> None:
     assert ops.uses_histogram(2, 64) and ops.uses_histogram(1, 256) and not ops.uses_histogram(2, 128)
     assert ops.MAX_COMBOS == MAX_COMBOS
-    assert ops.select_workspace_numel(32, 2, 64, 32000, 128) == workspace_numel(32, 2, 64)
+    assert ops.select_workspace_numel(32, 2, 64, 32000, 128, kept_histogram=True) == workspace_numel(
+        32, 2, 64
+    )
+    assert ops.select_workspace_numel(32, 2, 64, 32000, 1024) == workspace_numel(32, 2, 64)
+    assert ops.select_workspace_numel(32, 2, 64, 32000, 128) == tree_workspace_numel(32, 2, 64, 32000, 128)
     q = torch.empty(1, 4, 128)
     assert not ops.kernel_path(q, torch.empty(1, 1, 2, 64, 64))  # CPU tensors: the reference
     with pytest.raises(ValueError, match="C\\*\\*M"):
@@ -297,3 +303,27 @@ def test_the_scan_runs_again_as_it_is(device: torch.device, monkeypatch) -> None
         monkeypatch.setattr(select_hist, "_pq_cut_launch", lambda *a: None)
         monkeypatch.setattr(select_hist, "count_combos", lambda *a, **k: None)
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("heavy", [ops.STATELESS_TREE_MAX_HEAVY, ops.STATELESS_TREE_MAX_HEAVY + 1])
+def test_a_call_without_a_histogram_takes_the_cheaper_kernel(heavy: int, kernel_routes, device) -> None:
+    """select_topk keeps no histogram: up to STATELESS_TREE_MAX_HEAVY it runs the merge tree, above
+    it counts the histogram; a PQIndex keeps one and takes the histogram selection at any heavy."""
+    B, H, Hkv, N, D = 1, 4, 2, 1200, 32
+    cfg = pqattn.PQConfig(subvectors=2, bits=3, sink=4, window=8, heavy=heavy, iters=1)
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    index = pqattn.PQIndex.build(keys, capacity=N, config=cfg)
+    q = torch.randn(B, H, D, device=device)
+    kw = dict(sink=4, window=8, heavy=heavy, init_offset=4)
+    pqattn.select_topk(q, index.centroids, index.codes, index.lengths, **kw)  # compiles, autotunes
+    index.select(q)
+    with recording() as rec:  # (a compiling or autotuning launch is not recorded)
+        sel = pqattn.select_topk(q, index.centroids, index.codes, index.lengths, **kw)
+    names = [r.launcher.fn.__name__ for r in rec.launches]
+    tree = heavy <= ops.STATELESS_TREE_MAX_HEAVY
+    assert ("_pq_histogram_kernel" in names) is not tree and ("_pq_select_kernel" in names) is tree
+    assert_index_selection(index, sel, q)
+    with recording() as rec:
+        sel = index.select(q)
+    assert [r.launcher.fn.__name__ for r in rec.launches] == ["_pq_cut_kernel", "_pq_scan_kernel"]
+    assert_index_selection(index, sel, q)

@@ -125,8 +125,9 @@ def _pq_encode_kernel(
                 old_combo = old_combo * C + old_code.to(tl.int32)
             tl.atomic_add(hist + old_combo, 1, sem="relaxed")
     if STORE_KV:
-        k_dst = kc_ptr + b * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
-        v_dst = vc_ptr + b * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
+        b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
+        k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
+        v_dst = vc_ptr + b64 * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
         v_src = vn_ptr + b * stride_vnb + kvh * stride_vnk + t * stride_vnt
         for d0 in tl.static_range(0, M * DSUB, BLOCK_D):
             d = d0 + d_idx

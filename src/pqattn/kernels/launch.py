@@ -53,6 +53,8 @@ def autotuning() -> bool:
 def arg_spec(arg: object) -> object:
     """What a compiled kernel depends on in one runtime argument (a hashable key, at least as fine
     as Triton's specialisation of it)."""
+    if type(arg) is int:  # most arguments: strides and sizes (bool, a subclass, goes below)
+        return arg == 1, arg & 15 == 0, -(2**31) <= arg < 2**31, -(2**63) <= arg < 2**63
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
     if isinstance(arg, bool) or arg is None or isinstance(arg, float):
