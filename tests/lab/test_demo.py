@@ -10,6 +10,7 @@ import torch
 from pqattn.cli import main
 from pqattn.index import PQConfig
 from pqattn.lab.demo import format_table, run_demo
+from pqattn.lab.report import _demo_section
 from pqattn.lab.workload import WorkloadSpec, make_workload, rope
 
 SMALL = WorkloadSpec(tokens=4096, kv_heads=2, group=4, head_dim=64, steps=3, topics=8)
@@ -105,3 +106,19 @@ def test_rope_is_a_rotation_with_relative_phase() -> None:
     a = (rope(x[:1], torch.tensor([7]), 10000.0) * rope(y[:1], torch.tensor([3]), 10000.0)).sum()
     b = (rope(x[:1], torch.tensor([104]), 10000.0) * rope(y[:1], torch.tensor([100]), 10000.0)).sum()
     assert torch.allclose(a, b)
+
+
+def test_gpu_step_times_show_when_measured() -> None:
+    """A CPU run has no GPU times (no columns for them); a run with graph timings shows them in
+    the demo's table and in the README's results section."""
+    result = run_demo(SMALL, SMALL_CFG, device=torch.device("cpu"), dtype=torch.float32, repeats=2)
+    assert all(r["step_gpu_us"] is None and r["gpu_speedup_vs_dense"] is None for r in result["results"])
+    header = next(line for line in format_table(result).splitlines() if line.startswith("method"))
+    assert "GPU time" not in header
+    for r, us in zip(result["results"], (4.0, None, None, 20.0), strict=True):
+        r["step_gpu_us"], r["gpu_speedup_vs_dense"] = us, None if us is None else 20.0 / us
+    table = format_table(result)
+    header = next(line for line in table.splitlines() if line.startswith("method"))
+    assert "GPU time" in header and "5.00x" in table and "4.0 us" in table
+    section = "\n".join(_demo_section("demo.json", result))
+    assert "step us (GPU)" in section and "| 5.00x |" in section
