@@ -132,8 +132,9 @@ def pq_attention_forward(
     if index is None or state.padded or index.capacity < S:
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
     index.append(key[:, :, -1:])
-    sel = index.select(query[:, :, 0])
-    out = ops.sparse_decode(query[:, :, 0], key, value, sel.positions, sel.counts, scale=scaling)
+    q = query[:, :, 0]
+    # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
+    out = index.attend(q, key, value, index.select(q), scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
 
