@@ -262,7 +262,8 @@ def _select_attend(index: PQIndex, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def test_plans_follow_the_buffers_they_write(kernel_routes, monkeypatch, device) -> None:
     """select / append / attend replay per input signature; a call of another head count
     replaces the selection buffers, and the plans that wrote the old ones go; a query that needs a
-    copy (not contiguous in D) makes no plan. (A first run warms Triton's caches.)"""
+    copy (not contiguous in D) makes no plan; nor does a plan run once an attribute it bound (the
+    centroids) holds another tensor. (A first run warms Triton's caches.)"""
     for warm in (True, False):
         index, k_cache, v_cache, lengths = _step_setup(device, steps=4)
         replays = count_plan_replays(monkeypatch)
@@ -279,6 +280,8 @@ def test_plans_follow_the_buffers_they_write(kernel_routes, monkeypatch, device)
         for _ in range(2):
             _select_attend(index, k_cache, v_cache, torch.randn(2, 8, 2 * D, device=device)[..., ::2])
         assert not any(key[0] == "select" and key[1][0][1][-1] == 2 for key in index._plans)
+        index.centroids = -index.centroids  # a new tensor: the plans that bound the old one must not run
+        _select_attend(index, k_cache, v_cache, torch.randn(2, 8, D, device=device))
 
 
 def test_an_index_keeps_a_bounded_number_of_plans(kernel_routes, device) -> None:

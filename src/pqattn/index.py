@@ -230,7 +230,8 @@ class PQIndex:
 
     def append(self, keys: torch.Tensor) -> None:
         """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
-        plan = self._plans.get(("append", signature(keys)))
+        key = self._plan_key("append", keys)
+        plan = self._plans.get(key)
         if plan is None:
             check.tensor(
                 "keys",
@@ -247,7 +248,7 @@ class PQIndex:
         elif ops.kernel_path(keys, self.centroids):
             with recording() as rec:
                 self._encode(keys)
-            self._keep(("append", signature(keys)), rec, keys)
+            self._keep(key, rec, keys)
         else:
             new = ops.encode_keys(keys, self.centroids, self.phi, metric=self.config.metric)
             slots = (self.lengths[:, None] + torch.arange(T, device=self.device))[:, None, :, None]
@@ -280,6 +281,13 @@ class PQIndex:
             kv_cache=kv_cache,
             advance=self._arrivals,
         )
+
+    def _plan_key(self, method: str, *inputs: torch.Tensor, scale: float | None = None) -> tuple:
+        """What a method's plan depends on: its inputs' signature, its scalar argument, and which
+        tensors the index's public state is (a plan binds them: an attribute given a new tensor
+        must not be replayed with the old one)."""
+        state = (id(self.centroids), id(self.codes), id(self.phi), id(self.lengths))
+        return method, signature(*inputs), scale, state
 
     def _forget(self, *buffers: torch.Tensor | None) -> None:
         """Drop the plans that use these buffers (about to be replaced: replays would use the old)."""
@@ -317,7 +325,7 @@ class PQIndex:
 
     def select(self, q: torch.Tensor) -> Selection:
         """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
-        key = ("select", signature(q))
+        key = self._plan_key("select", q)
         plan = self._plans.get(key)
         if plan is not None:
             plan(q)
@@ -385,7 +393,7 @@ class PQIndex:
                 f"got {k_cache.shape[2]}"
             )
         inputs = (q, k_cache, v_cache) if selection is None else (q, k_cache, v_cache, *selection)
-        key = ("attend", signature(*inputs), scale)
+        key = self._plan_key("attend", *inputs, scale=scale)
         plan = self._plans.get(key)
         if plan is not None:
             plan(*inputs)
@@ -456,7 +464,7 @@ class PQIndex:
         per token (call `sync_lengths()` after replays).
         """
         inputs = (q, k_new, v_new, k_cache, v_cache)
-        key = ("step", signature(*inputs), scale)
+        key = self._plan_key("step", *inputs, scale=scale)
         plan = self._plans.get(key)
         if plan is not None:
             self._check_room(1, "k_new")
