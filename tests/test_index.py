@@ -284,15 +284,23 @@ def test_plans_follow_the_buffers_they_write(kernel_routes, monkeypatch, device)
         _select_attend(index, k_cache, v_cache, torch.randn(2, 8, D, device=device))
 
 
-def test_an_index_keeps_a_bounded_number_of_plans(kernel_routes, device) -> None:
-    """A caller whose cache grows passes a new stride every step: each step makes a plan it never
-    replays, and the index keeps only the newest ones."""
+def test_an_index_keeps_a_bounded_number_of_plans(kernel_routes, monkeypatch, device) -> None:
+    """A caller whose cache grows passes a new stride every step: each append makes a plan it never
+    replays; the index keeps the most recently used ones, so the select plan used every step stays."""
     index, _, _, lengths = _step_setup(device, steps=20)
+    replays = count_plan_replays(monkeypatch)
+    q = torch.randn(2, 8, 64, device=device)
+    replayed = []
     for t in range(20):
         cache = torch.randn(2, 2, 601 + t, 64, device=device)  # like a cache grown by concatenation
         index.append(cache[:, :, -1:])
         new_codes = ref.encode(cache[:, :, -1:], index.centroids, None)
         for b, n in enumerate(lengths):
             assert torch.equal(index.codes[b, :, n + t], new_codes[b, :, 0])
+        before = replays[0]
+        assert_index_selection(index, index.select(q), q)
+        replayed.append(replays[0] - before)
+    # (the first select may compile, the second records: from the third on every one replays)
+    assert replayed[2:] == [1] * 18, "the select plan survived 20 appends of new signatures"
     assert index.lengths.tolist() == [n + 20 for n in lengths]
     assert len(index._plans) == _MAX_PLANS

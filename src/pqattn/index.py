@@ -11,7 +11,7 @@ from pqattn import ops
 from pqattn.kernels.launch import Plan, recording, signature
 from pqattn.reference import Selection
 
-_MAX_PLANS = 16  # plans an index keeps (the oldest goes first)
+_MAX_PLANS = 16  # plans an index keeps (the least recently used goes first)
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class PQIndex:
     def append(self, keys: torch.Tensor) -> None:
         """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
         key = self._plan_key("append", keys)
-        plan = self._plans.get(key)
+        plan = self._plan(key)
         if plan is None:
             check.tensor(
                 "keys",
@@ -289,6 +289,12 @@ class PQIndex:
         state = (id(self.centroids), id(self.codes), id(self.phi), id(self.lengths))
         return method, signature(*inputs), scale, state
 
+    def _plan(self, key: tuple) -> Plan | None:
+        plan = self._plans.pop(key, None)
+        if plan is not None:  # the most recently used last: the least recently used goes first
+            self._plans[key] = plan
+        return plan
+
     def _forget(self, *buffers: torch.Tensor | None) -> None:
         """Drop the plans that use these buffers (about to be replaced: replays would use the old)."""
         old = [b for b in buffers if b is not None]
@@ -312,7 +318,7 @@ class PQIndex:
         plan = Plan.build(rec, inputs, owned)
         if plan is not None:
             if len(self._plans) >= _MAX_PLANS:  # e.g. a caller whose cache grows: a new stride per step
-                del self._plans[next(iter(self._plans))]
+                del self._plans[next(iter(self._plans))]  # the least recently used
             self._plans[key] = plan
 
     def sync_lengths(self) -> None:
@@ -326,7 +332,7 @@ class PQIndex:
     def select(self, q: torch.Tensor) -> Selection:
         """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
         key = self._plan_key("select", q)
-        plan = self._plans.get(key)
+        plan = self._plan(key)
         if plan is not None:
             plan(q)
             return self._selection
@@ -394,7 +400,7 @@ class PQIndex:
             )
         inputs = (q, k_cache, v_cache) if selection is None else (q, k_cache, v_cache, *selection)
         key = self._plan_key("attend", *inputs, scale=scale)
-        plan = self._plans.get(key)
+        plan = self._plan(key)
         if plan is not None:
             plan(*inputs)
             return self._attn_out
@@ -465,7 +471,7 @@ class PQIndex:
         """
         inputs = (q, k_new, v_new, k_cache, v_cache)
         key = self._plan_key("step", *inputs, scale=scale)
-        plan = self._plans.get(key)
+        plan = self._plan(key)
         if plan is not None:
             self._check_room(1, "k_new")
             plan(*inputs)
