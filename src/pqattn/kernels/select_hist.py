@@ -17,9 +17,10 @@ and the tokens need a single pass that compares, with no search:
      launch scored its combination, compares with the cut, and writes the taken positions at
      slots reserved with one atomic per tile and head (ties until the quota is met); also sink,
      window, count, -1 padding and the dense 0/1 weights.
-No host sync and no allocation: the workspace is zeroed once; the scan's last tile of a (sequence,
-KV head) to finish zeroes its slot counters and its first tile the histogram that the cut launch
-consumed, so the launches can run again as they are (autotuner trials, CUDA graph replays).
+No host sync and no allocation: the workspace is zeroed once; the cut launch zeroes its rows' slot
+counters before the scan counts in them, and the scan's first tile of a (sequence, KV head) zeroes
+the histogram that the cut launch consumed, so the pair can run again as it is (CUDA graph
+replays). The scan alone cannot: the autotuner's trials zero the counters first (`_zero_slots`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
-from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _sum_min_max, _write_lut
+from pqattn.kernels.select import _load_codes, _lut_base, _lut_m, _order_key, _probe, _sum_min_max
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
 ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
@@ -45,16 +46,15 @@ HIST_TILE = 2048
 CUT_WARPS = 4
 
 
-def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int, int]:
-    """int32-word offsets (histogram, LUTs, row words, arrival counters) and the total.
+def workspace_layout(rows: int, M: int, C: int) -> tuple[int, int, int, int]:
+    """int32-word offsets (histogram, LUTs, row words) and the total.
 
     The histogram region has a row per query row (the (sequence, KV head) rows it holds are
     fewer)."""
     hist = 0
     luts = hist + rows * C**M
     words = luts + rows * M * C
-    arrive = words + rows * ROW_WORDS
-    return hist, luts, words, arrive, arrive + rows
+    return hist, luts, words, words + rows * ROW_WORDS
 
 
 def workspace_numel(rows: int, M: int, C: int) -> int:
@@ -124,8 +124,7 @@ def _weighted_cut(key, w, need):
 
     The search of pqattn.kernels.select._top_k with token counts: a bracket lo < hi of existing
     keys with c_lo = tokens at or above lo > k and c_hi = tokens at or above hi < k; each step
-    probes a value inside (interpolating the counts; a step that fails to halve the bracket is
-    followed by a bisection) and snaps the bracket to the nearest keys on either side.
+    probes a value inside (`_probe`) and snaps the bracket to the nearest keys on either side.
     """
     total, lo, top = _sum_min_max(w, tl.where(w > 0, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
     k = tl.minimum(need, total)
@@ -136,10 +135,7 @@ def _weighted_cut(key, w, need):
     bisect = False
     go = (k > 0) & (c_lo > k)
     while go:
-        frac = (c_lo - k).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
-        guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
-        probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
-        p32 = probe.to(tl.uint32)
+        p32 = _probe(lo, hi, c_lo, c_hi, k, bisect)
         diff = key - p32  # wraps: see _top_k
         c, d_min, d_max = _sum_min_max(tl.where(key >= p32, w, 0), diff, diff)
         width = hi - lo
@@ -156,6 +152,29 @@ def _weighted_cut(key, w, need):
     cut = tl.where(k == 0, 0xFFFFFFFF, tl.where(exact, lo - 1, lo)).to(tl.uint32)
     quota = tl.where(exact, 0, tl.where(k == 0, 0, k - c_hi))
     return cut, quota, k
+
+
+@triton.jit
+def _lut_and_scores(
+    q_row,
+    cent,
+    lut_row,
+    stride_cm,
+    stride_cc,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Writes the LUT (the scan gathers from it) and returns the score of every combination
+    [C**M], indexed as _combo indexes them, built in registers by outer sums (no round trip
+    through the stored LUT) in the scan's order of addition, ((0 + LUT[0, c_0]) + LUT[1, c_1]) +
+    ..., so that both launches agree to the bit."""
+    score = 0.0 + _lut_m(q_row, cent, lut_row, 0, stride_cm, stride_cc, C, DSUB, BLOCK_D)
+    for m in tl.static_range(1, M):
+        lut = _lut_m(q_row, cent, lut_row, m, stride_cm, stride_cc, C, DSUB, BLOCK_D)
+        score = tl.reshape(score[:, None] + lut[None, :], [C ** (m + 1)])
+    return score
 
 
 @triton.jit
@@ -181,7 +200,6 @@ def _pq_cut_kernel(
     words_off,
     M: tl.constexpr,
     C: tl.constexpr,
-    BITS: tl.constexpr,
     P: tl.constexpr,
     DSUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -190,14 +208,18 @@ def _pq_cut_kernel(
     b = row // H
     h = row % H
     kvh = h // G
+    words = ws_ptr + words_off + row * _ROW_WORDS
+    # the scan's slot counters of this row start at zero (the scan runs after this launch)
+    tl.store(words + 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
     n = tl.load(len_ptr + b).to(tl.int32)
     if n > short_threshold:
         _, need = _need(n, heavy, window, cand_lo)
-        lut_row = _lut_base(ws_ptr) + lut_off + row * (M * C)
-        _write_lut(
+        combo = tl.arange(0, P)
+        w = tl.load(hist_ptr + (row // G).to(tl.int64) * P + combo)  # in flight with the LUT's loads
+        score = _lut_and_scores(
             q_ptr + b * stride_qb + h * stride_qh,
             cent_ptr + b * stride_cb + kvh * stride_ck,
-            lut_row,
+            _lut_base(ws_ptr) + lut_off + row * (M * C),
             stride_cm,
             stride_cc,
             M,
@@ -205,15 +227,8 @@ def _pq_cut_kernel(
             DSUB,
             BLOCK_D,
         )
-        tl.debug_barrier()
-        combo = tl.arange(0, P)
-        score = tl.zeros([P], tl.float32)
-        for m in tl.static_range(M):
-            score += tl.load(lut_row + m * C + ((combo >> ((M - 1 - m) * BITS)) & (C - 1)))
-        w = tl.load(hist_ptr + (row // G).to(tl.int64) * P + combo)
         key = tl.where(w > 0, _order_key(score), 0)
         cut, quota, k = _weighted_cut(key, w, need)
-        words = ws_ptr + words_off + row * _ROW_WORDS
         tl.store(words, k)
         tl.store(words + 1, quota)
         tl.store(words + 4, cut.to(tl.int32, bitcast=True))
@@ -249,7 +264,6 @@ def _pq_scan_kernel(
     code_base,
     lut_off,
     words_off,
-    arrive_off,
     n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
     C: tl.constexpr,
@@ -332,7 +346,8 @@ def _pq_scan_kernel(
             slot = tl.where(
                 above, base_above[:, None] + (inclusive & 0xFFFF) - 1, (k - quota)[:, None] + tie_rank
             )
-            take = above | take_tie
+            # (slot < k holds after the cut launch; a scan run without it stays inside the row)
+            take = (above | take_tie) & (slot < k[:, None])
             pos = pos_ptr + b * stride_pb + h[:, None] * stride_ph + n_sink + slot
             tl.store(pos, tl.zeros([GP, TILE], tl.int32) + offs[None, :], mask=take)
         if HAS_W:
@@ -340,36 +355,42 @@ def _pq_scan_kernel(
             value = tl.where(keep[None, :] | take, 1.0, 0.0).to(w_ptr.dtype.element_ty)
             tl.store(w_rows, value, mask=g_ok[:, None] & (offs < n_weights)[None, :])
         if tile == 0:
-            for gi in range(G):
-                hh = kvh * G + gi
-                pos_row = pos_ptr + b * stride_pb + hh * stride_ph
-                kk = tl.load(ws_ptr + words_off + (b * H + hh) * _ROW_WORDS)
-                for start in range(0, n_sink, TILE):
-                    o = start + lane
-                    tl.store(pos_row + o, o, mask=o < n_sink)
-                for start in range(0, n_win, TILE):
-                    o = start + lane
-                    tl.store(pos_row + n_sink + kk + o, win_lo + o, mask=o < n_win)
-                count = n_sink + kk + n_win
-                for start in range(count, width, TILE):
-                    o = start + lane
-                    tl.store(pos_row + o, tl.full([TILE], -1, tl.int32), mask=o < width)
-                tl.store(cnt_ptr + b * H + hh, count)
+            # sink, window, count and -1 padding of the group's rows, from the k the cut left
+            rows = pos_ptr + b * stride_pb + h[:, None] * stride_ph
+            for start in range(0, n_sink, TILE):
+                o = start + lane
+                tl.store(
+                    rows + o[None, :],
+                    tl.zeros([GP, TILE], tl.int32) + o[None, :],
+                    mask=g_ok[:, None] & (o < n_sink)[None, :],
+                )
+            for start in range(0, n_win, TILE):
+                o = start + lane
+                tl.store(
+                    rows + n_sink + k[:, None] + o[None, :],
+                    tl.zeros([GP, TILE], tl.int32) + (win_lo + o)[None, :],
+                    mask=g_ok[:, None] & (o < n_win)[None, :],
+                )
+            count = n_sink + k + n_win
+            for start in range(n_sink + n_win, width, TILE):
+                o = (start + lane)[None, :] + k[:, None]
+                tl.store(rows + o, tl.full([GP, TILE], -1, tl.int32), mask=g_ok[:, None] & (o < width))
+            tl.store(cnt_ptr + b * H + h, count, mask=g_ok)
             if CONSUME_HIST:  # the cut launch has read it: zero for the next call
                 for start in range(0, P, TILE):
                     o = start + lane
                     tl.store(hist_ptr + grp.to(tl.int64) * P + o, tl.zeros([TILE], tl.int32), mask=o < P)
-        # The last tile of this (sequence, KV head) to finish zeroes the slot counters, so that
-        # the launch can run again as it is (the autotuner's trials, graph replays).
-        arrived = tl.atomic_add(ws_ptr + arrive_off + grp, 1, sem="acq_rel")
-        if arrived == n_tiles - 1:
-            tl.store(words + 2, tl.zeros([GP], tl.int32), mask=g_ok)
-            tl.store(words + 3, tl.zeros([GP], tl.int32), mask=g_ok)
-            tl.store(ws_ptr + arrive_off + grp, 0)
+
+
+def _zero_slots(nargs: dict, reset_only: bool = False) -> None:
+    """The autotuner's hook before each trial of the scan alone: the slot counters start at zero,
+    as the cut launch leaves them."""
+    off, rows = nargs["words_off"], nargs["pos_ptr"].shape[0] * nargs["H"]
+    nargs["ws_ptr"][off : off + rows * ROW_WORDS].view(rows, ROW_WORDS)[:, 2:4].zero_()
 
 
 _pq_scan_autotuned = triton.autotune(
-    configs=SCAN_CONFIGS, key=["n_bucket", "GP", "M", "P", "HAS_W", "CONSUME_HIST"]
+    configs=SCAN_CONFIGS, key=["n_bucket", "GP", "M", "P", "HAS_W", "CONSUME_HIST"], pre_hook=_zero_slots
 )(_pq_scan_kernel)
 _pq_scan_tuned = TunedLauncher(_pq_scan_autotuned)
 _pq_scan_launch = Launcher(_pq_scan_kernel)
@@ -439,7 +460,7 @@ def pq_select_hist(
     if C**M > MAX_COMBOS:
         raise ValueError(f"centroids: the histogram selection needs C**M <= {MAX_COMBOS}, got C={C}, M={M}")
     rows = B * H
-    _, lut_off, words_off, arrive_off, _ = workspace_layout(rows, M, C)
+    _, lut_off, words_off, _ = workspace_layout(rows, M, C)
     need = workspace_numel(rows, M, C)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
@@ -482,9 +503,7 @@ def pq_select_hist(
             lut_off,
             words_off,
         ),
-        dict(
-            M=M, C=C, BITS=C.bit_length() - 1, P=C**M, DSUB=dsub, BLOCK_D=min(dsub, 64), num_warps=CUT_WARPS
-        ),
+        dict(M=M, C=C, P=C**M, DSUB=dsub, BLOCK_D=min(dsub, 64), num_warps=CUT_WARPS),
     )
     w = weights if weights is not None else counts
     n_tok = max(n_tokens, 1)
@@ -507,7 +526,6 @@ def pq_select_hist(
         code_base,
         lut_off,
         words_off,
-        arrive_off,
         n_bucket,
     )
     GP = 1 << (G - 1).bit_length()
