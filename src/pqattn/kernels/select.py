@@ -149,22 +149,6 @@ def _scores(code, lut_row, M: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _lut_m(
-    q_row, cent, lut_row, m, stride_cm, stride_cc, C: tl.constexpr, DSUB: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """Writes and returns LUT[m, :] = <q_m, centroid[m, c, :DSUB]> for every c (float32 [C])."""
-    c_idx = tl.arange(0, C)
-    d_idx = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([C], dtype=tl.float32)
-    for d0 in tl.static_range(0, DSUB, BLOCK_D):
-        qv = tl.load(q_row + m * DSUB + d0 + d_idx).to(tl.float32)
-        cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(tl.float32)
-        acc += tl.sum(cv * qv[None, :], axis=1)
-    tl.store(lut_row + m * C + c_idx, acc)
-    return acc
-
-
-@triton.jit
 def _write_lut(
     q_row,
     cent,
@@ -177,8 +161,17 @@ def _write_lut(
     BLOCK_D: tl.constexpr,
 ):
     """LUT[m, c] = <q_m, centroid[m, c, :DSUB]> in float32."""
+    c_idx = tl.arange(0, C)
+    d_idx = tl.arange(0, BLOCK_D)
     for m in tl.static_range(M):
-        _lut_m(q_row, cent, lut_row, m, stride_cm, stride_cc, C, DSUB, BLOCK_D)
+        acc = tl.zeros([C], dtype=tl.float32)
+        for d0 in tl.static_range(0, DSUB, BLOCK_D):
+            qv = tl.load(q_row + m * DSUB + d0 + d_idx).to(tl.float32)
+            cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
+                tl.float32
+            )
+            acc += tl.sum(cv * qv[None, :], axis=1)
+        tl.store(lut_row + m * C + c_idx, acc)
 
 
 @triton.jit
@@ -231,25 +224,13 @@ def _order_key(s):
 
 
 @triton.jit
-def _key_score(key):
-    """The float32 score of an order key (the inverse of _order_key)."""
-    bits = tl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _probe(lo, hi, c_lo, c_hi, aim, bisect):
     """The next probe (uint32) of a count search, strictly inside the bracket lo < hi of int64 keys
-    with c_lo keys (or tokens) at or above lo and c_hi at or above hi: where `aim` of them lie at
-    or above it if the count falls linearly in the *score* between the two ends, or the bracket's
-    midpoint after a step that did not halve it. Linear in the score, not in the key: a key's bits
-    grow with the logarithm of the magnitude, so between scores of opposite signs a linear guess
-    in key space lands orders of magnitude away (every probe is correct, the guess only decides
-    how many steps the search takes)."""
+    with c_lo keys (or tokens) at or above lo and c_hi at or above hi: where `aim` of them would
+    lie at or above it if the count fell linearly between the two ends, or the bracket's
+    midpoint after a step that did not halve it."""
     frac = (c_lo - aim).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
-    s_lo = _key_score(lo.to(tl.uint32))
-    s_hi = _key_score((hi - 1).to(tl.uint32))
-    guess = _order_key(s_lo + (s_hi - s_lo) * frac).to(tl.int64)
+    guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
     probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
     return probe.to(tl.uint32)
 

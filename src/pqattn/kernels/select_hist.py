@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
-from pqattn.kernels.select import _load_codes, _lut_base, _lut_m, _order_key, _probe, _sum_min_max
+from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _probe, _sum_min_max, _write_lut
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
 ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
@@ -167,12 +167,17 @@ def _lut_and_scores(
     BLOCK_D: tl.constexpr,
 ):
     """Writes the LUT (the scan gathers from it) and returns the score of every combination
-    [C**M], indexed as _combo indexes them, built in registers by outer sums (no round trip
-    through the stored LUT) in the scan's order of addition, ((0 + LUT[0, c_0]) + LUT[1, c_1]) +
-    ..., so that both launches agree to the bit."""
-    score = 0.0 + _lut_m(q_row, cent, lut_row, 0, stride_cm, stride_cc, C, DSUB, BLOCK_D)
+    [C**M], indexed as _combo indexes them, in the scan's order of addition ((0 + LUT[0, c_0]) +
+    LUT[1, c_1]) + ... The sums are outer sums of the LUT's rows (M * C loads instead of a gather
+    per combination and m), read back from memory: the values the scan reads, to the bit (values
+    kept in registers need not be: the compiler may recompute a reduction in another layout, in
+    another order)."""
+    _write_lut(q_row, cent, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
+    tl.debug_barrier()  # the other threads' LUT stores are visible after it
+    c_idx = tl.arange(0, C)
+    score = 0.0 + tl.load(lut_row + c_idx)
     for m in tl.static_range(1, M):
-        lut = _lut_m(q_row, cent, lut_row, m, stride_cm, stride_cc, C, DSUB, BLOCK_D)
+        lut = tl.load(lut_row + m * C + c_idx)
         score = tl.reshape(score[:, None] + lut[None, :], [C ** (m + 1)])
     return score
 
