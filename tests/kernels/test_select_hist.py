@@ -280,8 +280,9 @@ def test_index_keeps_its_histogram(kernel_routes, device: torch.device) -> None:
 
 def test_the_scan_runs_again_after_its_autotune_hook(device: torch.device, monkeypatch) -> None:
     """The autotuner times the scan launch several times after one cut launch: its hook zeroes
-    the slot counters as the cut launch does, so every trial writes the same selection. A scan
-    run again without it writes nothing outside its rows (slots stop at k)."""
+    the slot counters as the cut launch does, so every trial writes a correct selection (which of
+    the tied tokens at the cut: the order of the tiles' atomics). A scan run again without it
+    writes nothing outside its rows (slots stop at k)."""
     import pqattn.kernels.select_hist as select_hist
 
     B, H, Hkv, N, D, M, C = 1, 4, 2, 3000, 32, 2, 8
@@ -297,8 +298,9 @@ def test_the_scan_runs_again_after_its_autotune_hook(device: torch.device, monke
     rows = torch.full((B, H, 308 + 400), -7, dtype=torch.int32, device=device)
     pos = rows[..., :308]
     cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+    check = dict(sink=4, window=4, heavy=300, cand_lo=4, short_threshold=308)
     pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
-    first = pos.sort(-1).values
+    assert_selection_exact(pos, cnt, None, q, cent, codes, lens, **check)
     assert (ws[words_off:].view(B * H, -1)[:, 2] > 0).all(), "the scan counted in the slot counters"
 
     def hook_only(*args) -> None:
@@ -308,7 +310,7 @@ def test_the_scan_runs_again_after_its_autotune_hook(device: torch.device, monke
     monkeypatch.setattr(select_hist, "_pq_cut_launch", hook_only)
     pos.fill_(-7)
     pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
-    assert torch.equal(pos.sort(-1).values, first)
+    assert_selection_exact(pos, cnt, None, q, cent, codes, lens, **check)
     monkeypatch.setattr(select_hist, "_pq_cut_launch", lambda *a: None)
     pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
     assert (rows[..., 308:] == -7).all(), "a slot past the row's k was written"
