@@ -390,7 +390,8 @@ def _pq_scan_kernel(
 
 def _zero_slots(nargs: dict, reset_only: bool = False) -> None:
     """The autotuner's hook before each trial of the scan alone: the slot counters start at zero,
-    as the cut launch leaves them."""
+    as the cut launch leaves them. (`reset_only`: the autotuner passes it before the call that
+    follows its trials; that call needs the counters zeroed too.)"""
     off, rows = nargs["words_off"], nargs["pos_ptr"].shape[0] * nargs["H"]
     nargs["ws_ptr"][off : off + rows * ROW_WORDS].view(rows, ROW_WORDS)[:, 2:4].zero_()
 
