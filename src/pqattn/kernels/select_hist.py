@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
+from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _probe, _sum_min_max, _write_lut
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
@@ -209,12 +210,15 @@ def _pq_cut_kernel(
     P: tl.constexpr,
     DSUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // H
     h = row % H
     kvh = h // G
     words = ws_ptr + words_off + row * _ROW_WORDS
+    wait_prior(PDL)
+    release_next(PDL)  # the scan's programs start and load their codes while this launch runs
     # the scan's slot counters of this row start at zero (the scan runs after this launch)
     tl.store(words + 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
     n = tl.load(len_ptr + b).to(tl.int32)
@@ -278,6 +282,7 @@ def _pq_scan_kernel(
     HAS_W: tl.constexpr,
     CONSUME_HIST: tl.constexpr,
     TILE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     grp = tl.program_id(0)  # b * Hkv + kvh
     tile = tl.program_id(1)
@@ -288,6 +293,20 @@ def _pq_scan_kernel(
     lane = tl.arange(0, TILE)
     offs = tile * TILE + lane
     one = tl.full([TILE], 1.0, tl.float32)
+    hi, need = _need(n, heavy, window, cand_lo)
+    tile_has = (
+        (n > short_threshold)
+        & (need > 0)
+        & (tl.minimum(hi, tile * TILE + TILE) > tl.maximum(cand_lo, tile * TILE))
+    )
+    # (a block & a scalar bool would be int32 under Triton 3.9's interpreter)
+    cand = (offs >= cand_lo) & (offs < tl.where(tile_has, hi, cand_lo))
+    codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
+    # The codes and lengths are loaded before the wait: the cut launch, the one before this,
+    # writes neither (pqattn.kernels.pdl), so under PDL these loads overlap the cut.
+    code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
+    wait_prior(PDL)
+    release_next(PDL)
     if n <= short_threshold:  # short sequence: every token, as in pqattn.kernels.select
         for gi in range(G):
             hh = kvh * G + gi
@@ -306,15 +325,9 @@ def _pq_scan_kernel(
                     mask=offs < n_weights,
                 )
     else:
-        hi, need = _need(n, heavy, window, cand_lo)
         n_sink = tl.minimum(sink, n)
         win_lo = tl.maximum(hi, n_sink)
         n_win = n - win_lo
-        tile_has = (need > 0) & (tl.minimum(hi, tile * TILE + TILE) > tl.maximum(cand_lo, tile * TILE))
-        # (a block & a scalar bool would be int32 under Triton 3.9's interpreter)
-        cand = (offs >= cand_lo) & (offs < tl.where(tile_has, hi, cand_lo))
-        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
         keep = (offs < n_sink) | ((offs >= win_lo) & (offs < n))
         # The group's query heads side by side ([GP, TILE]): their slot atomics go out together
         # instead of one round trip after another.
@@ -510,7 +523,15 @@ def pq_select_hist(
             lut_off,
             words_off,
         ),
-        dict(M=M, C=C, P=C**M, DSUB=dsub, BLOCK_D=min(dsub, 64), num_warps=CUT_WARPS),
+        dict(
+            M=M,
+            C=C,
+            P=C**M,
+            DSUB=dsub,
+            BLOCK_D=min(dsub, 64),
+            num_warps=CUT_WARPS,
+            **pdl_meta(q.device, early=False),
+        ),
     )
     w = weights if weights is not None else counts
     n_tok = max(n_tokens, 1)
@@ -536,7 +557,9 @@ def pq_select_hist(
         n_bucket,
     )
     GP = 1 << (G - 1).bit_length()
-    meta = dict(M=M, C=C, P=C**M, GP=GP, HAS_W=weights is not None, CONSUME_HIST=consume)
+    meta = dict(
+        M=M, C=C, P=C**M, GP=GP, HAS_W=weights is not None, CONSUME_HIST=consume, **pdl_meta(q.device)
+    )
     if config is None:
         key = (n_bucket, GP, M, C, weights is not None, consume)
         _pq_scan_tuned(key, lambda m: (B * Hkv, -(-n_tok // m["TILE"])), tensors, scalars, meta)
