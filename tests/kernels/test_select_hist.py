@@ -18,6 +18,7 @@ from pqattn.kernels.launch import recording
 from pqattn.kernels.select import workspace_numel as tree_workspace_numel
 from pqattn.kernels.select_hist import (
     MAX_COMBOS,
+    ROW_WORDS,
     SCAN_CONFIGS,
     count_combos,
     pq_select_hist,
@@ -238,7 +239,7 @@ def test_routing_and_workspace() -> None:
 
 
 def test_large_shapes_on_gpu(device: torch.device) -> None:
-    """Compiled, autotuned: long rows, heavy above the merge tree's limit, GQA 4, ragged."""
+    """Compiled: long rows, heavy above the merge tree's limit, GQA 4, ragged."""
     if device.type != "cuda":
         pytest.skip("large shapes run compiled on the GPU")
     for maintained in (False, True):
@@ -278,11 +279,11 @@ def test_index_keeps_its_histogram(kernel_routes, device: torch.device) -> None:
         assert_index_selection(index, index.select(q), q)
 
 
-def test_the_scan_runs_again_after_its_autotune_hook(device: torch.device, monkeypatch) -> None:
-    """The autotuner times the scan launch several times after one cut launch: its hook zeroes
-    the slot counters as the cut launch does, so every trial writes a correct selection (which of
-    the tied tokens at the cut: the order of the tiles' atomics). A scan run again without it
-    writes nothing outside its rows (slots stop at k)."""
+def test_the_scan_runs_again_on_zeroed_counters(device: torch.device, monkeypatch) -> None:
+    """The scan launch run again after one cut launch, its slot counters zeroed as the cut launch
+    zeroes them, writes a correct selection (which of the tied tokens at the cut: the order of the
+    tiles' atomics). Run again without zeroing, it writes nothing outside its rows (slots stop at
+    k)."""
     import pqattn.kernels.select_hist as select_hist
 
     B, H, Hkv, N, D, M, C = 1, 4, 2, 3000, 32, 2, 8
@@ -304,7 +305,7 @@ def test_the_scan_runs_again_after_its_autotune_hook(device: torch.device, monke
     assert (ws[words_off:].view(B * H, -1)[:, 2] > 0).all(), "the scan counted in the slot counters"
 
     def hook_only(*args) -> None:
-        select_hist._zero_slots({"ws_ptr": ws, "words_off": words_off, "pos_ptr": pos, "H": H})
+        ws[words_off:].view(B * H, ROW_WORDS)[:, 2:4].zero_()
 
     monkeypatch.setattr(select_hist, "count_combos", lambda *a, **k: None)
     monkeypatch.setattr(select_hist, "_pq_cut_launch", hook_only)

@@ -7,11 +7,10 @@ The public, validated entry points are in `pqattn.ops`; each kernel's fuzz check
 
 def autotuners() -> dict:
     """The autotuned launchers by kernel name (their `best_config` is the config of the last call)."""
-    from pqattn.kernels import attention, decode, select, select_hist
+    from pqattn.kernels import attention, decode, select
 
     return {
         "flash_forward": attention._flash_forward_autotuned,
         "pq_select": select._pq_select_autotuned,
-        "pq_select_hist": select_hist._pq_scan_autotuned,
         "sparse_decode": decode._sparse_decode_autotuned,
     }

@@ -20,7 +20,7 @@ and the tokens need a single pass that compares, with no search:
 No host sync and no allocation: the workspace is zeroed once; the cut launch zeroes its rows' slot
 counters before the scan counts in them, and the scan's first tile of a (sequence, KV head) zeroes
 the histogram that the cut launch consumed, so the pair can run again as it is (CUDA graph
-replays). The scan alone cannot: the autotuner's trials zero the counters first (`_zero_slots`).
+replays). The scan alone cannot: its slot counters must be zeroed first.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
+from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _probe, _sum_min_max, _write_lut
 
@@ -37,10 +37,16 @@ MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registe
 ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
 _ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)
 
-# The scan's autotune space: tokens per program and warps. Every config is exercised by the tests
-# and by `pqattn check`. Small tiles: a program's chain of dependent loads and atomics, not its
-# bandwidth, sets the scan's time, so more programs in flight win (H200, B1 N128K H32/8: 20.3 us
-# at 256 tokens and 2 warps, 25.6 at 1024 and 4, 31.7 at 2048 and 8).
+# The scan's configs: tokens per program and warps. Every config is exercised by the tests and by
+# `pqattn check`. The first is the one that runs unless a call forces another (`config=`): it was
+# the fastest, or within 0.2 us of it, at every shape measured (H200, graph replay, scan launched
+# under PDL: `PQIndex.select` at the original's shape 13.7 us against 14.4 at 512/4 and 14.8 at
+# 1024/4; B=1 N=512K 73.5 against 78.9 and 88.9; B=8 N=512K 519 against 562 and 646; B=32
+# N=128K 566 against 606 and 678; B=1 N=32K 14.0 against 13.8 and 14.8): a program's chain of
+# dependent loads and atomics, not its bandwidth, sets the scan's time, so more programs in
+# flight win. It is not autotuned: the autotuner timed the scan alone, after zeroing its
+# counters and without the cut whose run its code loads overlap, and picked 1024/4 at the
+# original's shape.
 SCAN_CONFIGS = [
     triton.Config({"TILE": tile}, num_warps=warps) for tile, warps in ((256, 2), (512, 4), (1024, 4))
 ]
@@ -274,7 +280,6 @@ def _pq_scan_kernel(
     code_base,
     lut_off,
     words_off,
-    n_bucket,  # autotune key only: the power of two above the token axis
     M: tl.constexpr,
     C: tl.constexpr,
     P: tl.constexpr,
@@ -401,18 +406,6 @@ def _pq_scan_kernel(
                     tl.store(hist_ptr + grp.to(tl.int64) * P + o, tl.zeros([TILE], tl.int32), mask=o < P)
 
 
-def _zero_slots(nargs: dict, reset_only: bool = False) -> None:
-    """The autotuner's hook before each trial of the scan alone: the slot counters start at zero,
-    as the cut launch leaves them. (`reset_only`: the autotuner passes it before the call that
-    follows its trials; that call needs the counters zeroed too.)"""
-    off, rows = nargs["words_off"], nargs["pos_ptr"].shape[0] * nargs["H"]
-    nargs["ws_ptr"][off : off + rows * ROW_WORDS].view(rows, ROW_WORDS)[:, 2:4].zero_()
-
-
-_pq_scan_autotuned = triton.autotune(
-    configs=SCAN_CONFIGS, key=["n_bucket", "GP", "M", "P", "HAS_W", "CONSUME_HIST"], pre_hook=_zero_slots
-)(_pq_scan_kernel)
-_pq_scan_tuned = TunedLauncher(_pq_scan_autotuned)
 _pq_scan_launch = Launcher(_pq_scan_kernel)
 _pq_cut_launch = Launcher(_pq_cut_kernel)
 _pq_histogram_launch = Launcher(_pq_histogram_kernel)
@@ -472,8 +465,7 @@ def pq_select_hist(
     histogram: [B, Hkv, C**M] int32 counts of the candidate tokens [cand_lo, n - window) per
     combination for the current lengths (PQIndex keeps one); None counts them into the workspace
     first (one more launch). workspace: int32, zero-filled once, workspace_numel(B * H, M, C)
-    elements. `config` forces one of SCAN_CONFIGS (by default the autotuner picks; the first when
-    not `autotuning()`).
+    elements. `config`: one of SCAN_CONFIGS for the scan (by default the first).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -489,7 +481,7 @@ def pq_select_hist(
         )
     if config is not None and config not in SCAN_CONFIGS:
         raise ValueError("config: expected one of SCAN_CONFIGS")
-    if config is None and not autotuning():
+    if config is None:
         config = SCAN_CONFIGS[0]
     G = H // Hkv
     consume = histogram is None
@@ -535,7 +527,6 @@ def pq_select_hist(
     )
     w = weights if weights is not None else counts
     n_tok = max(n_tokens, 1)
-    n_bucket = 1 << (n_tok - 1).bit_length()
     tensors = (codes, lengths, histogram, workspace, positions, counts, w)
     scalars = (
         *codes.stride(),
@@ -554,15 +545,10 @@ def pq_select_hist(
         code_base,
         lut_off,
         words_off,
-        n_bucket,
     )
     GP = 1 << (G - 1).bit_length()
     meta = dict(
         M=M, C=C, P=C**M, GP=GP, HAS_W=weights is not None, CONSUME_HIST=consume, **pdl_meta(q.device)
     )
-    if config is None:
-        key = (n_bucket, GP, M, C, weights is not None, consume)
-        _pq_scan_tuned(key, lambda m: (B * Hkv, -(-n_tok // m["TILE"])), tensors, scalars, meta)
-    else:
-        grid = (B * Hkv, -(-n_tok // config.kwargs["TILE"]))
-        _pq_scan_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})
+    grid = (B * Hkv, -(-n_tok // config.kwargs["TILE"]))
+    _pq_scan_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})
