@@ -339,3 +339,39 @@ def test_a_call_without_a_histogram_takes_the_cheaper_kernel(heavy: int, kernel_
         sel = index.select(q)
     assert [r.launcher.fn.__name__ for r in rec.launches] == ["_pq_cut_kernel", "_pq_scan_kernel"]
     assert_index_selection(index, sel, q)
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (4, 2), (8, 1)])
+def test_the_scan_config_follows_the_group_size(H: int, Hkv: int, monkeypatch) -> None:
+    """Without a forced config the scan runs scan_config(G): 256 tokens and 2 warps for G = 1,
+    128 tokens and 1 warp with GQA. Launches intercepted, not run."""
+    from pqattn.kernels import launch, select_hist
+
+    launched = {}
+    monkeypatch.setattr(
+        launch.Launcher, "__call__", lambda self, *a: launched.setdefault(self.fn.__name__, a)
+    )
+    B, N, M, C = 1, 64, 2, 4
+    pq_select_hist(
+        torch.randn(B, H, 16),
+        torch.randn(B, Hkv, M, C, 8),
+        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
+        torch.full((B,), N, dtype=torch.int32),
+        sink=2,
+        window=2,
+        heavy=8,
+        cand_lo=2,
+        short_threshold=12,
+        width=12,
+        positions=torch.empty(B, H, 12, dtype=torch.int32),
+        counts=torch.empty(B, H, dtype=torch.int32),
+        workspace=torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32),
+        n_tokens=N,
+        histogram=torch.zeros(B, Hkv, C**M, dtype=torch.int32),
+    )
+    grid, _, _, kwargs = launched["_pq_scan_kernel"]
+    group = H // Hkv
+    want = (128, 1) if group > 1 else (256, 2)
+    assert (kwargs["TILE"], kwargs["num_warps"]) == want
+    assert grid == (B * Hkv, -(-N // want[0]))
+    assert select_hist.scan_config(H // Hkv) in SCAN_CONFIGS

@@ -38,18 +38,29 @@ ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut k
 _ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)
 
 # The scan's configs: tokens per program and warps. Every config is exercised by the tests and by
-# `pqattn check`. The first is the one that runs unless a call forces another (`config=`): it was
-# the fastest, or within 0.2 us of it, at every shape measured (H200, graph replay, scan launched
-# under PDL: `PQIndex.select` at the original's shape 13.7 us against 14.4 at 512/4 and 14.8 at
-# 1024/4; B=1 N=512K 73.5 against 78.9 and 88.9; B=8 N=512K 519 against 562 and 646; B=32
-# N=128K 566 against 606 and 678; B=1 N=32K 14.0 against 13.8 and 14.8): a program's chain of
-# dependent loads and atomics, not its bandwidth, sets the scan's time, so more programs in
-# flight win. It is not autotuned: the autotuner timed the scan alone, after zeroing its
-# counters and without the cut whose run its code loads overlap, and picked 1024/4 at the
-# original's shape.
+# `pqattn check`. A call that forces none runs `scan_config(G)`: a program's chain of dependent
+# loads, a slot atomic and stores, not its bandwidth, sets the scan's time, so what counts is how
+# many tokens are in flight. With G = 1 a program needs about 40 registers per thread and the
+# limit of 32 programs per SM binds: 256 tokens and 2 warps. With G >= 2 a program holds G rows
+# ([GP, TILE] tiles, about 90 registers per thread) and registers bind: one-warp programs of 128
+# tokens keep as many tokens in flight and their rank scans and sums stay inside a warp.
+# Measured on the H200 (graph replay, scan under PDL), 128/1 against 256/2: `PQIndex.select`
+# B=8 N=512K 466 vs 519 us, B=1 N=512K 67.7 vs 73.6, B=1 N=32K 13.9 vs 14.0, the decode step
+# B=8 N=32K 93.5 vs 97.2, B=1 N=128K 42.9 vs 41.6 (the one shape where it lost); at the
+# original's shape (G = 1) 17.2 vs 13.7. 512/4 and 1024/4 were slower everywhere (original: 14.4
+# and 14.8). The scan is not autotuned: the autotuner timed it alone, after zeroing its counters
+# and without the cut whose run its code loads overlap, and picked 1024/4 at the original's shape.
 SCAN_CONFIGS = [
-    triton.Config({"TILE": tile}, num_warps=warps) for tile, warps in ((256, 2), (512, 4), (1024, 4))
+    triton.Config({"TILE": tile}, num_warps=warps)
+    for tile, warps in ((256, 2), (128, 1), (512, 4), (1024, 4))
 ]
+
+
+def scan_config(G: int) -> triton.Config:
+    """The scan's config for G query heads per KV head (see SCAN_CONFIGS)."""
+    return SCAN_CONFIGS[1] if G > 1 else SCAN_CONFIGS[0]
+
+
 HIST_TILE = 2048
 CUT_WARPS = 4
 
@@ -465,7 +476,7 @@ def pq_select_hist(
     histogram: [B, Hkv, C**M] int32 counts of the candidate tokens [cand_lo, n - window) per
     combination for the current lengths (PQIndex keeps one); None counts them into the workspace
     first (one more launch). workspace: int32, zero-filled once, workspace_numel(B * H, M, C)
-    elements. `config`: one of SCAN_CONFIGS for the scan (by default the first).
+    elements. `config`: one of SCAN_CONFIGS for the scan (by default `scan_config(G)`).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -481,9 +492,9 @@ def pq_select_hist(
         )
     if config is not None and config not in SCAN_CONFIGS:
         raise ValueError("config: expected one of SCAN_CONFIGS")
-    if config is None:
-        config = SCAN_CONFIGS[0]
     G = H // Hkv
+    if config is None:
+        config = scan_config(G)
     consume = histogram is None
     if consume:
         histogram = workspace  # its histogram region opens it
