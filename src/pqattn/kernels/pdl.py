@@ -19,11 +19,11 @@ The contract of a kernel compiled with the `PDL` constexpr:
   the cut never writes, so those loads overlap the cut.
 
 Only the scan is launched early. Measured on the H200 (graph replay, with and without PDL in the
-same run): `PQIndex.select` at B=1 N=32K H=32 Hkv=8, 14.7-15.1 -> 14.0 us; the decode suite's
-step (select + attention) 20.3 -> 20.1, 42.8 -> 41.8 and 99.1 -> 97.5 us at its three shapes.
-Launching the cut early as well made a loop of selections slower, 19.7 us (with only the scan ->
-next cut edge early it was 14.4); launching the attention and the encoding early moved no timing
-by more than 0.4 us either way, so they are launched as before.
+same run): `PQIndex.select` at the original's shape (B=1, N=32000, H=Hkv=32), 14.7-15.1 ->
+14.0 us; the decode suite's step (select + attention) 20.3 -> 20.1, 42.8 -> 41.8 and 99.1 ->
+97.5 us at its three shapes. Launching the cut early as well made a loop of selections slower,
+19.7 us (with only the scan -> next cut edge early it was 14.4); launching the attention and the
+encoding early moved no timing by more than 0.4 us either way, so they are launched as before.
 """
 
 from __future__ import annotations
