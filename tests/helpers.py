@@ -90,3 +90,33 @@ def count_plan_replays(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(Plan, "__call__", counted)
     return replays
+
+
+def select_hist_launches(monkeypatch, H: int, Hkv: int) -> dict[str, tuple]:
+    """The launches pq_select_hist makes on a tiny CPU input (B = 1, N = 64), intercepted, not run:
+    kernel name -> (grid, tensors, scalars, kwargs)."""
+    from pqattn.kernels import launch, select_hist
+
+    launched: dict[str, tuple] = {}
+    monkeypatch.setattr(
+        launch.Launcher, "__call__", lambda self, *a: launched.setdefault(self.fn.__name__, a)
+    )
+    B, N, M, C = 1, 64, 2, 4
+    select_hist.pq_select_hist(
+        torch.randn(B, H, 16),
+        torch.randn(B, Hkv, M, C, 8),
+        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
+        torch.full((B,), N, dtype=torch.int32),
+        sink=2,
+        window=2,
+        heavy=8,
+        cand_lo=2,
+        short_threshold=12,
+        width=12,
+        positions=torch.empty(B, H, 12, dtype=torch.int32),
+        counts=torch.empty(B, H, dtype=torch.int32),
+        workspace=torch.zeros(select_hist.workspace_numel(B * H, M, C), dtype=torch.int32),
+        n_tokens=N,
+        histogram=torch.zeros(B, Hkv, C**M, dtype=torch.int32),
+    )
+    return launched

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pqattn.kernels import pdl
+from tests.helpers import select_hist_launches
 
 # Compiles the cut and scan kernels with PDL=True (and False) for sm_90 and reports, per kernel,
 # the griddepcontrol instructions and the global memory instructions ahead of the wait.
@@ -106,33 +107,9 @@ def test_pdl_meta_asks_for_pdl_only_where_it_runs(monkeypatch: pytest.MonkeyPatc
 def test_only_the_scan_is_launched_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cut releases the scan but starts as any launch does (launching it early too made loops
     of selections slower); the scan asks to start early. Launches recorded, not run."""
-    from pqattn.kernels import launch, select_hist
-
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
     monkeypatch.setattr(pdl, "_supported", lambda device: True)
-    launched = {}
-    monkeypatch.setattr(
-        launch.Launcher, "__call__", lambda self, *a: launched.setdefault(self.fn.__name__, a[3])
-    )
-    B, H, Hkv, N, M, C = 1, 4, 2, 64, 2, 4
-    select_hist.pq_select_hist(
-        torch.randn(B, H, 16),
-        torch.randn(B, Hkv, M, C, 8),
-        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
-        torch.full((B,), N, dtype=torch.int32),
-        sink=2,
-        window=2,
-        heavy=8,
-        cand_lo=2,
-        short_threshold=12,
-        width=12,
-        positions=torch.empty(B, H, 12, dtype=torch.int32),
-        counts=torch.empty(B, H, dtype=torch.int32),
-        workspace=torch.zeros(select_hist.workspace_numel(B * H, M, C), dtype=torch.int32),
-        n_tokens=N,
-        histogram=torch.zeros(B, Hkv, C**M, dtype=torch.int32),
-        config=select_hist.SCAN_CONFIGS[0],
-    )
-    cut, scan = launched["_pq_cut_kernel"], launched["_pq_scan_kernel"]
+    launched = select_hist_launches(monkeypatch, 4, 2)
+    cut, scan = launched["_pq_cut_kernel"][3], launched["_pq_scan_kernel"][3]
     assert (cut["PDL"], cut["launch_pdl"]) == (True, False)
     assert (scan["PDL"], scan["launch_pdl"]) == (True, True)

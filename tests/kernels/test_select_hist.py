@@ -25,7 +25,7 @@ from pqattn.kernels.select_hist import (
     workspace_layout,
     workspace_numel,
 )
-from tests.helpers import assert_index_selection, assert_selection_exact
+from tests.helpers import assert_index_selection, assert_selection_exact, select_hist_launches
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SCAN_CONFIGS]
 
@@ -345,33 +345,11 @@ def test_a_call_without_a_histogram_takes_the_cheaper_kernel(heavy: int, kernel_
 def test_the_scan_config_follows_the_group_size(H: int, Hkv: int, monkeypatch) -> None:
     """Without a forced config the scan runs scan_config(G): 256 tokens and 2 warps for G = 1,
     128 tokens and 1 warp with GQA. Launches intercepted, not run."""
-    from pqattn.kernels import launch, select_hist
+    from pqattn.kernels import select_hist
 
-    launched = {}
-    monkeypatch.setattr(
-        launch.Launcher, "__call__", lambda self, *a: launched.setdefault(self.fn.__name__, a)
-    )
-    B, N, M, C = 1, 64, 2, 4
-    pq_select_hist(
-        torch.randn(B, H, 16),
-        torch.randn(B, Hkv, M, C, 8),
-        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
-        torch.full((B,), N, dtype=torch.int32),
-        sink=2,
-        window=2,
-        heavy=8,
-        cand_lo=2,
-        short_threshold=12,
-        width=12,
-        positions=torch.empty(B, H, 12, dtype=torch.int32),
-        counts=torch.empty(B, H, dtype=torch.int32),
-        workspace=torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32),
-        n_tokens=N,
-        histogram=torch.zeros(B, Hkv, C**M, dtype=torch.int32),
-    )
-    grid, _, _, kwargs = launched["_pq_scan_kernel"]
+    grid, _, _, kwargs = select_hist_launches(monkeypatch, H, Hkv)["_pq_scan_kernel"]
     group = H // Hkv
     want = (128, 1) if group > 1 else (256, 2)
     assert (kwargs["TILE"], kwargs["num_warps"]) == want
-    assert grid == (B * Hkv, -(-N // want[0]))
+    assert grid == (Hkv, -(-64 // want[0]))  # B = 1, N = 64 tokens
     assert select_hist.scan_config(H // Hkv) in SCAN_CONFIGS
