@@ -236,7 +236,8 @@ def _pq_cut_kernel(
     words = ws_ptr + words_off + row * _ROW_WORDS
     wait_prior(PDL)
     release_next(PDL)  # the scan's programs start and load their codes while this launch runs
-    # the scan's slot counters of this row start at zero (the scan runs after this launch)
+    # the scan's slot counters of this row start at zero (under PDL the scan's programs start
+    # during this launch, but count only after their wait for its end)
     tl.store(words + 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
     n = tl.load(len_ptr + b).to(tl.int32)
     if n > short_threshold:
