@@ -9,8 +9,8 @@ Every (b, kv-head, sub-vector m) is a k-means group g = (b * Hkv + kvh) * M + m.
          centre and its squared distance (the codes, straight into the [B, Hkv, N, M] uint8
          layout, are written by the last launch only);
       2. per-centre sums (the one-hot matrix's transposed product with the points), counts and
-         ip coordinate sums (its product with a few extra columns), the objective, written as
-         this program's partial;
+         ip coordinate sums (its product with a few extra columns, which narrow sub-vectors
+         carry in the points' own zero padding), the objective, written as this program's partial;
       3. the group's last program to finish (an acq_rel counter, as in the decode kernel's split
          combine) sums the P partials in program order, computes the new centres, reseeds empty
          clusters (the farthest points first, like the reference) and the early-stop flag.
@@ -39,9 +39,11 @@ from pqattn.kernels.launch import Launcher, interpreted
 from pqattn.reference import pq as ref
 
 # The tuning space: points per step, warps, pipeline depth of the point loads. Every config is
-# exercised by the tests. `default_config` picks per C (measured on the H200, 10-iteration builds):
-# C <= 64 runs 8 warps (N32K M2 C64: 768 us against 828 at 4 warps; N8K: 282 against 423), C = 256
-# runs 4 warps (N32K M4 C256: 3.9 ms against 5.4 at 8 warps). float32 keys take twice the shared
+# exercised by the tests. `default_config` picks by sub-vector width (H200, 10-iteration builds,
+# N = 32K unless said): d >= 64 runs 8 warps (M=2, C=64: 762 us against 822 at 4 warps, N=8K 277
+# against 413; M=2, C=256: 5.1 ms against 12.1; M=2, C=128: 1.27 ms against 1.39), narrower
+# sub-vectors 4 warps (M=4, C=256: 3.79 ms against 3.83, 14.3 against 14.7 at N=128K; M=8, C=64:
+# 1.44 ms against 1.54; M=16, C=256: 10.1 ms against 11.3). float32 keys take twice the shared
 # memory per stage (tf32x3 operands): they run unpipelined, as three stages of [128, 64] float32
 # points exceed the 227 KB of an H100/H200 SM.
 KMEANS_CONFIGS = [
@@ -49,8 +51,9 @@ KMEANS_CONFIGS = [
 ]
 
 
-def default_config(C: int) -> triton.Config:
-    return KMEANS_CONFIGS[0] if C <= 64 else KMEANS_CONFIGS[1]
+def default_config(d: int) -> triton.Config:
+    """The config for sub-vectors of d dimensions (see KMEANS_CONFIGS)."""
+    return KMEANS_CONFIGS[0] if d >= 64 else KMEANS_CONFIGS[1]
 
 
 # How many tokens one pass of the empty-cluster search reads.
@@ -219,6 +222,7 @@ def _lloyd_step_kernel(
     BD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RB: tl.constexpr,
+    FOLD: tl.constexpr,  # d + 4 <= BD: counts and ip sums in the point tile's padding columns
 ):
     EXT: tl.constexpr = 16
     p = tl.program_id(0)
@@ -257,9 +261,11 @@ def _lloyd_step_kernel(
                 c2 = c2.to(dt)
                 c3 = c3.to(dt)
         sums = tl.zeros([CP, BD], dtype=tl.float32)
-        # Per-centre counts and ip coordinate sums come out of one more tensor-core product, the
-        # one-hot matrix's with EXT columns [1, a1, a2, a3, 0...] (a split into parts of the
-        # product's dtype, exact in float32 accumulation), instead of reductions over the tile.
+        # Per-centre counts and ip coordinate sums come out of a tensor-core product too, the
+        # one-hot matrix's with the columns [1, a1, a2, a3] (a split into parts of the product's
+        # dtype, exact in float32 accumulation) instead of reductions over the tile. FOLD: they
+        # are the point tile's zero padding columns d..d+3, so the centre sums' product yields
+        # them; else a product with EXT more columns.
         ext = tl.zeros([CP, EXT], dtype=tl.float32)
         col = tl.arange(0, EXT)
         obj = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -297,23 +303,18 @@ def _lloyd_step_kernel(
             obj += dist
             if UPDATE:
                 onehot = tl.where((best[:, None] == cc[None, :]) & valid[:, None], 1.0, 0.0)
+                if FOLD:
+                    x = tl.where(dd[None, :] < d, x, _extra_columns(a, dd - d, IP, SPLITS, dt))
                 if SPLITS == 0:
                     sums += tl.dot(tl.trans(onehot), x, input_precision="tf32x3")
-                    e = tl.where(col[None, :] == 0, 1.0, tl.where(col[None, :] == 1, a[:, None], 0.0))
-                    ext += tl.dot(tl.trans(onehot), e, input_precision="tf32x3")
+                    if not FOLD:
+                        e = _extra_columns(a, col, IP, SPLITS, dt)
+                        ext += tl.dot(tl.trans(onehot), e, input_precision="tf32x3")
                 else:
                     onehot = tl.trans(onehot.to(dt))
                     sums = tl.dot(onehot, x, sums)
-                    e = tl.where(col[None, :] == 0, tl.full([BLOCK_N, EXT], 1.0, dt), 0.0).to(dt)
-                    if IP:
-                        a1 = a.to(dt)
-                        a_rest = a - a1.to(tl.float32)
-                        a2 = a_rest.to(dt)
-                        a3 = (a_rest - a2.to(tl.float32)).to(dt)
-                        e = tl.where(col[None, :] == 1, a1[:, None], e)
-                        e = tl.where(col[None, :] == 2, a2[:, None], e)
-                        e = tl.where(col[None, :] == 3, a3[:, None], e)
-                    ext = tl.dot(onehot, e, ext)
+                    if not FOLD:
+                        ext = tl.dot(onehot, _extra_columns(a, col, IP, SPLITS, dt), ext)
             else:
                 code_at = (
                     code_ptr
@@ -329,8 +330,14 @@ def _lloyd_step_kernel(
         tl.store(part + CP * BD + 2 * CP, tl.sum(obj, axis=0))
         if UPDATE:
             tl.store(part + cc[:, None] * BD + dd[None, :], sums)
-            tl.store(part + CP * BD + cc, tl.sum(tl.where(col[None, :] == 0, ext, 0.0), axis=1))
-            tl.store(part + CP * BD + CP + cc, tl.sum(tl.where(col[None, :] > 0, ext, 0.0), axis=1))
+            if FOLD:
+                counts = tl.sum(tl.where(dd[None, :] == d, sums, 0.0), axis=1)
+                augs = tl.sum(tl.where(dd[None, :] > d, sums, 0.0), axis=1)
+            else:
+                counts = tl.sum(tl.where(col[None, :] == 0, ext, 0.0), axis=1)
+                augs = tl.sum(tl.where(col[None, :] > 0, ext, 0.0), axis=1)
+            tl.store(part + CP * BD + cc, counts)
+            tl.store(part + CP * BD + CP + cc, augs)
         tl.debug_barrier()  # every thread's partial and distance stores precede the release
         arrived = tl.atomic_add(ctl_ptr + g, 1, sem="acq_rel")
         if arrived == n_prog - 1:  # the group's last program combines and updates
@@ -350,7 +357,7 @@ def _lloyd_step_kernel(
             if UPDATE:
                 if tl.load(ctl_ptr + G + g) != 0:  # active: apply the update
                     inv = 1.0 / tl.maximum(counts, 1.0)
-                    new_c = sums * inv[:, None]
+                    new_c = tl.where(dd[None, :] < d, sums * inv[:, None], 0.0)  # (FOLD's columns)
                     new_aug = augs * inv
                     empty = (counts == 0) & (cc < tl.where(nv > 0, C, 0))
                     n_empty = tl.sum(empty.to(tl.int32), axis=0)
@@ -369,6 +376,25 @@ def _lloyd_step_kernel(
                     tl.store(ctl_ptr + 3 * G + g, tl.load(ctl_ptr + 3 * G + g) + 1)
                 else:
                     tl.store(ctl_ptr + 2 * G + g, 0)
+
+
+@triton.jit
+def _extra_columns(a, col, IP: tl.constexpr, SPLITS: tl.constexpr, dt: tl.constexpr):
+    """[BLOCK_N, len(col)] in the product's dtype: 1 at col == 0, the ip coordinate a at col 1
+    (tf32x3: one column) or its parts in dt at col 1..3, 0 elsewhere."""
+    e = tl.broadcast_to(tl.where(col[None, :] == 0, 1.0, 0.0), (a.shape[0], col.shape[0]))
+    if IP:
+        if SPLITS == 0:
+            e = tl.where(col[None, :] == 1, a[:, None], e)
+        else:
+            a1 = a.to(dt)
+            a_rest = a - a1.to(tl.float32)
+            a2 = a_rest.to(dt)
+            a3 = (a_rest - a2.to(tl.float32)).to(dt)
+            e = tl.where(col[None, :] == 1, a1.to(tl.float32)[:, None], e)
+            e = tl.where(col[None, :] == 2, a2.to(tl.float32)[:, None], e)
+            e = tl.where(col[None, :] == 3, a3.to(tl.float32)[:, None], e)
+    return e.to(dt)
 
 
 @triton.jit
@@ -410,16 +436,16 @@ def _reseed_empty(
 _lloyd_step_launch = Launcher(_lloyd_step_kernel)
 
 
-def _point_blocks(cap: int, CP: int, BD: int) -> tuple[int, int]:
+def _point_blocks(cap: int, CP: int, BD: int, warps: int) -> tuple[int, int]:
     """Points per step of the update launches and of the last (codes) launch, at most `cap`.
 
     A program holds the [block, CP] distances in registers, and in the update launches the
     [CP, BD] centre sums too: at C = 256 a fixed 128-point step spills. The update launches take
-    the larger of 8192 / CP points and what fits 20480 elements of both tiles (M=16, C=256: 64
-    points, 1.12 ms a step against 1.37 ms at 32; M=4, C=256: 32, 364 us against 442 at 64), the
-    last launch 16384 / CP (M=4, C=256: 149 us against 215 at 32). H200, 4 warps.
+    the larger of 8192 / CP points and what fits 5120 elements a warp of both tiles (4 warps: M=16,
+    C=256: 64 points, 1.12 ms a step against 1.37 ms at 32; M=4, C=256: 32, 364 us against 442
+    at 64), the last launch 16384 / CP (M=4, C=256: 149 us against 215 at 32). H200.
     """
-    fits = max(1, (20480 - CP * BD) // CP)
+    fits = max(1, (5120 * warps - CP * BD) // CP)
     block = min(cap, max(16, 8192 // CP, 1 << (fits.bit_length() - 1)))
     return block, max(block, min(cap, max(16, 16384 // CP)))
 
@@ -481,8 +507,8 @@ def build_pq(
     dev, ip = keys.device, metric == "ip"
     lengths = lengths.to(device=dev, dtype=torch.int64)
     CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
-    config = config or default_config(C)
-    block, last_block = _point_blocks(config.kwargs["BLOCK_N"], CP, BD)
+    config = config or default_config(d)
+    block, last_block = _point_blocks(config.kwargs["BLOCK_N"], CP, BD, config.num_warps)
     geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
 
     f32 = dict(dtype=torch.float32, device=dev)
@@ -496,7 +522,7 @@ def build_pq(
     hist = torch.empty(iters + 1, G, **f32)
     meta = dict(
         IP=ip, SPLITS=_splits(keys.dtype), UPCAST=interpreted() and keys.dtype == torch.bfloat16,
-        CP=CP, BD=BD, BLOCK_N=block, RB=RESEED_BLOCK,
+        CP=CP, BD=BD, BLOCK_N=block, RB=RESEED_BLOCK, FOLD=d + 4 <= BD,
         num_warps=config.num_warps, num_stages=config.num_stages if keys.element_size() < 4 else 1,
     )  # fmt: skip
     strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
