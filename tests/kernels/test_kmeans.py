@@ -6,11 +6,14 @@ centres, codes (up to float32 near-ties), iteration count and phi, against a flo
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import triton
 
 import pqattn
+from pqattn.kernels import kmeans
 from pqattn.kernels.kmeans import KMEANS_CONFIGS, build_pq
 from pqattn.reference import pq as ref_pq
 from tests.helpers import assert_close
@@ -121,6 +124,36 @@ def test_build_matches_the_reference(D: int, M: int, bits: int, N: int, metric: 
     got = build_pq(keys, lengths, **kw)
     want = ref_pq.build_pq(keys.nan_to_num().double(), lengths, **kw)
     _assert_same_build(got, want, lengths, 3)
+
+
+def test_a_build_whose_tiles_fit_no_config_runs_the_reference(monkeypatch, device) -> None:
+    """When no step config fits the GPU's shared memory, build_pq says so and builds with the
+    reference, in its own output contract (NaN past the lengths ignored, iters + 1 rounds)."""
+    monkeypatch.setattr(kmeans, "_fit", lambda *args, **kwargs: None)
+    kw = dict(subvectors=2, bits=4, metric="ip", init_offset=3, iters=4, tol=0.0, seed=5)
+    keys, lengths = _clear_keys(device, 2, 2, 300, 32, torch.float32, [300, 153], kw)
+    with pytest.warns(UserWarning, match="shared memory"):
+        got = build_pq(keys, lengths, **kw)
+    _assert_same_build(got, ref_pq.build_pq(keys.nan_to_num().double(), lengths, **kw), lengths, 3)
+
+
+@pytest.mark.parametrize(
+    "D, M, bits, dtype, fits",
+    [(128, 1, 6, torch.float32, True), (256, 2, 7, torch.bfloat16, True), (256, 1, 8, torch.bfloat16, False)],
+    ids=["d128-C64-fp32", "d128-C128-bf16", "d256-C256-bf16"],
+)
+def test_wide_subvectors_fit_the_shared_memory_or_run_the_reference(D, M, bits, dtype, fits, device) -> None:
+    """Wide sub-vectors: the step's config steps down until its tiles fit the GPU's shared memory
+    (no warning), or the build runs the reference (d = 256, C = 256 on an H100/H200)."""
+    if device.type != "cuda":
+        pytest.skip("shared memory limits are a GPU's")
+    kw = dict(subvectors=M, bits=bits, init_offset=3, iters=3, tol=0.0, seed=4)
+    keys, lengths = _clear_keys(device, 1, 2, 700, D, dtype, [650], kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = build_pq(keys, lengths, **kw)
+    assert any("shared memory" in str(w.message) for w in caught) != fits
+    _assert_same_build(got, ref_pq.build_pq(keys.nan_to_num().double(), lengths, **kw), lengths, 3)
 
 
 def test_fewer_points_than_centres(device) -> None:

@@ -31,9 +31,12 @@ outside the tensor-core product.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from pqattn.kernels.launch import Launcher, interpreted
 from pqattn.reference import pq as ref
@@ -58,8 +61,8 @@ def default_config(d: int) -> triton.Config:
 
 # How many tokens one pass of the empty-cluster search reads.
 RESEED_BLOCK = 1024
-# Programs of the step kernel one SM holds, per compiled variant (from its registers and shared memory).
-_RESIDENT: dict[tuple, int] = {}
+# The step kernel's fitted blocks, warps, stages and residency per specialisation (see _fit).
+_FITTED: dict[tuple, tuple | None] = {}
 
 
 @triton.jit
@@ -454,22 +457,72 @@ def _splits(dtype: torch.dtype) -> int:
     return {torch.float32: 0, torch.bfloat16: 3, torch.float16: 2}[dtype]
 
 
-def _programs_per_group(args: tuple, meta: dict, G: int, n: int, dev: torch.device) -> int:
-    """One wave of the step kernel at its compiled occupancy (registers and shared memory per
-    SM), at least one program per group and at most one per 512 tokens (the last program reads
-    every partial: more programs make its combine longer)."""
-    if dev.type != "cuda":
-        return max(1, min(2, triton.cdiv(n, 512)))
-    props = torch.cuda.get_device_properties(dev)
-    key = (dev.index, props.name, str(args[0].dtype), tuple(sorted(meta.items())))
-    if key not in _RESIDENT:
-        k = _lloyd_step_kernel.warmup(*args, 0, 0.0, grid=(1,), **meta)
+def _compiled(args: tuple, meta: dict):
+    """The step kernel compiled for these arguments, or None when it needs more shared memory
+    than the device has (Triton raises that at the first launch; the build must know before)."""
+    k = _lloyd_step_kernel.warmup(*args, 0, 0.0, grid=(1,), **meta)
+    try:
         k._init_handles()
-        regs = 65536 // (-(-k.n_regs // 8) * 8 * 32 * meta["num_warps"])
-        smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (k.metadata.shared + 1024)
-        _RESIDENT[key] = max(1, min(regs, smem))
-    per_wave = _RESIDENT[key] * props.multi_processor_count
-    return max(1, min(per_wave // max(G, 1), triton.cdiv(n, 512)))
+    except OutOfResources:
+        return None
+    return k
+
+
+def _fit(
+    args: tuple, meta: dict, config: triton.Config, CP: int, BD: int, dev: torch.device
+) -> tuple[int, int, int, int, int] | None:
+    """(point block, last launch's block, warps, stages, programs an SM holds) for `config`.
+
+    On a GPU the config's own values are taken when both step kernels fit the device's shared
+    memory; else the first that fits of: one stage, then halved blocks (to 16 points), then the
+    other warp count. None when none fits, which build_pq routes to the reference (H200: float32
+    keys with d = 128, C = 256 or d = 256, C >= 128; 16-bit keys with d = 256, C = 256).
+    """
+    warps, stages = config.num_warps, meta["num_stages"]
+    if dev.type != "cuda":
+        return (*_point_blocks(config.kwargs["BLOCK_N"], CP, BD, warps), warps, stages, 1)
+    key = (dev.index, str(args[0].dtype), tuple(sorted(meta.items())), str(config))
+    if key not in _FITTED:
+        _FITTED[key] = None
+        props = torch.cuda.get_device_properties(dev)
+        for w in (warps, 12 - warps):
+            block, last = _point_blocks(config.kwargs["BLOCK_N"], CP, BD, w)
+            tries = [(block, last, stages), (block, last, 1)]
+            while block > 16 or last > 16:
+                block, last = max(16, block // 2), max(16, last // 2)
+                tries.append((block, last, 1))
+            for block, last, st in dict.fromkeys(tries):
+                m = {**meta, "num_warps": w, "num_stages": st}
+                k = _compiled(args, {**m, "UPDATE": True, "BLOCK_N": block})
+                if k is None or _compiled(args, {**m, "UPDATE": False, "BLOCK_N": last}) is None:
+                    continue
+                regs = 65536 // (-(-k.n_regs // 8) * 8 * 32 * w)
+                smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (
+                    k.metadata.shared + 1024
+                )
+                _FITTED[key] = (block, last, w, st, max(1, min(regs, smem)))
+                break
+            if _FITTED[key] is not None:
+                break
+    return _FITTED[key]
+
+
+def _reference_build(keys: torch.Tensor, lengths: torch.Tensor, iters: int, **kw) -> ref.KMeansResult:
+    """The reference build on the keys' device, in build_pq's output contract (iters + 1 rounds
+    of the objective, the iteration count as a device tensor). Tokens past a sequence's length
+    are zeroed first: the reference multiplies them by 0, and the cache may hold NaN there."""
+    past = torch.arange(keys.shape[2], device=keys.device)[None, :] >= lengths[:, None]
+    keys = keys.masked_fill(past[:, None, :, None], 0.0)
+    book = ref.build_pq(keys, lengths, iters=iters, **kw)
+    objective = book.objective.float()
+    pad = objective[-1:].expand(iters + 1 - objective.shape[0], *objective.shape[1:])
+    return ref.KMeansResult(
+        centroids=book.centroids.float(),
+        codes=book.codes,
+        phi=None if book.phi is None else book.phi.float(),
+        objective=torch.cat([objective, pad]),
+        iterations=torch.tensor(book.iterations, device=keys.device),
+    )
 
 
 def build_pq(
@@ -508,7 +561,6 @@ def build_pq(
     lengths = lengths.to(device=dev, dtype=torch.int64)
     CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
     config = config or default_config(d)
-    block, last_block = _point_blocks(config.kwargs["BLOCK_N"], CP, BD, config.num_warps)
     geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
 
     f32 = dict(dtype=torch.float32, device=dev)
@@ -522,13 +574,33 @@ def build_pq(
     hist = torch.empty(iters + 1, G, **f32)
     meta = dict(
         IP=ip, SPLITS=_splits(keys.dtype), UPCAST=interpreted() and keys.dtype == torch.bfloat16,
-        CP=CP, BD=BD, BLOCK_N=block, RB=RESEED_BLOCK, FOLD=d + 4 <= BD,
-        num_warps=config.num_warps, num_stages=config.num_stages if keys.element_size() < 4 else 1,
+        CP=CP, BD=BD, RB=RESEED_BLOCK, FOLD=d + 4 <= BD,
+        num_stages=config.num_stages if keys.element_size() < 4 else 1,
     )  # fmt: skip
     strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
-    # (the occupancy query compiles with stand-ins for the partials and the chunk: same specialisation)
-    stand_in = (keys, lengths, cent, aug, phi, codes, xx, dist, dist, ctl, hist, *geometry, *strides, block)
-    P = _programs_per_group((*stand_in, C, d, G), {**meta, "UPDATE": True}, G, n, dev)
+    # (the fit compiles with stand-ins for the partials and the chunk: same specialisation)
+    stand_in = (keys, lengths, cent, aug, phi, codes, xx, dist, dist, ctl, hist, *geometry, *strides, 16)
+    fit = _fit((*stand_in, C, d, G), meta, config, CP, BD, dev)
+    if fit is None:
+        warnings.warn(
+            f"build_pq: the Triton step's tiles for sub-vectors of {d} dimensions and {C} centres "
+            "exceed this GPU's shared memory; building with the PyTorch reference instead (slower)",
+            stacklevel=2,
+        )
+        return _reference_build(
+            keys, lengths, iters, subvectors=M, bits=bits, metric=metric, init_offset=init_offset,
+            tol=tol, seed=seed, init=init,
+        )  # fmt: skip
+    block, last_block, warps, stages, resident = fit
+    meta.update(BLOCK_N=block, num_warps=warps, num_stages=stages)
+    # One wave at the compiled occupancy, at least one program per group and at most one per 512
+    # tokens (the last program reads every partial: more programs make its combine longer). The
+    # interpreter runs up to two, so that the tests exercise the combine.
+    if dev.type == "cuda":
+        P = resident * torch.cuda.get_device_properties(dev).multi_processor_count // G
+        P = max(1, min(P, triton.cdiv(n, 512)))
+    else:
+        P = max(1, min(2, triton.cdiv(n, 512)))
     chunk = triton.cdiv(triton.cdiv(n, P), last_block) * last_block  # a multiple of both blocks
     parts = torch.empty(G, P, CP * BD + 2 * CP + 1, **f32)
     tensors = (keys, lengths, cent, aug, phi, codes, xx, dist, parts, ctl, hist)
