@@ -334,6 +334,91 @@ def _compare_encode(case: dict, out: torch.Tensor, dist: torch.Tensor) -> str | 
     return None
 
 
+# ---- index build (k-means) ---------------------------------------------------------------------
+
+
+def _draw_build(gen: torch.Generator, device: torch.device, large: bool) -> dict:
+    B, Hkv = _int(gen, 1, 2), (_pick(gen, [2, 8]) if large else _int(gen, 1, 2))
+    D = _pick(gen, [64, 128, 256] if large else [16, 32, 66])
+    M = _pick(gen, [m for m in (1, 2, 4, 8, 16) if D % m == 0 and D // m >= 2])
+    bits = _int(gen, 1, 8 if large else 5)
+    N, init_offset = _int(gen, 2000, 9000) if large else _int(gen, 40, 300), _int(gen, 0, 3)
+    lengths = torch.randint(init_offset, N + 1, (B,), generator=gen)
+    keys = torch.randn(B, Hkv, N, D, generator=gen)
+    keys[..., :3] *= 6.0  # a few large channels, like LLM keys
+    keys = keys.to(_pick(gen, _FLOATS))
+    for b in range(B):
+        keys[b, :, int(lengths[b]) :] = float("nan")  # past a sequence's length: never read
+    metric = _pick(gen, ["euclidean", "ip"])
+    kw = dict(subvectors=M, bits=bits, metric=metric, init_offset=init_offset, iters=_int(gen, 1, 4), tol=0.0)
+    return {
+        "keys": keys.to(device),
+        "lengths": lengths.to(device),
+        "kw": {**kw, "seed": _int(gen, 0, 2**20)},
+        "desc": f"B{B} Hkv{Hkv} N{N} D{D} M{M} C{2**bits} {keys.dtype} {metric} lengths {lengths.tolist()}",
+    }
+
+
+def _run_build(case: dict, config: dict) -> ref.pq.KMeansResult:
+    from pqattn.kernels.kmeans import build_pq
+
+    cfg = triton.Config(
+        {"BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"], num_stages=config["num_stages"]
+    )
+    return build_pq(case["keys"], case["lengths"], config=cfg, **case["kw"])
+
+
+def _reference_build(case: dict) -> ref.pq.KMeansResult:
+    return ref.pq.build_pq(case["keys"].nan_to_num().double(), case["lengths"], **case["kw"])
+
+
+def _compare_build(case: dict, out: ref.pq.KMeansResult, want: ref.pq.KMeansResult) -> str | None:
+    """Rules that hold whichever way float32 rounding breaks a near-tie (a near-tie may send a
+    build down another, equally valid path, so centres are not compared one to one): codes in
+    range, zero outside [init_offset, length); every code the nearest of the returned centres;
+    the last objective their sum of squared distances; the objective never rising over the
+    iterations; the final objective within 2% of the float64 reference's (issue 6's rule)."""
+    kw, lengths = case["kw"], case["lengths"]
+    B, Hkv, N, _ = case["keys"].shape
+    M, C = kw["subvectors"], 2 ** kw["bits"]
+    x, valid = ref.pq._group_points(case["keys"].nan_to_num().double(), lengths, M, kw["init_offset"])
+    cent = out.centroids.double().reshape(B * Hkv * M, C, -1)
+    if out.phi is not None:
+        x = ref.pq.augment_ip(x, out.phi.double().reshape(-1))
+    if not torch.isfinite(cent).all():
+        return "a centre is not finite"
+    codes = out.codes.long()
+    outside = torch.ones(B, N, dtype=torch.bool, device=codes.device)
+    outside[:, kw["init_offset"] :] = ~valid.reshape(B, Hkv, M, -1)[:, 0, 0]
+    if (codes >= C).any() or (codes[outside[:, None, :, None].expand_as(codes)] != 0).any():
+        return "a code is out of range, or not 0 outside [init_offset, length)"
+    idx = codes[:, :, kw["init_offset"] :].permute(0, 1, 3, 2).reshape(B * Hkv * M, -1)
+    dist = ((x[:, :, None, :] - cent[:, None, :, :]) ** 2).sum(-1)  # [G, n, C]
+    chosen, best = dist.gather(-1, idx[..., None])[..., 0], dist.min(-1).values
+    scale = (x * x).sum(-1) + (cent * cent).sum(-1).amax(-1, keepdim=True)
+    if ((chosen - best > 1e-5 * scale) & valid).any():
+        excess = float(((chosen - best) / scale).max())
+        return f"a code is not its point's nearest centre (excess {excess:.3g} of |x|^2 + |c|^2)"
+    objective = out.objective.double().reshape(out.objective.shape[0], -1)
+    total = (chosen * valid).sum(1)
+    slack = 1e-5 * (scale * valid).sum(1) + 1e-9
+    if ((objective[-1] - total).abs() > slack).any():
+        return "the last objective is not the sum of the squared distances to the returned centres"
+    if (objective[1:] > objective[:-1] + slack).any():
+        return "the objective rose over an iteration"
+    want_final = want.objective[-1].reshape(-1)
+    if (objective[-1] > 1.02 * want_final + slack).any():
+        got, ref_total = float(objective[-1].sum()), float(want_final.sum())
+        return f"final objective {got:.6g} > 1.02 x the reference's {ref_total:.6g}"
+    return None
+
+
+def _build_configs() -> list[dict]:
+    from pqattn.kernels.kmeans import KMEANS_CONFIGS
+
+    return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in KMEANS_CONFIGS]
+
+
 # ---- sparse decode attention -------------------------------------------------------------------
 
 # Output tolerance per dtype of q/k/v (the kernel accumulates in float32; the reference in float64).
@@ -556,6 +641,7 @@ CHECKS: list[KernelCheck] = [
         _code_distances,
         _compare_encode,
     ),
+    KernelCheck("kmeans_build", _build_configs, _draw_build, _run_build, _reference_build, _compare_build),
     KernelCheck("sparse_decode", _decode_configs, draw_decode, run_decode, reference_decode, compare_decode),
     KernelCheck(
         "flash_attention",
