@@ -393,7 +393,7 @@ def _compare_build(case: dict, out: ref.pq.KMeansResult, want: ref.pq.KMeansResu
     if (codes >= C).any() or (codes[outside[:, None, :, None].expand_as(codes)] != 0).any():
         return "a code is out of range, or not 0 outside [init_offset, length)"
     idx = codes[:, :, kw["init_offset"] :].permute(0, 1, 3, 2).reshape(B * Hkv * M, -1)
-    dist = ((x[:, :, None, :] - cent[:, None, :, :]) ** 2).sum(-1)  # [G, n, C]
+    dist = (x * x).sum(-1)[..., None] - 2 * x @ cent.transpose(1, 2) + (cent * cent).sum(-1)[:, None, :]
     chosen, best = dist.gather(-1, idx[..., None])[..., 0], dist.min(-1).values
     scale = (x * x).sum(-1) + (cent * cent).sum(-1).amax(-1, keepdim=True)
     if ((chosen - best > 1e-5 * scale) & valid).any():
