@@ -485,7 +485,7 @@ def _fit(
     if key not in _FITTED:
         _FITTED[key] = None
         props = torch.cuda.get_device_properties(dev)
-        for w in (warps, 12 - warps):
+        for w in dict.fromkeys((warps, 4 if warps == 8 else 8)):
             block, last = _point_blocks(config.kwargs["BLOCK_N"], CP, BD, w)
             tries = [(block, last, stages), (block, last, 1)]
             while block > 16 or last > 16:
