@@ -6,6 +6,7 @@ centres, codes (up to float32 near-ties), iteration count and phi, against a flo
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -135,6 +136,19 @@ def test_a_build_whose_tiles_fit_no_config_runs_the_reference(monkeypatch, devic
     with pytest.warns(UserWarning, match="shared memory"):
         got = build_pq(keys, lengths, **kw)
     _assert_same_build(got, ref_pq.build_pq(keys.nan_to_num().double(), lengths, **kw), lengths, 3)
+
+
+def test_the_fit_steps_down_from_the_config_to_16_point_blocks_then_the_other_warp_count() -> None:
+    config = KMEANS_CONFIGS[0]
+    tries = list(kmeans._step_downs(config, 256, 32, 3))
+    first = kmeans._point_blocks(config.kwargs["BLOCK_N"], 256, 32, config.num_warps)
+    assert tries[0] == (*first, config.num_warps, 3) and tries[1] == (*first, config.num_warps, 1)
+    warps = [t[2] for t in tries]
+    switch = warps.index(4)
+    assert set(warps[:switch]) == {8} and set(warps[switch:]) == {4}
+    for part in (tries[:switch], tries[switch:]):
+        assert part[-1][:2] == (16, 16) and all(t[3] == 1 for t in part[1:])
+        assert all(a[0] >= b[0] and a[1] >= b[1] for a, b in itertools.pairwise(part))
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ outside the tensor-core product.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -468,6 +469,17 @@ def _compiled(args: tuple, meta: dict):
     return k
 
 
+def _step_downs(config: triton.Config, CP: int, BD: int, stages: int) -> Iterator[tuple[int, int, int, int]]:
+    """(point block, last launch's block, warps, stages) in _fit's order of trial."""
+    for warps in (config.num_warps, 4 if config.num_warps == 8 else 8):
+        block, last = _point_blocks(config.kwargs["BLOCK_N"], CP, BD, warps)
+        yield block, last, warps, stages
+        yield block, last, warps, 1
+        while block > 16 or last > 16:
+            block, last = max(16, block // 2), max(16, last // 2)
+            yield block, last, warps, 1
+
+
 def _fit(
     args: tuple, meta: dict, config: triton.Config, CP: int, BD: int, dev: torch.device
 ) -> tuple[int, int, int, int, int] | None:
@@ -485,25 +497,15 @@ def _fit(
     if key not in _FITTED:
         _FITTED[key] = None
         props = torch.cuda.get_device_properties(dev)
-        for w in dict.fromkeys((warps, 4 if warps == 8 else 8)):
-            block, last = _point_blocks(config.kwargs["BLOCK_N"], CP, BD, w)
-            tries = [(block, last, stages), (block, last, 1)]
-            while block > 16 or last > 16:
-                block, last = max(16, block // 2), max(16, last // 2)
-                tries.append((block, last, 1))
-            for block, last, st in dict.fromkeys(tries):
-                m = {**meta, "num_warps": w, "num_stages": st}
-                k = _compiled(args, {**m, "UPDATE": True, "BLOCK_N": block})
-                if k is None or _compiled(args, {**m, "UPDATE": False, "BLOCK_N": last}) is None:
-                    continue
-                regs = 65536 // (-(-k.n_regs // 8) * 8 * 32 * w)
-                smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (
-                    k.metadata.shared + 1024
-                )
-                _FITTED[key] = (block, last, w, st, max(1, min(regs, smem)))
-                break
-            if _FITTED[key] is not None:
-                break
+        for block, last, w, st in dict.fromkeys(_step_downs(config, CP, BD, stages)):
+            m = {**meta, "num_warps": w, "num_stages": st}
+            k = _compiled(args, {**m, "UPDATE": True, "BLOCK_N": block})
+            if k is None or _compiled(args, {**m, "UPDATE": False, "BLOCK_N": last}) is None:
+                continue
+            regs = 65536 // (-(-k.n_regs // 8) * 8 * 32 * w)
+            smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (k.metadata.shared + 1024)
+            _FITTED[key] = (block, last, w, st, max(1, min(regs, smem)))
+            break
     return _FITTED[key]
 
 

@@ -368,7 +368,7 @@ def _run_build(case: dict, config: dict) -> ref.pq.KMeansResult:
     return build_pq(case["keys"], case["lengths"], config=cfg, **case["kw"])
 
 
-def _reference_build(case: dict) -> ref.pq.KMeansResult:
+def _reference_index_build(case: dict) -> ref.pq.KMeansResult:
     return ref.pq.build_pq(case["keys"].nan_to_num().double(), case["lengths"], **case["kw"])
 
 
@@ -641,7 +641,9 @@ CHECKS: list[KernelCheck] = [
         _code_distances,
         _compare_encode,
     ),
-    KernelCheck("kmeans_build", _build_configs, _draw_build, _run_build, _reference_build, _compare_build),
+    KernelCheck(
+        "kmeans_build", _build_configs, _draw_build, _run_build, _reference_index_build, _compare_build
+    ),
     KernelCheck("sparse_decode", _decode_configs, draw_decode, run_decode, reference_decode, compare_decode),
     KernelCheck(
         "flash_attention",
