@@ -76,12 +76,23 @@ class PQIndex:
     the first call for a head count): the steady state allocates nothing and can be captured in a
     CUDA graph. The Selection that `select` returns is that buffer: it is overwritten by the next
     call. With at most 4096 code combinations the index also keeps, on a GPU, how many candidate
-    tokens carry each (histogram selection): change `codes` and `lengths` only through `append`.
+    tokens carry each and the candidates grouped by combination (pqattn.kernels.select_buckets:
+    4 bytes per token and KV head), so that `select` reads about `heavy` positions per row
+    instead of every code. Change `codes` and `lengths` only through `append`. Tokens appended
+    after the grouping are scanned; `append` and `decode_step` regroup (`reindex`) once the
+    longest sequence has grown by REINDEX_AFTER tokens since. Replays of a captured graph do not
+    run that host check: call `sync_lengths()` (which regroups when due) or `reindex()` between
+    replays now and then.
 
     Eager calls: once a method has run for inputs of some shapes, strides, dtypes and alignment,
     the index keeps its launches as a `pqattn.kernels.launch.Plan` and later calls with inputs of
     that signature replay them (no argument checks beyond the signature, no Triton dispatch).
     """
+
+    # Appended tokens after which the buckets are rebuilt. A rebuild is two passes over the codes
+    # (count, place) and the recent tokens cost every selection a scan of their codes: at 2048
+    # that scan is about what the merge of 2K positions costs (H200, see select_buckets).
+    REINDEX_AFTER = 2048
 
     def __init__(
         self,
@@ -118,6 +129,11 @@ class PQIndex:
         # Histogram selection (ops.uses_histogram) on the kernel path: the combination counts of
         # the candidate tokens [max(offset, sink), length - window), kept current by `append`.
         self._hist: torch.Tensor | None = None
+        # with it, the candidates grouped by combination (order, starts, frozen), the counting
+        # cursor that builds them, and the host's longest length when they were built
+        self._buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._cursor: torch.Tensor | None = None
+        self._bucketed_at = 0
         self._selection: Selection | None = None  # decode-step output buffers (kernel path)
         self._workspace: torch.Tensor | None = None
         self._attn_out: torch.Tensor | None = None  # decode_step output and attention workspace
@@ -222,11 +238,43 @@ class PQIndex:
             return
         from pqattn.kernels.select_hist import count_combos
 
-        self._forget(self._hist)
-        self._hist = torch.zeros((self.batch, self.kv_heads, C**M), dtype=torch.int32, device=self.device)
+        self._forget(self._hist, self._cursor, *(self._buckets or ()))
+        B, Hkv, P = self.batch, self.kv_heads, C**M
+        self._hist = torch.zeros((B, Hkv, P), dtype=torch.int32, device=self.device)
         count_combos(
             self.codes, self.lengths, self._hist, C=C, window=self.config.window, cand_lo=self._cand_lo
         )
+        self._buckets = (
+            torch.empty((B, Hkv, self.capacity), dtype=torch.int32, device=self.device),
+            torch.empty((B, Hkv, P + 1), dtype=torch.int32, device=self.device),
+            torch.empty((B,), dtype=torch.int32, device=self.device),
+        )
+        self._cursor = torch.empty((B, Hkv, P), dtype=torch.int32, device=self.device)
+        self.reindex()
+
+    def reindex(self) -> None:
+        """Group the candidate tokens by code combination again, for the current codes and lengths.
+
+        In place (a CUDA graph that captured `select` stays valid) and without a host sync; a
+        no-op where the index keeps no buckets (CPU, more than 4096 combinations)."""
+        if self._buckets is None:
+            return
+        from pqattn.kernels.select_buckets import bucket_tokens
+
+        bucket_tokens(
+            self.codes,
+            self.lengths,
+            *self._buckets,
+            self._cursor,
+            C=1 << self.config.bits,
+            window=self.config.window,
+            cand_lo=self._cand_lo,
+        )
+        self._bucketed_at = self._max_length
+
+    def _reindex_when_due(self) -> None:
+        if self._buckets is not None and self._max_length - self._bucketed_at >= self.REINDEX_AFTER:
+            self.reindex()
 
     def append(self, keys: torch.Tensor) -> None:
         """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
@@ -255,6 +303,7 @@ class PQIndex:
             self.codes.scatter_(2, slots.expand(-1, self.kv_heads, -1, self.config.subvectors), new)
             self.lengths += T
         self._max_length += T
+        self._reindex_when_due()
 
     def _check_room(self, T: int, name: str) -> None:
         if self._max_length + T > self.capacity:
@@ -309,6 +358,8 @@ class PQIndex:
             self.phi,
             self.lengths,
             self._hist,
+            *(self._buckets or ()),
+            self._cursor,
             self._arrivals,
             self._workspace,
             self._attn_out,
@@ -328,6 +379,7 @@ class PQIndex:
         device lengths, while the host counter advanced once, at capture.
         """
         self._max_length = int(self.lengths.max()) if self.batch else 0
+        self._reindex_when_due()
 
     def select(self, q: torch.Tensor) -> Selection:
         """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
@@ -358,7 +410,13 @@ class PQIndex:
                 torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
             )
             n = ops.select_workspace_numel(
-                self.batch * H, M, C, self.codes.shape[2], c.heavy, kept_histogram=self._hist is not None
+                self.batch * H,
+                M,
+                C,
+                self.codes.shape[2],
+                c.heavy,
+                kept_histogram=self._hist is not None,
+                buckets=self._buckets is not None,
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         with recording() as rec:
@@ -375,6 +433,7 @@ class PQIndex:
                 out=self._selection,
                 workspace=self._workspace,
                 histogram=self._hist,
+                buckets=self._buckets,
             )
         self._keep(key, rec, q)
         return self._selection
@@ -476,6 +535,7 @@ class PQIndex:
             self._check_room(1, "k_new")
             plan(*inputs)
             self._max_length += 1
+            self._reindex_when_due()
             return self._attn_out
         kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
         for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -508,4 +568,5 @@ class PQIndex:
             out = self._attend(q, k_cache, v_cache, None, scale)
         if self._kernels_only(q, select=True):
             self._keep(key, rec, *inputs)
+        self._reindex_when_due()
         return out

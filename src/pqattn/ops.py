@@ -97,14 +97,26 @@ def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0
 
 
 def select_workspace_numel(
-    rows: int, M: int, C: int, n_tokens: int, heavy: int, *, kept_histogram: bool = False
+    rows: int,
+    M: int,
+    C: int,
+    n_tokens: int,
+    heavy: int,
+    *,
+    kept_histogram: bool = False,
+    buckets: bool = False,
 ) -> int:
     """int32 elements of the selection kernel's workspace for rows = B * H query rows over a token
     axis of n_tokens, for calls with no histogram kept (select_topk), or with one (PQIndex:
-    `kept_histogram`). Histogram selection (uses_histogram): about rows * C**M * 5 bytes; merge
-    tree: the LUTs plus the tree's slots, about rows * (n_tokens / TILE) * heavy * 8 bytes.
-    Allocate it zero-filled, once; the kernels leave it reusable by calls with the same rows, M,
-    C, n_tokens and heavy (their counters lie at places that depend on them)."""
+    `kept_histogram`, and `buckets` when it keeps those too). Histogram selection
+    (uses_histogram): about rows * C**M * 5 bytes; from buckets: the LUTs and rows * heavy * 8
+    bytes; merge tree: the LUTs plus the tree's slots, about rows * (n_tokens / TILE) * heavy * 8
+    bytes. Allocate it zero-filled, once; the kernels leave it reusable by calls with the same
+    rows, M, C, n_tokens and heavy (their counters lie at places that depend on them)."""
+    if buckets:
+        from pqattn.kernels.select_buckets import workspace_numel
+
+        return workspace_numel(rows, M, C, heavy)
     if uses_histogram(M, C, None if kept_histogram else heavy):
         from pqattn.kernels.select_hist import workspace_numel
 
@@ -131,13 +143,16 @@ def _select_kernel(
     code_base: int = 0,
     n_tokens: int | None = None,
     histogram: torch.Tensor | None = None,
+    buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Selection:
     """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
 
     codes row r holds token code_base + r (the original's codebook starts at init_offset);
     n_tokens: the token axis length N (codes.shape[-2] + code_base by default). histogram: the
     combination counts of the candidates [cand_lo, n - window) that PQIndex keeps (histogram
-    selection only); without it the kernels count them first.
+    selection only); without it the kernels count them first. buckets: the (order, starts,
+    frozen) that PQIndex keeps with its histogram (pqattn.kernels.select_buckets; no weights,
+    code_base 0): the selection reads those instead of scanning the codes.
     """
     from pqattn.kernels.select import pq_select
     from pqattn.kernels.select_hist import pq_select_hist
@@ -165,7 +180,11 @@ def _select_kernel(
         )
         if not out.counts.is_contiguous():
             raise ValueError("out.counts: expected a contiguous tensor")
-    need = select_workspace_numel(B * H, M, C, N, heavy, kept_histogram=histogram is not None)
+    if buckets is not None and (histogram is None or weights is not None or code_base != 0):
+        raise ValueError("buckets: expected with a kept histogram, no weights and code_base 0")
+    need = select_workspace_numel(
+        B * H, M, C, N, heavy, kept_histogram=histogram is not None, buckets=buckets is not None
+    )
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
     elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
@@ -190,7 +209,12 @@ def _select_kernel(
     )
     q = q if q.stride(-1) == 1 else q.contiguous()
     centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
-    if uses_histogram(M, C, None if histogram is not None else heavy):
+    if buckets is not None:
+        from pqattn.kernels.select_buckets import pq_select_buckets
+
+        del args["n_tokens"], args["weights"], args["code_base"]
+        pq_select_buckets(q, centroids, codes, lengths, histogram=histogram, buckets=buckets, **args)
+    elif uses_histogram(M, C, None if histogram is not None else heavy):
         pq_select_hist(q, centroids, codes, lengths, histogram=histogram, **args)
     else:
         pq_select(q, centroids, codes, lengths, **args)

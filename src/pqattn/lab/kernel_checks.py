@@ -264,6 +264,54 @@ def _select_hist_configs() -> list[dict]:
     return [{**c.kwargs, "num_warps": c.num_warps} for c in SCAN_CONFIGS]
 
 
+def _run_select_buckets(case: dict, config: dict) -> tuple:
+    """The bucket selection (PQIndex): histogram for the lengths, buckets for a quarter less (the
+    rest scanned as recent tokens). No dense weights."""
+    from pqattn.kernels.select_buckets import bucket_tokens, pq_select_buckets, workspace_numel
+    from pqattn.kernels.select_hist import count_combos
+
+    q, cent, codes, lengths = case["q"], case["centroids"], case["codes"], case["lengths"]
+    B, H, _ = q.shape
+    Hkv, M, C, N = cent.shape[1], cent.shape[2], cent.shape[3], codes.shape[2]
+    o = case["opts"]
+    positions, counts, _ = _select_outputs(case)
+    dev = q.device
+    workspace = torch.zeros(workspace_numel(B * H, M, C, o["heavy"]), dtype=torch.int32, device=dev)
+    hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=dev)
+    count_combos(codes, lengths, hist, C=C, window=o["window"], cand_lo=o["cand_lo"])
+    buckets = (
+        torch.empty(B, Hkv, N, dtype=torch.int32, device=dev),
+        torch.empty(B, Hkv, C**M + 1, dtype=torch.int32, device=dev),
+        torch.empty(B, dtype=torch.int32, device=dev),
+    )
+    cursor = torch.empty(B, Hkv, C**M, dtype=torch.int32, device=dev)
+    bucket_tokens(
+        codes, lengths - lengths // 4, *buckets, cursor, C=C, window=o["window"], cand_lo=o["cand_lo"]
+    )
+    pq_select_buckets(
+        q,
+        cent,
+        codes,
+        lengths,
+        **o,
+        short_threshold=case["short_threshold"],
+        width=case["width"],
+        positions=positions,
+        counts=counts,
+        workspace=workspace,
+        histogram=hist,
+        buckets=buckets,
+        config=triton.Config({"CHUNK": config["CHUNK"]}, num_warps=config["num_warps"], num_stages=1),
+    )
+    return positions, counts, None
+
+
+def _select_buckets_configs() -> list[dict]:
+    from pqattn.kernels.select_buckets import BUCKET_CONFIGS
+
+    return [{**c.kwargs, "num_warps": c.num_warps} for c in BUCKET_CONFIGS]
+
+
 def _select_configs() -> list[dict]:
     from pqattn.kernels.select import SELECT_CONFIGS
 
@@ -629,6 +677,15 @@ CHECKS: list[KernelCheck] = [
         _select_hist_configs,
         _draw_select,
         _run_select_hist,
+        _reference_select,
+        _compare_select,
+        _select_hist_fits,
+    ),
+    KernelCheck(
+        "pq_select_buckets",
+        _select_buckets_configs,
+        _draw_select,
+        _run_select_buckets,
         _reference_select,
         _compare_select,
         _select_hist_fits,

@@ -81,6 +81,19 @@ def _index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQ
     return PQIndex.from_codebook(book, x["lengths"], config=config)
 
 
+def _aged_index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQIndex:
+    """`_index` with its buckets built REINDEX_AFTER tokens ago (those tokens are scanned)."""
+    from pqattn.kernels.select_buckets import bucket_tokens
+
+    index = _index(x, M, bits, sink, window, heavy)
+    aged = (index.lengths - PQIndex.REINDEX_AFTER).clamp(min=0)
+    cand_lo = max(index.config.offset, sink)
+    bucket_tokens(
+        index.codes, aged, *index._buckets, index._cursor, C=2**bits, window=window, cand_lo=cand_lo
+    )
+    return index
+
+
 def _selection_buffers(
     B: int, H: int, L: int, M: int, C: int, N: int, heavy: int, device: torch.device
 ) -> tuple[ref.Selection, torch.Tensor]:
@@ -128,6 +141,9 @@ def _select_case(
         }
         x["out"], x["workspace"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
         x["index"] = _index(x, M, bits, sink, window, heavy)
+        x["index_aged"] = (
+            _aged_index(x, M, bits, sink, window, heavy) if device.type == "cuda" else x["index"]
+        )
         if compat:  # the original's call: all but the newest key quantized, int64 codebook
             x["query"] = x["q"][:, :, None].float()
             x["key"] = torch.randn(B, Hkv, N, D, device=device, generator=g)
@@ -176,6 +192,16 @@ def _select_case(
                 select_flops,
                 note="PQIndex.select: the decode loop's call, with the code histogram its appends keep",
                 skip=None if device.type == "cuda" else ref_skip,
+            ),
+            Impl(
+                "pqattn-index-aged",
+                "pqattn",
+                lambda x: x["index_aged"].select(x["q"]),
+                select_bytes,
+                select_flops,
+                note=f"PQIndex.select with the last {PQIndex.REINDEX_AFTER} candidates appended since its "
+                "buckets were built, as just before PQIndex rebuilds them: the most it scans (on a CPU, "
+                "where the index keeps no buckets, pqattn-index again)",
             ),
             Impl(
                 "torch-ref",

@@ -8,6 +8,8 @@ from pqattn.reference.attention import dense_attention, sparse_decode
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
 from pqattn.reference.selection import (
     Selection,
+    bucket_candidates,
+    code_combinations,
     dense_weights,
     select_from_scores,
     select_oracle,
@@ -19,7 +21,9 @@ from pqattn.reference.selection import (
 __all__ = [
     "KMeansResult",
     "Selection",
+    "bucket_candidates",
     "build_pq",
+    "code_combinations",
     "dense_attention",
     "dense_weights",
     "encode",

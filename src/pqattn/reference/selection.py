@@ -146,3 +146,31 @@ def dense_weights(selection: Selection, n_tokens: int, dtype: torch.dtype = torc
     slot = torch.where(ok, positions.long(), n_tokens)  # padding lands in a spare column
     w.scatter_(-1, slot, 1.0)
     return w[..., :n_tokens]
+
+
+def code_combinations(codes: torch.Tensor, C: int) -> torch.Tensor:
+    """Each token's code combination sum_m codes[..., m] * C**(M-1-m): codes [..., M] -> [...] int64."""
+    combo = torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)
+    for m in range(codes.shape[-1]):
+        combo = combo * C + codes[..., m].long()
+    return combo
+
+
+def bucket_candidates(
+    codes: torch.Tensor, lengths: torch.Tensor, *, C: int, window: int, cand_lo: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate tokens [cand_lo, lengths[b] - window) grouped by code combination (the
+    buckets of a PQ index, pqattn.kernels.select_buckets): codes [B, Hkv, N, M] ->
+    order [B, Hkv, N] int64 (the candidates' positions by combination, then by position; -1 after
+    them) and starts [B, Hkv, C**M + 1] int64 (where each combination's run begins)."""
+    B, Hkv, N, M = codes.shape
+    P = C**M
+    pos = torch.arange(N, device=codes.device)
+    cand = (pos >= cand_lo) & (pos < lengths.long()[:, None] - window)  # [B, N]
+    combo = torch.where(cand[:, None, :], code_combinations(codes, C), P)  # P: not a candidate
+    key, idx = torch.sort(combo * N + pos, dim=-1)
+    order = torch.where(key < P * N, idx, -1)
+    counts = torch.zeros(B, Hkv, P + 1, dtype=torch.long, device=codes.device)
+    counts.scatter_add_(2, combo, torch.ones_like(combo))
+    starts = torch.cat([torch.zeros_like(counts[..., :1]), counts[..., :P].cumsum(-1)], dim=-1)
+    return order, starts

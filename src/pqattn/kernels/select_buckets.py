@@ -1,0 +1,415 @@
+"""PQ top-k selection from the index's buckets (SPEC §2): one launch, one program per query row,
+and no code of a bucketed token read.
+
+With at most MAX_COMBOS code combinations (pqattn.kernels.select_hist), PQIndex keeps the
+candidate tokens grouped by combination, the inverted lists of an IVF index ("buckets"):
+`order` [B, Hkv, capacity] holds the positions [cand_lo, frozen[b]) of sequence b sorted by
+combination and `starts` [B, Hkv, P + 1] where each combination's run begins (P = C**M).
+`frozen[b]` is where the candidates ended when the buckets were built (`bucket_tokens`); the
+candidates appended since, [frozen[b], n - window), are "recent" and are scanned. A row's
+selection is then:
+  1. as in the histogram selection's cut launch: the LUT, the score of every combination
+     (gathered from the LUT in memory), and a weighted search over the histogram of all candidates
+     for the cut (every combination above it is taken whole, `quota` tokens of those at it);
+  2. the bucketed tokens taken, copied from `order`: the runs of the combinations above the cut
+     into the first slots, and of those at it the first ones up to the quota into the slots from
+     k - quota, laid out by exclusive sums over the combinations. Each slot finds its run through
+     marks: the first slot of each run gets (slot + 1, run start - slot) packed in 64 bits in the
+     workspace, and a running maximum over the slots carries every run's mark to its other slots
+     (then the marks are zeroed);
+  3. the recent tokens, scored from the LUT exactly as the combinations were (the same memory
+     values, added in the same order), compared with the cut: those above it fill the slots
+     between the bucketed ones above and k - quota, those at it the slots after the bucketed
+     ties up to the quota;
+  4. sink, window, count and -1 padding.
+A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
+codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
+whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
+no atomics, no allocation: the marks are zeroed after use, so the workspace stays as the owner
+zero-filled it and the launch can be replayed from a CUDA graph. The buckets must describe
+the codes and lengths: PQIndex rebuilds them (in place) with `bucket_tokens`; recent tokens cost
+a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.kernels.launch import Launcher
+from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _write_lut
+from pqattn.kernels.select_hist import HIST_TILE, _combo, _need, _weighted_cut, count_combos
+
+# Warps per row program (and slots or tokens per step of its loops). Both configs are exercised
+# by the tests and by `pqattn check`. One stage: pipelined, the loops' loads of the marks and the
+# LUT could become asynchronous copies, which read L2, where this program's own stores need not
+# have arrived; plain loads see them after the barrier.
+BUCKET_CONFIGS = [
+    triton.Config({"CHUNK": 1024}, num_warps=4, num_stages=1),
+    triton.Config({"CHUNK": 2048}, num_warps=8, num_stages=1),
+]
+
+
+def select_config(rows: int, device: torch.device) -> triton.Config:
+    """8 warps while the rows fit on the SMs one program each (a row's latency is the time), else
+    4 (more programs per SM). H200, graph replay, H = 32: B = 1, N = 32K-512K, heavy 2048: 8 warps
+    13.3-15.9 us against 4 warps 15.1-17.6; B = 8 and 32: 4 warps 19-77 us against 27-106."""
+    if device.type == "cuda" and rows <= _sm_count(device):
+        return BUCKET_CONFIGS[1]
+    return BUCKET_CONFIGS[0]
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_BIAS: tl.constexpr = tl.constexpr(1 << 31)
+
+
+def workspace_layout(rows: int, M: int, C: int, heavy: int) -> tuple[int, int, int]:
+    """int32-word offsets of the LUTs and of the marks (int64, `heavy` per row), and the total."""
+    luts = 0
+    marks = luts + rows * M * C
+    marks += marks % 2  # 8-byte aligned
+    return luts, marks, marks + 2 * rows * heavy
+
+
+def workspace_numel(rows: int, M: int, C: int, heavy: int) -> int:
+    return workspace_layout(rows, M, C, heavy)[-1]
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _pq_bucket_kernel(
+    codes_ptr,
+    len_ptr,
+    cursor_ptr,
+    order_ptr,
+    stride_kb,
+    stride_kk,
+    stride_kn,
+    stride_km,
+    stride_ob,
+    stride_ok,
+    Hkv,
+    window,
+    cand_lo,
+    M: tl.constexpr,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """order[b, kvh, cursor[combo]++] = position, for the candidate tokens of this tile."""
+    grp = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = grp // Hkv
+    kvh = grp % Hkv
+    hi = tl.load(len_ptr + b).to(tl.int32) - window
+    if (hi > tl.maximum(cand_lo, tile * TILE)) & (cand_lo < tile * TILE + TILE):
+        offs = tile * TILE + tl.arange(0, TILE)
+        cand = (offs >= cand_lo) & (offs < hi)
+        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk
+        combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
+        slot = tl.atomic_add(cursor_ptr + grp.to(tl.int64) * P + combo, 1, mask=cand, sem="relaxed")
+        tl.store(order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok + slot, offs, mask=cand)
+
+
+@triton.jit
+def _pq_bucket_select_kernel(
+    q_ptr,
+    cent_ptr,
+    codes_ptr,
+    len_ptr,
+    hist_ptr,
+    order_ptr,
+    starts_ptr,
+    frozen_ptr,
+    ws_ptr,
+    pos_ptr,
+    cnt_ptr,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ck,
+    stride_cm,
+    stride_cc,
+    stride_kb,
+    stride_kk,
+    stride_kn,
+    stride_km,
+    stride_ob,
+    stride_ok,
+    stride_pb,
+    stride_ph,
+    H,
+    G,
+    Hkv,
+    sink,
+    window,
+    heavy,
+    cand_lo,
+    short_threshold,
+    width,
+    marks_off,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    P: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // H
+    h = row % H
+    kvh = h // G
+    grp = b * Hkv + kvh
+    n = tl.load(len_ptr + b).to(tl.int32)
+    pos_row = pos_ptr + b * stride_pb + h * stride_ph
+    lane = tl.arange(0, CHUNK)
+    if n <= short_threshold:  # short sequence: every token
+        for start in range(0, width, CHUNK):
+            o = start + lane
+            tl.store(pos_row + o, tl.where(o < n, o, -1), mask=o < width)
+        tl.store(cnt_ptr + row, n)
+    else:
+        hi, need = _need(n, heavy, window, cand_lo)
+        n_sink = tl.minimum(sink, n)
+        win_lo = tl.maximum(hi, n_sink)
+        n_win = n - win_lo
+
+        # The first recent tokens' codes, the histogram and the runs' bounds are in flight with
+        # the LUT's loads.
+        rec_lo = tl.maximum(tl.load(frozen_ptr + b), cand_lo)
+        rec_hi = tl.where(need > 0, hi, cand_lo)
+        codes_row = codes_ptr + b * stride_kb + kvh * stride_kk
+        code_next = _load_codes(codes_row, rec_lo + lane, rec_lo + lane < rec_hi, stride_kn, stride_km, M)
+
+        # 1. The cut.
+        combo = tl.arange(0, P)
+        w = tl.load(hist_ptr + grp.to(tl.int64) * P + combo)
+        starts_row = starts_ptr + grp.to(tl.int64) * (P + 1)
+        run = tl.load(starts_row + combo)
+        run_len = tl.load(starts_row + combo + 1) - run
+        lut_row = _lut_base(ws_ptr) + row * (M * C)
+        _write_lut(
+            q_ptr + b * stride_qb + h * stride_qh,
+            cent_ptr + b * stride_cb + kvh * stride_ck,
+            lut_row,
+            stride_cm,
+            stride_cc,
+            M,
+            C,
+            DSUB,
+            BLOCK_D,
+        )
+        tl.debug_barrier()  # the other threads' LUT stores are visible after it
+        # Each combination's score gathered from the LUT in memory, added in the order the recent
+        # tokens' scores are (bit for bit the same sums)
+        score = tl.zeros([P], tl.float32)
+        for m in tl.static_range(M):
+            digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
+            score += tl.load(lut_row + m * C + digit)
+        key = tl.where(w > 0, _order_key(score), 0)
+        cut, quota, k = _weighted_cut(key, w, need)
+
+        # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
+        # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
+        # combination order, up to the quota) first. Both runs' offsets come from one scan of
+        # (run at the cut << 32) + run above the cut.
+        above = tl.where((w > 0) & (key > cut), run_len, 0)
+        at_cut = tl.where((w > 0) & (key == cut) & (quota > 0), run_len, 0)
+        runs = (at_cut.to(tl.int64) << 32) + above
+        before = tl.cumsum(runs, 0) - runs
+        totals = tl.sum(runs, 0)
+        n_above = (totals - ((totals >> 32) << 32)).to(tl.int32)
+        n_tie = tl.minimum(totals >> 32, quota).to(tl.int32)
+        tie_lo = k - quota
+        tie_before = (before >> 32).to(tl.int32)
+        tie_run = (at_cut > 0) & (tie_before < quota)
+        first = tl.where(tie_run, tie_lo + tie_before, (before - ((before >> 32) << 32)).to(tl.int32))
+        marked = (above > 0) | tie_run
+        # A mark with low word 0 (no run's: those are >= 2^31 - heavy) stops the runs at the slots
+        # the recent tokens above the cut fill, [n_above, tie_lo).
+        stop = n_above < tie_lo
+        marks = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + marks_off // 2 + row.to(tl.int64) * heavy
+        tl.store(
+            marks + first,
+            ((first + 1).to(tl.int64) << 32) | ((run - first).to(tl.int64) + _BIAS),
+            mask=marked,
+        )
+        if stop:
+            tl.store(marks + n_above, (n_above + 1).to(tl.int64) << 32)
+        tl.debug_barrier()  # every thread's marks are visible to the others after it
+        order_row = order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok
+        carry = tl.full([], 0, tl.int64)
+        for j0 in range(0, tie_lo + n_tie, CHUNK):
+            j = j0 + lane
+            v = tl.load(marks + j, mask=j < tie_lo + n_tie, other=0)
+            v = tl.maximum(tl.associative_scan(v, 0, _max_combine), carry)
+            carry = tl.max(v, 0)
+            low = v - ((v >> 32) << 32)
+            ok = (j < tie_lo + n_tie) & (low != 0)
+            tl.store(pos_row + n_sink + j, tl.load(order_row + j + (low - _BIAS), mask=ok), mask=ok)
+        # Zero the marks for the next call once every thread has read them (zeroing each chunk
+        # as it is read races: the scan may take the loads into another layout than the stores)
+        tl.debug_barrier()
+        tl.store(marks + first, tl.zeros([P], tl.int64), mask=marked)
+        if stop:
+            tl.store(marks + n_above, tl.zeros([], tl.int64))
+
+        # 3. Recent tokens [frozen, hi): those above the cut fill [n_above, tie_lo), ties the
+        # slots after the bucketed ones up to the quota. Each step loads the next step's codes
+        # before it scores its own, and ranks its tokens only when it takes one.
+        next_above = n_above
+        next_tie = tie_lo + n_tie
+        ties_left = quota - n_tie
+        m_idx = tl.arange(0, M)
+        for start in range(rec_lo, rec_hi, CHUNK):
+            offs = start + lane
+            cand = offs < rec_hi
+            code = code_next
+            code_next = _load_codes(codes_row, offs + CHUNK, offs + CHUNK < rec_hi, stride_kn, stride_km, M)
+            s = tl.zeros([CHUNK], tl.float32)
+            for m in tl.static_range(M):
+                code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
+                s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
+            key_t = _order_key(s)
+            is_above = cand & (key_t > cut)
+            is_tie = cand & (key_t == cut) & (ties_left > 0)
+            packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
+            total = tl.sum(packed, 0)
+            if total > 0:
+                inclusive = tl.cumsum(packed, 0)
+                tie_rank = (inclusive >> 16) - 1
+                slot = tl.where(is_above, next_above + (inclusive & 0xFFFF) - 1, next_tie + tie_rank)
+                taken = (is_above | (is_tie & (tie_rank < ties_left))) & (slot < k)
+                tl.store(pos_row + n_sink + slot, offs, mask=taken)
+            next_above += total & 0xFFFF
+            next_tie += total >> 16
+            ties_left -= total >> 16
+
+        # 4. Sink, window, count, -1 padding.
+        for start in range(0, n_sink, CHUNK):
+            o = start + lane
+            tl.store(pos_row + o, o, mask=o < n_sink)
+        for start in range(0, n_win, CHUNK):
+            o = start + lane
+            tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
+        count = n_sink + k + n_win
+        for start in range(count, width, CHUNK):
+            o = start + lane
+            tl.store(pos_row + o, tl.full([CHUNK], -1, tl.int32), mask=o < width)
+        tl.store(cnt_ptr + row, count)
+
+
+_pq_bucket_launch = Launcher(_pq_bucket_kernel)
+_pq_bucket_select_launch = Launcher(_pq_bucket_select_kernel)
+
+
+def bucket_tokens(
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    order: torch.Tensor,
+    starts: torch.Tensor,
+    frozen: torch.Tensor,
+    cursor: torch.Tensor,
+    *,
+    C: int,
+    window: int,
+    cand_lo: int,
+) -> None:
+    """(Re)build the buckets of the candidate tokens [cand_lo, lengths[b] - window), in place.
+
+    codes [B, Hkv, N, M] uint8 by strides (row r: token r); order [B, Hkv, >= N] int32 with a
+    contiguous last dim; starts [B, Hkv, P + 1] int32 and cursor [B, Hkv, P] int32, both
+    contiguous; frozen [B] int32. Writes frozen = max(lengths - window, cand_lo), starts from the
+    combinations' counts, and each run of `order` (its order inside a run is arbitrary)."""
+    B, Hkv, N, M = codes.shape
+    P = C**M
+    cursor.zero_()
+    count_combos(codes, lengths, cursor, C=C, window=window, cand_lo=cand_lo)
+    starts[..., 0] = 0
+    starts[..., 1:] = cursor.cumsum(-1)
+    cursor.copy_(starts[..., :-1])
+    frozen.copy_((lengths - window).clamp(min=cand_lo))
+    _pq_bucket_launch(
+        (B * Hkv, max(-(-N // HIST_TILE), 1)),
+        (codes, lengths, cursor, order),
+        (*codes.stride(), *order.stride()[:2], Hkv, window, cand_lo),
+        dict(M=M, BITS=C.bit_length() - 1, P=P, TILE=HIST_TILE, num_warps=4),
+    )
+
+
+def pq_select_buckets(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    cand_lo: int,
+    short_threshold: int,
+    width: int,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    workspace: torch.Tensor,
+    histogram: torch.Tensor,
+    buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    config: triton.Config | None = None,
+) -> None:
+    """Launch the bucket selection on validated inputs (arguments as
+    pqattn.kernels.select_hist.pq_select_hist, codes row r holding token r).
+
+    histogram [B, Hkv, C**M] int32: the candidate counts for the current lengths; buckets
+    (order, starts, frozen) as `bucket_tokens` left them for these codes, at lengths that are now
+    at most `lengths`. workspace: int32, zero-filled once, workspace_numel(B * H, M, C, heavy).
+    `config`: one of BUCKET_CONFIGS (by default `select_config`).
+    """
+    B, H, D = q.shape
+    Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
+    P = C**M
+    rows = B * H
+    _, marks_off, need = workspace_layout(rows, M, C, heavy)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
+            f"with {workspace.numel()}"
+        )
+    if config is not None and config not in BUCKET_CONFIGS:
+        raise ValueError("config: expected one of BUCKET_CONFIGS")
+    config = config or select_config(rows, q.device)
+    order, starts, frozen = buckets
+    dsub = D // M
+    _pq_bucket_select_launch(
+        (rows,),
+        (q, centroids, codes, lengths, histogram, order, starts, frozen, workspace, positions, counts),
+        (
+            *q.stride()[:2],
+            *centroids.stride()[:4],
+            *codes.stride(),
+            *order.stride()[:2],
+            *positions.stride()[:2],
+            H,
+            H // Hkv,
+            Hkv,
+            sink,
+            window,
+            heavy,
+            cand_lo,
+            short_threshold,
+            width,
+            marks_off,
+        ),
+        dict(M=M, C=C, BITS=C.bit_length() - 1, P=P, DSUB=dsub, BLOCK_D=min(dsub, 64), **config.all_kwargs()),
+    )

@@ -1,0 +1,253 @@
+"""The bucket selection (PQIndex with C**M <= 4096) and the buckets it reads, against the reference.
+
+Runs under the Triton interpreter on a CPU (small shapes) and compiled on a GPU (also large ones).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+import pqattn
+from pqattn import ops
+from pqattn import reference as ref
+from pqattn.kernels.launch import recording
+from pqattn.kernels.select_buckets import (
+    BUCKET_CONFIGS,
+    bucket_tokens,
+    pq_select_buckets,
+    workspace_layout,
+    workspace_numel,
+)
+from pqattn.kernels.select_hist import count_combos
+from tests.helpers import assert_index_selection, assert_selection_exact
+from tests.kernels.test_select_hist import CASES as HIST_CASES
+
+CONFIG_IDS = [f"CHUNK{c.kwargs['CHUNK']}-w{c.num_warps}" for c in BUCKET_CONFIGS]
+
+
+def _buckets(codes, lengths, C, window, cand_lo):
+    """bucket_tokens into fresh buffers: (order, starts, frozen)."""
+    B, Hkv, N, M = codes.shape
+    dev = codes.device
+    order = torch.full((B, Hkv, N), -7, dtype=torch.int32, device=dev)
+    starts = torch.full((B, Hkv, C**M + 1), -7, dtype=torch.int32, device=dev)
+    frozen = torch.full((B,), -7, dtype=torch.int32, device=dev)
+    cursor = torch.full((B, Hkv, C**M), -7, dtype=torch.int32, device=dev)
+    bucket_tokens(codes, lengths, order, starts, frozen, cursor, C=C, window=window, cand_lo=cand_lo)
+    return order, starts, frozen
+
+
+def assert_buckets(order, starts, frozen, codes, lengths, *, C, window, cand_lo) -> None:
+    """The buckets equal the reference's, each run compared as a set (its order is arbitrary)."""
+    want_order, want_starts = ref.bucket_candidates(codes, lengths, C=C, window=window, cand_lo=cand_lo)
+    assert torch.equal(starts.long(), want_starts), "run starts"
+    assert torch.equal(frozen.long(), (lengths.long() - window).clamp(min=cand_lo)), "frozen"
+    N, P = codes.shape[2], C ** codes.shape[3]
+    combo = ref.code_combinations(codes, C)
+
+    def keys(o: torch.Tensor) -> torch.Tensor:  # combination * N + position; P * N past the runs
+        inside = torch.arange(N, device=codes.device) < want_starts[..., -1:]
+        return torch.where(inside, combo.gather(2, o.long().clamp(0, N - 1)) * N + o.long(), P * N)
+
+    got = keys(order[..., :N])
+    assert (got[..., 1:] // N >= got[..., :-1] // N).all(), "runs grouped by combination"
+    assert torch.equal(got.sort(-1).values, keys(want_order)), "the runs' positions"
+
+
+@pytest.mark.parametrize(
+    "lengths, window, cand_lo", [([5000, 1234], 7, 5), ([40, 0], 0, 0), ([900, 30], 30, 3)]
+)
+def test_bucket_tokens(lengths: list[int], window: int, cand_lo: int, device: torch.device) -> None:
+    B, Hkv, N, M, C = 2, 3, max(lengths), 2, 8
+    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
+    lens = torch.tensor(lengths, device=device)
+    order, starts, frozen = _buckets(codes, lens, C, window, cand_lo)
+    assert_buckets(order, starts, frozen, codes, lens, C=C, window=window, cand_lo=cand_lo)
+
+
+def run_case(
+    device,
+    *,
+    B,
+    H,
+    Hkv,
+    N,
+    D,
+    M,
+    bits,
+    lengths,
+    sink,
+    window,
+    heavy,
+    init_offset,
+    recent,
+    config,
+    round_centroids=False,
+    calls=2,
+) -> None:
+    """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths."""
+    C = 2**bits
+    q = torch.randn(B, H, D, device=device)
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    if round_centroids:  # few distinct scores: ties at the cut
+        cent = cent.round()
+    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
+    lens = torch.tensor(lengths, device=device)
+    threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
+    width = ref.selection_width(sink, window, heavy, min(threshold, N))
+    pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
+    cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+    workspace = torch.zeros(workspace_numel(B * H, M, C, heavy), dtype=torch.int32, device=device)
+    hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=device)
+    count_combos(codes, lens, hist, C=C, window=window, cand_lo=cand_lo)
+    buckets = _buckets(codes, (lens - recent).clamp(min=0), C, window, cand_lo)
+    for _ in range(calls):  # later calls reuse the workspace: the kernel must leave it zero
+        q.normal_()
+        pq_select_buckets(
+            q,
+            cent,
+            codes,
+            lens,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
+            width=width,
+            positions=pos.fill_(-7),
+            counts=cnt.fill_(-7),
+            workspace=workspace,
+            histogram=hist,
+            buckets=buckets,
+            config=config,
+        )
+        assert_selection_exact(
+            pos,
+            cnt,
+            None,
+            q,
+            cent,
+            codes,
+            lens,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
+        )
+        marks_off = workspace_layout(B * H, M, C, heavy)[1]
+        assert (workspace[marks_off:] == 0).all(), "marks zeroed"
+
+
+# The histogram selection's cases (no dense weights here), and one whose bucketed slots span
+# several chunks of either config with ties at the cut split between buckets and recent tokens.
+CASES = {name: {k: v for k, v in c.items() if k != "weights_dtype"} for name, c in HIST_CASES.items()}
+CASES["long-ties"] = dict(
+    B=2,
+    H=4,
+    Hkv=2,
+    N=9000,
+    D=32,
+    M=1,
+    bits=2,
+    lengths=[9000, 4000],
+    sink=4,
+    window=8,
+    heavy=2500,
+    init_offset=4,
+    round_centroids=True,
+)
+
+
+@pytest.mark.parametrize("recent", [0, 1, 60, 5000], ids=lambda r: f"recent{r}")
+@pytest.mark.parametrize("config", BUCKET_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_select_cases(case: dict, config: triton.Config, recent: int, device: torch.device) -> None:
+    run_case(device, **case, recent=recent, config=config)
+
+
+def test_large_shapes_on_gpu(device: torch.device) -> None:
+    """Compiled: long rows, heavy 10K, GQA 4, ragged, a few thousand recent tokens."""
+    if device.type != "cuda":
+        pytest.skip("large shapes run compiled on the GPU")
+    for config in BUCKET_CONFIGS:
+        run_case(
+            device,
+            B=2,
+            H=8,
+            Hkv=2,
+            N=200_000,
+            D=128,
+            M=2,
+            bits=6,
+            lengths=[200_000, 150_001],
+            sink=128,
+            window=128,
+            heavy=10_000,
+            init_offset=128,
+            recent=3000,
+            config=config,
+            calls=3,
+        )
+
+
+def test_routing_and_validation() -> None:
+    assert ops.select_workspace_numel(32, 2, 64, 32000, 128, kept_histogram=True, buckets=True) == (
+        workspace_numel(32, 2, 64, 128)
+    )
+    q = torch.empty(1, 4, 128)
+    book = torch.empty(1, 1, 2, 64, 64), torch.empty(1, 1, 8, 2, dtype=torch.uint8), torch.tensor([8])
+    with pytest.raises(ValueError, match="buckets"):
+        ops._select_kernel(
+            q,
+            *book,
+            sink=0,
+            window=0,
+            heavy=1,
+            cand_lo=0,
+            short_threshold=1,
+            out=None,
+            workspace=None,
+            buckets=(torch.empty(0), torch.empty(0), torch.empty(0)),
+        )
+
+
+def test_index_selects_from_its_buckets(kernel_routes, device: torch.device, monkeypatch) -> None:
+    """PQIndex: one bucket launch per selection; appends (1 or 5 keys) add recent tokens until
+    REINDEX_AFTER, when the buckets are rebuilt in place; every selection exact."""
+    monkeypatch.setattr(pqattn.PQIndex, "REINDEX_AFTER", 6)
+    B, Hkv, H, N, D = 2, 2, 8, 3000 if device.type == "cuda" else 700, 64
+    cfg = pqattn.PQConfig(subvectors=2, bits=5, sink=16, window=32, heavy=64, iters=2)
+    keys = torch.randn(B, Hkv, N + 40, D, device=device)
+    index = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 300], capacity=N + 40, config=cfg)
+    order, starts, frozen = index._buckets
+    kw = dict(C=32, window=cfg.window, cand_lo=max(cfg.offset, cfg.sink))
+    assert_buckets(order, starts, frozen, index.codes, index.lengths, **kw)
+    built_at = index.lengths.clone()
+    for T in (1, 5, 1, 5):
+        index.append(torch.randn(B, Hkv, T, D, device=device))
+        q = torch.randn(B, H, D, device=device)
+        with recording() as rec:
+            sel = index.select(q)
+        assert_index_selection(index, sel, q)
+        if rec.launches:  # (the first call per signature records none)
+            assert [r.launcher.fn.__name__ for r in rec.launches] == ["_pq_bucket_select_kernel"]
+        rebuilt = not torch.equal(frozen.long(), (built_at - cfg.window).clamp(min=kw["cand_lo"]))
+        if rebuilt:
+            assert_buckets(order, starts, frozen, index.codes, index.lengths, **kw)
+            built_at = index.lengths.clone()
+        assert rebuilt == (T == 5), f"appending {T} after {index._max_length - T}"
+    assert index._buckets[0] is order, "rebuilt in place"
+
+
+def test_the_config_follows_the_rows(monkeypatch) -> None:
+    """8 warps while every row has an SM of its own, 4 beyond (and off the GPU)."""
+    import pqattn.kernels.select_buckets as select_buckets
+
+    monkeypatch.setattr(select_buckets, "_sm_count", lambda device: 4)
+    cuda = torch.device("cuda")
+    assert select_buckets.select_config(4, cuda) is BUCKET_CONFIGS[1]
+    assert select_buckets.select_config(5, cuda) is BUCKET_CONFIGS[0]
+    assert select_buckets.select_config(1, torch.device("cpu")) is BUCKET_CONFIGS[0]
