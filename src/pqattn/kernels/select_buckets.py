@@ -226,7 +226,8 @@ def _pq_bucket_select_kernel(
         # combination order, up to the quota) first. Both runs' offsets come from one scan of
         # (run at the cut << 32) + run above the cut.
         above = tl.where((w > 0) & (key > cut), run_len, 0)
-        at_cut = tl.where((w > 0) & (key == cut) & (quota > 0), run_len, 0)
+        # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
+        at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
         runs = (at_cut.to(tl.int64) << 32) + above
         before = tl.cumsum(runs, 0) - runs
         totals = tl.sum(runs, 0)
@@ -284,7 +285,7 @@ def _pq_bucket_select_kernel(
                 s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
             key_t = _order_key(s)
             is_above = cand & (key_t > cut)
-            is_tie = cand & (key_t == cut) & (ties_left > 0)
+            is_tie = cand & (key_t == cut) & (offs * 0 + ties_left > 0)
             packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
             total = tl.sum(packed, 0)
             if total > 0:
