@@ -213,7 +213,9 @@ def _pq_bucket_select_kernel(
         )
         tl.debug_barrier()  # the other threads' LUT stores are visible after it
         # Each combination's score gathered from the LUT in memory, added in the order the recent
-        # tokens' scores are (bit for bit the same sums)
+        # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors.
+        # (The cut launch's outer sums in registers, reshaped to [P], gave wrong rows here once
+        # scans consumed them: H200, P = 4096, H = 4, every run; that launch only reduces them.)
         score = tl.zeros([P], tl.float32)
         for m in tl.static_range(M):
             digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
