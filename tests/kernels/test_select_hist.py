@@ -9,17 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import pqattn
 from pqattn import ops
 from pqattn import reference as ref
 from pqattn.kernels.encode import pq_encode
 from pqattn.kernels.launch import recording
+from pqattn.kernels.select import _order_key
 from pqattn.kernels.select import workspace_numel as tree_workspace_numel
 from pqattn.kernels.select_hist import (
     MAX_COMBOS,
     ROW_WORDS,
     SCAN_CONFIGS,
+    _weighted_cut,
     count_combos,
     pq_select_hist,
     workspace_layout,
@@ -354,3 +357,91 @@ def test_the_scan_config_follows_the_group_size(H: int, Hkv: int, monkeypatch) -
     assert (kwargs["TILE"], kwargs["num_warps"]) == want
     assert grid == (Hkv, -(-64 // want[0]))  # B = 1, N = 64 tokens
     assert select_hist.scan_config(H // Hkv) in SCAN_CONFIGS
+
+
+@triton.jit
+def _weighted_cut_probe(score_ptr, w_ptr, need, out_ptr, P: tl.constexpr):
+    lane = tl.arange(0, P)
+    score = tl.load(score_ptr + lane)
+    w = tl.load(w_ptr + lane)
+    cut, quota, k = _weighted_cut(tl.where(w > 0, _order_key(score), 0), score, w, need)
+    tl.store(out_ptr, cut.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + 1, quota)
+    tl.store(out_ptr + 2, k)
+
+
+def _score_sets(P: int, g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(scores, token counts) that the cut's normal-quantile probes model badly or not at all."""
+    normal = torch.randn(P, generator=g)
+    counts = torch.randint(0, 40, (P,), generator=g)
+    outliers = normal.clone()
+    outliers[torch.randint(0, P, (5,), generator=g)] = 1e6
+    bimodal = torch.where(torch.rand(P, generator=g) < 0.5, normal * 1e-3, normal * 1e3)
+    extremes = torch.where(torch.rand(P, generator=g) < 0.5, float("-inf"), float("inf"))
+    tiny = normal * 1e-40  # subnormal, and the moments underflow
+    one = torch.zeros(P, dtype=torch.long)
+    one[P // 3] = 1000
+    return {
+        "normal": (normal, counts),
+        "outliers": (outliers, counts),
+        "coarse": ((normal * 4).round() / 4, counts),
+        "bimodal-scale": (bimodal, counts),
+        "log-normal": ((normal * 3).exp(), counts),
+        "all-equal": (torch.full((P,), 0.25), counts),
+        "negative": (-normal.abs() - 100.0, counts),
+        "signed-zeros": (torch.where(normal > 0, 0.0, -0.0), counts),
+        "infinities": (extremes, counts),
+        "subnormal": (tiny, counts),
+        "mostly-empty": (normal, torch.where(torch.rand(P, generator=g) < 0.95, 0, counts * 1000)),
+        "one-combination": (normal, one),
+        "heavy-counts": (normal, torch.randint(0, 1 << 20, (P,), generator=g)),
+    }
+
+
+@pytest.mark.parametrize(
+    "dist",
+    [
+        "normal",
+        "outliers",
+        "coarse",
+        "bimodal-scale",
+        "log-normal",
+        "all-equal",
+        "negative",
+        "signed-zeros",
+        "infinities",
+        "subnormal",
+        "mostly-empty",
+        "one-combination",
+        "heavy-counts",
+    ],
+)
+@pytest.mark.parametrize("P,warps", [(16, 4), (256, 4), (4096, 8)])
+def test_weighted_cut_search(dist: str, P: int, warps: int, device: torch.device) -> None:
+    """The weighted cut on score sets far from normal: k = min(need, tokens), the tokens of keys
+    above the cut number at most k, the quota comes from the ties at the cut, and together they
+    are exactly k (cut 0xFFFFFFFF and no quota when k = 0). Keys compare as the kernel orders the
+    float32 scores (-0.0 below +0.0). P = 16 under 4 warps: more threads than combinations."""
+    g = torch.Generator().manual_seed(11)
+    score, w = _score_sets(P, g)[dist]
+    score = score.float()
+    bits = score.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    total = int(w.sum())
+    for need in sorted({0, 1, 2, 37, 128, total // 3, total - 1, total, total + 5}):
+        if need < 0:
+            continue
+        out = torch.full((3,), -1, dtype=torch.int32, device=device)
+        _weighted_cut_probe[(1,)](
+            score.to(device), w.to(torch.int32).to(device), need, out, P=P, num_warps=warps
+        )
+        cut, quota, k = (int(x) for x in out.cpu())
+        cut &= 0xFFFFFFFF
+        assert k == min(need, total), (need, k)
+        if k == 0:
+            assert (cut, quota) == (0xFFFFFFFF, 0)
+            continue
+        above = int(w[key > cut].sum())
+        at = int(w[key == cut].sum())
+        assert 0 <= quota <= at, (need, cut, quota, at)
+        assert above + quota == k, (need, above, quota, k)
