@@ -165,8 +165,8 @@ _NORMAL_FROM: tl.constexpr = tl.constexpr(128)
 
 
 @triton.jit
-def _moments_combine(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
-    return a0 + a1, tl.minimum(b0, b1), tl.maximum(c0, c1), d0 + d1, e0 + e1
+def _sum_sum_combine(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
 
 
 @triton.jit
@@ -179,37 +179,33 @@ def _weighted_cut(key, score, w, need):
     keys with c_lo = tokens at or above lo > k and c_hi = tokens at or above hi < k; each step
     probes a value inside (`_probe`) and snaps the bracket to the nearest keys on either side.
     When k is at least 1/128 of the tokens, the first step probes two values in one reduction:
-    where a normal distribution of the scores (the tokens' weighted mean and variance, summed
-    with the bracket's first ends) puts the (k / 1.5)-th and the (1.5 k)-th largest, and the
-    bracket usually holds few keys after it. In simulations over LLM-like and random PQ indexes
-    (N = 32K-128K, C = 64, M = 2, rows of 4096 combinations), this took the average number of steps
-    at heavy 1024-2048 from 8.9-13.1 to 5.4-6.9. H200, `PQIndex.select` by graph replay, against
-    interpolation from the first step: B=1 N=128K heavy 2048 15.9 -> 13.4 us, B=8 N=32K heavy
-    1024 20.7 -> 17.6 us. Further out in the tail it saved no step on the slowest of 32 rows and
-    cost a longer first one (B=1, N=32000, heavy 128: 13.0 -> 13.6 us), hence the 1/128.
+    where a normal distribution of the scores (the tokens' weighted mean and variance) puts the
+    (k / 1.5)-th and the (1.5 k)-th largest, and the bracket usually holds few keys after it. In
+    simulations over LLM-like and random PQ indexes (N = 32K-128K, C = 64, M = 2, rows of 4096
+    combinations) this took the average number of steps at heavy 1024-2048 from 8.9-13.1 to
+    5.4-6.9. H200, `PQIndex.select` by graph replay, against interpolation from the first step:
+    B=1 N=128K heavy 2048 15.9 -> 13.4 us, B=8 N=32K heavy 1024 20.7 -> 17.6 us. Further out in
+    the tail it saved no step on the slowest of 32 rows and cost a longer first one (B=1, N=32000,
+    heavy 128: 13.0 -> 13.6 us), hence the 1/128.
     """
     valid = w > 0
-    wf = w.to(tl.float32)
-    moment = tl.where(valid, wf * score, 0.0)
-    absent = tl.full([], 0xFFFFFFFF, tl.uint32)
-    if _SEPARATE_REDUCTIONS:
-        total, lo, top = _sum_min_max(w, tl.where(valid, key, absent), key)
-        s1, s2 = tl.sum(moment), tl.sum(tl.where(valid, moment * score, 0.0))
-    else:
-        total, lo, top, s1, s2 = tl.reduce(
-            (w, tl.where(valid, key, absent), key, moment, tl.where(valid, moment * score, 0.0)),
-            0,
-            _moments_combine,
-        )
+    total, lo, top = _sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
     k = tl.minimum(need, total)
-    n = tl.maximum(total, 1).to(tl.float32)
-    mean = s1 / n
     lo = lo.to(tl.int64)
     hi = top.to(tl.int64) + 1
     c_lo = total
     c_hi = 0
     go = (k > 0) & (c_lo > k)
     if go & (k * _NORMAL_FROM >= total):  # (not followed by a bisection: the probes go on from there)
+        # (the moments in a reduction of their own: carried by the first one, they made every
+        # selection slower, 0.3-0.45 us at B=1, heavy 128)
+        moment = tl.where(valid, w.to(tl.float32) * score, 0.0)
+        if _SEPARATE_REDUCTIONS:
+            s1, s2 = tl.sum(moment), tl.sum(moment * score)
+        else:
+            s1, s2 = tl.reduce((moment, moment * score), 0, _sum_sum_combine)
+        n = total.to(tl.float32)
+        mean = s1 / n
         kf = k.to(tl.float32)
         sd = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
         p_hi = _order_key(mean + _upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
