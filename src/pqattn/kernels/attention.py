@@ -11,6 +11,8 @@ in head order). Causal attention is bottom-right aligned (query i sees keys j <=
 the loop stops at the last visible key block; the blocks every row of the program sees whole run
 without masks, the diagonal band and the tail are masked against Sk and the diagonal, so lengths
 need not be multiples of the block sizes. A row that sees no key is a zero row with log-sum-exp -inf.
+The exponentials stay float32: a packed half-precision exp2 (ex2.approx.f16x2 through inline PTX)
+compiles on sm_90 to two scalar MUFU.EX2 ops per pair, and ran 0.92-1.0x as fast on the H200.
 """
 
 from __future__ import annotations
