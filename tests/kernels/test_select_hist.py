@@ -364,7 +364,7 @@ def _weighted_cut_probe(score_ptr, w_ptr, need, out_ptr, P: tl.constexpr):
     lane = tl.arange(0, P)
     score = tl.load(score_ptr + lane)
     w = tl.load(w_ptr + lane)
-    cut, quota, k = _weighted_cut(tl.where(w > 0, _order_key(score), 0), w, need)
+    cut, quota, k = _weighted_cut(tl.where(w > 0, _order_key(score), 0), score, w, need)
     tl.store(out_ptr, cut.to(tl.int32, bitcast=True))
     tl.store(out_ptr + 1, quota)
     tl.store(out_ptr + 2, k)
@@ -416,12 +416,14 @@ def _score_sets(P: int, g: torch.Generator) -> dict[str, tuple[torch.Tensor, tor
         "heavy-counts",
     ],
 )
-@pytest.mark.parametrize("P,warps", [(16, 4), (256, 4), (4096, 8)])
+@pytest.mark.parametrize("P,warps", [(16, 4), (256, 4), (1024, 4), (4096, 8)])
 def test_weighted_cut_search(dist: str, P: int, warps: int, device: torch.device) -> None:
     """The weighted cut on score sets far from normal: k = min(need, tokens), the tokens of keys
     above the cut number at most k, the quota comes from the ties at the cut, and together they
     are exactly k (cut 0xFFFFFFFF and no quota when k = 0). Keys compare as the kernel orders the
-    float32 scores (-0.0 below +0.0). P = 16 under 4 warps: more threads than combinations."""
+    float32 scores (-0.0 below +0.0). P = 16 under 4 warps: more threads than combinations; P >=
+    1024: with the normal-model first probes (one step with two probes), taken when k is at least
+    1/128 of the tokens, so for most `need`."""
     g = torch.Generator().manual_seed(11)
     score, w = _score_sets(P, g)[dist]
     score = score.float()

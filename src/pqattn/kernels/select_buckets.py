@@ -221,7 +221,7 @@ def _pq_bucket_select_kernel(
             digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
             score += tl.load(lut_row + m * C + digit)
         key = tl.where(w > 0, _order_key(score), 0)
-        cut, quota, k = _weighted_cut(key, w, need)
+        cut, quota, k = _weighted_cut(key, score, w, need)
 
         # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
         # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in

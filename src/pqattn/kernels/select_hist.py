@@ -31,7 +31,15 @@ import triton.language as tl
 
 from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
-from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _probe, _sum_min_max, _write_lut
+from pqattn.kernels.select import (
+    _SEPARATE_REDUCTIONS,
+    _load_codes,
+    _lut_base,
+    _order_key,
+    _probe,
+    _sum_min_max,
+    _write_lut,
+)
 
 MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
 ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
@@ -137,36 +145,88 @@ def _pq_histogram_kernel(
 
 
 @triton.jit
-def _weighted_cut(key, w, need):
-    """(cut, quota, k) for keys [P] (0: no candidate) carrying w tokens each: the k = min(need,
-    sum w) largest tokens are all those of keys > cut plus `quota` of those of key == cut.
+def _upper_probit(c, total):
+    """z with P(Z > z) = c / total for a standard normal Z (Abramowitz & Stegun 26.2.23, error
+    below 5e-4; the tail clamped at 2^-40 and 1 - 2^-23): where a normal distribution of the
+    scores would put the value that c of `total` tokens reach."""
+    p = tl.minimum(tl.maximum(c / total, 9.094947e-13), 0.99999988)
+    t = tl.sqrt(-1.3862944 * tl.log2(tl.minimum(p, 1.0 - p)))  # -2 ln
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (
+        1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308))
+    )
+    return tl.where(p < 0.5, z, -z)
+
+
+# The first two probes aim at k / _SPREAD and k * _SPREAD tokens under the normal model, when k
+# is at least 1 / _NORMAL_FROM of the candidates: further out in the tail the model places them
+# worse than the interpolation between the extreme keys does (below).
+_SPREAD: tl.constexpr = tl.constexpr(1.5)
+_NORMAL_FROM: tl.constexpr = tl.constexpr(128)
+# Rows of fewer combinations compile without the normal probes: few keys leave few steps to save,
+# and at P = 16 under 4 warps (a [P] vector replicated across threads) the bucket kernel with them
+# compiled failed one GPU case with an illegal address (H200, Triton 3.6; cause not found).
+_NORMAL_MIN_COMBOS: tl.constexpr = tl.constexpr(1024)
+
+
+@triton.jit
+def _sum_sum_combine(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _weighted_cut(key, score, w, need):
+    """(cut, quota, k) for keys [P] (0: no candidate) of the float32 scores `score`, carrying w
+    tokens each: the k = min(need, sum w) largest tokens are all those of keys > cut plus `quota`
+    of those of key == cut.
 
     The search of pqattn.kernels.select._top_k with token counts: a bracket lo < hi of existing
     keys with c_lo = tokens at or above lo > k and c_hi = tokens at or above hi < k; each step
     probes a value inside (`_probe`) and snaps the bracket to the nearest keys on either side.
-    (Tried, not kept: a first step with two probes where a normal distribution of the scores puts
-    the (k / 1.5)-th and (1.5 k)-th largest took the average steps at heavy 1024-2048 from 9-13 to
-    5-7 and, on the H200, B=8 N=32K heavy 1024 from 20.7 to 17.6 us, but one GPU test case, P=16
-    under 4 warps, then failed with an illegal address whose cause was not found.)
+    When a row has at least _NORMAL_MIN_COMBOS combinations and k is at least 1/128 of its
+    tokens, the first step probes two values in one reduction: where a normal distribution of the
+    scores (the tokens' weighted mean and variance) puts the (k / 1.5)-th and the (1.5 k)-th
+    largest, and the bracket usually holds few keys after it. In simulations over LLM-like and
+    random PQ indexes (N = 32K-128K, C = 64, M = 2, rows of 4096 combinations) this took the
+    average number of steps at heavy 1024-2048 from 8.9-13.1 to 5.4-6.9. H200, `PQIndex.select`
+    by graph replay, against interpolation from the first step: B=1 N=128K heavy 2048 15.9 ->
+    13.4 us, B=8 N=32K heavy 1024 20.7 -> 17.6 us. Further out in the tail it saved no step on
+    the slowest of 32 rows and cost a longer first one (B=1, N=32000, heavy 128: 13.0 -> 13.6 us),
+    hence the 1/128.
     """
-    total, lo, top = _sum_min_max(w, tl.where(w > 0, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
+    valid = w > 0
+    total, lo, top = _sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
     k = tl.minimum(need, total)
     lo = lo.to(tl.int64)
     hi = top.to(tl.int64) + 1
     c_lo = total
     c_hi = 0
-    bisect = False
     go = (k > 0) & (c_lo > k)
+    if key.shape[0] >= _NORMAL_MIN_COMBOS:  # noqa: SIM102 (compile time; the inner test runs)
+        if go & (k * _NORMAL_FROM >= total):  # (not followed by a bisection: the probes go on from there)
+            # (the moments in a reduction of their own: carried by the first one, they made every
+            # selection slower, 0.3-0.45 us at B=1, heavy 128)
+            moment = tl.where(valid, w.to(tl.float32) * score, 0.0)
+            if _SEPARATE_REDUCTIONS:
+                s1, s2 = tl.sum(moment), tl.sum(moment * score)
+            else:
+                s1, s2 = tl.reduce((moment, moment * score), 0, _sum_sum_combine)
+            n = total.to(tl.float32)
+            mean = s1 / n
+            kf = k.to(tl.float32)
+            sd = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
+            p_hi = _order_key(mean + _upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
+            p_lo = _order_key(mean + _upper_probit(tl.minimum(kf * _SPREAD, n - 0.5), n) * sd).to(tl.int64)
+            p_hi = tl.minimum(tl.maximum(p_hi, lo + 1), hi - 1)
+            p_lo = tl.minimum(tl.maximum(tl.minimum(p_lo, p_hi), lo + 1), hi - 1)
+            lo, hi, c_lo, c_hi = _bracket_step2(
+                key, w, k, p_hi.to(tl.uint32), p_lo.to(tl.uint32), lo, hi, c_lo, c_hi
+            )
+            go = (c_lo > k) & (hi - lo > 1)
+    bisect = False
     while go:
         p32 = _probe(lo, hi, c_lo, c_hi, k, bisect)
-        diff = key - p32  # wraps: see _top_k
-        c, d_min, d_max = _sum_min_max(tl.where(key >= p32, w, 0), diff, diff)
         width = hi - lo
-        up = c >= k
-        lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
-        c_lo = tl.where(up, c, c_lo)
-        hi = tl.where(up, hi, (p32 + d_max).to(tl.int64) + 1)
-        c_hi = tl.where(up, c_hi, c)
+        lo, hi, c_lo, c_hi = _bracket_step(key, w, k, p32, lo, hi, c_lo, c_hi)
         bisect = 2 * (hi - lo) > width
         go = (c_lo > k) & (hi - lo > 1)
     # c_lo == k: every key >= lo is taken (cut just below lo, no ties); else hi == lo + 1: lo is
@@ -175,6 +235,49 @@ def _weighted_cut(key, w, need):
     cut = tl.where(k == 0, 0xFFFFFFFF, tl.where(exact, lo - 1, lo)).to(tl.uint32)
     quota = tl.where(exact, 0, tl.where(k == 0, 0, k - c_hi))
     return cut, quota, k
+
+
+@triton.jit
+def _two_counts_combine(a0, b0, c0, d0, e0, f0, a1, b1, c1, d1, e1, f1):
+    return a0 + a1, tl.minimum(b0, b1), tl.maximum(c0, c1), d0 + d1, tl.minimum(e0, e1), tl.maximum(f0, f1)
+
+
+@triton.jit
+def _bracket_step2(key, w, k, p_hi, p_lo, lo, hi, c_lo, c_hi):
+    """_bracket_step with two probes lo < p_lo <= p_hi < hi counted in one reduction: the bracket
+    shrinks to the side of either, or between them."""
+    d_hi = key - p_hi  # wraps: see _top_k
+    d_lo = key - p_lo
+    w_hi = tl.where(key >= p_hi, w, 0)
+    w_lo = tl.where(key >= p_lo, w, 0)
+    if _SEPARATE_REDUCTIONS:
+        c1, min1, max1 = _sum_min_max(w_hi, d_hi, d_hi)
+        c2, min2, max2 = _sum_min_max(w_lo, d_lo, d_lo)
+    else:
+        c1, min1, max1, c2, min2, max2 = tl.reduce(
+            (w_hi, d_hi, d_hi, w_lo, d_lo, d_lo), 0, _two_counts_combine
+        )
+    up_hi = c1 >= k
+    up_lo = c2 >= k
+    lo = tl.where(up_hi, (p_hi + min1).to(tl.int64), tl.where(up_lo, (p_lo + min2).to(tl.int64), lo))
+    c_lo = tl.where(up_hi, c1, tl.where(up_lo, c2, c_lo))
+    hi = tl.where(up_hi, hi, tl.where(up_lo, (p_hi + max1).to(tl.int64) + 1, (p_lo + max2).to(tl.int64) + 1))
+    c_hi = tl.where(up_hi, c_hi, tl.where(up_lo, c1, c2))
+    return lo, hi, c_lo, c_hi
+
+
+@triton.jit
+def _bracket_step(key, w, k, p32, lo, hi, c_lo, c_hi):
+    """Count the tokens at or above the probe p32 (lo < p32 < hi) and snap the bracket's end on
+    that side to the nearest key."""
+    diff = key - p32  # wraps: see _top_k
+    c, d_min, d_max = _sum_min_max(tl.where(key >= p32, w, 0), diff, diff)
+    up = c >= k
+    lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
+    c_lo = tl.where(up, c, c_lo)
+    hi = tl.where(up, hi, (p32 + d_max).to(tl.int64) + 1)
+    c_hi = tl.where(up, c_hi, c)
+    return lo, hi, c_lo, c_hi
 
 
 @triton.jit
@@ -260,7 +363,7 @@ def _pq_cut_kernel(
             BLOCK_D,
         )
         key = tl.where(w > 0, _order_key(score), 0)
-        cut, quota, k = _weighted_cut(key, w, need)
+        cut, quota, k = _weighted_cut(key, score, w, need)
         tl.store(words, k)
         tl.store(words + 1, quota)
         tl.store(words + 4, cut.to(tl.int32, bitcast=True))
