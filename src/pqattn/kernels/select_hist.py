@@ -164,7 +164,9 @@ _SPREAD: tl.constexpr = tl.constexpr(1.5)
 _NORMAL_FROM: tl.constexpr = tl.constexpr(128)
 # Rows of fewer combinations compile without the normal probes: few keys leave few steps to save,
 # and at P = 16 under 4 warps (a [P] vector replicated across threads) the bucket kernel with them
-# compiled failed one GPU case with an illegal address (H200, Triton 3.6; cause not found).
+# wrote its marks out of bounds in one GPU test case (compute-sanitizer, H200, Triton 3.6: 144 MB
+# below the workspace, so the cut's counts were wrong), while the same cut in a kernel of its own
+# passes its test at P = 16. The cause was not found.
 _NORMAL_MIN_COMBOS: tl.constexpr = tl.constexpr(1024)
 
 
