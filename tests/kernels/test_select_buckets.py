@@ -24,7 +24,10 @@ from pqattn.kernels.select_hist import count_combos
 from tests.helpers import assert_index_selection, assert_selection_exact
 from tests.kernels.test_select_hist import CASES as HIST_CASES
 
-CONFIG_IDS = [f"CHUNK{c.kwargs['CHUNK']}-w{c.num_warps}" for c in BUCKET_CONFIGS]
+CONFIG_IDS = [
+    f"CHUNK{c.kwargs['CHUNK']}-w{c.num_warps}" + (f"-late-r{c.maxnreg}" if c.kwargs["LATE_RUNS"] else "")
+    for c in BUCKET_CONFIGS
+]
 
 
 def _buckets(codes, lengths, C, window, cand_lo):
@@ -85,6 +88,7 @@ def run_case(
     recent,
     config,
     round_centroids=False,
+    equal_centroids=False,
     calls=2,
 ) -> None:
     """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths."""
@@ -93,6 +97,8 @@ def run_case(
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
     if round_centroids:  # few distinct scores: ties at the cut
         cent = cent.round()
+    if equal_centroids:  # one score: every combination ties at the cut
+        cent = cent[:, :, :, :1].expand_as(cent).contiguous()
     codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
     lens = torch.tensor(lengths, device=device)
     threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
@@ -166,6 +172,35 @@ CASES["long-ties"] = dict(
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_select_cases(case: dict, config: triton.Config, recent: int, device: torch.device) -> None:
     run_case(device, **case, recent=recent, config=config)
+
+
+@pytest.mark.parametrize("recent", [0, 5000], ids=lambda r: f"recent{r}")
+@pytest.mark.parametrize("heavy", [12_000, 16_500], ids=lambda h: f"heavy{h}")
+@pytest.mark.parametrize("M, N", [(2, 60_000), (1, 80_000)], ids=["4x15K", "2x40K"])
+def test_every_combination_tied(M: int, N: int, heavy: int, recent: int, device: torch.device) -> None:
+    """Every combination at the cut (one score), quota = heavy: runs of 15K-40K tokens at the cut,
+    more than the quota each, laid out after one another (the tie counts of the slot scan exceed
+    16 bits)."""
+    for config in (BUCKET_CONFIGS[0], BUCKET_CONFIGS[2]):
+        run_case(
+            device,
+            B=1,
+            H=2,
+            Hkv=1,
+            N=N,
+            D=32,
+            M=M,
+            bits=1,
+            lengths=[N],
+            sink=4,
+            window=8,
+            heavy=heavy,
+            init_offset=4,
+            recent=recent,
+            config=config,
+            equal_centroids=True,
+            calls=1,
+        )
 
 
 def test_large_shapes_on_gpu(device: torch.device) -> None:
@@ -243,11 +278,14 @@ def test_index_selects_from_its_buckets(kernel_routes, device: torch.device, mon
 
 
 def test_the_config_follows_the_rows(monkeypatch) -> None:
-    """8 warps while every row has an SM of its own, 4 beyond (and off the GPU)."""
+    """8 warps while every row has an SM of its own, 4 while two rows share one, 4 with a register
+    cap beyond (and 4 off the GPU)."""
     import pqattn.kernels.select_buckets as select_buckets
 
     monkeypatch.setattr(select_buckets, "_sm_count", lambda device: 4)
     cuda = torch.device("cuda")
     assert select_buckets.select_config(4, cuda) is BUCKET_CONFIGS[1]
     assert select_buckets.select_config(5, cuda) is BUCKET_CONFIGS[0]
+    assert select_buckets.select_config(8, cuda) is BUCKET_CONFIGS[0]
+    assert select_buckets.select_config(9, cuda) is BUCKET_CONFIGS[2]
     assert select_buckets.select_config(1, torch.device("cpu")) is BUCKET_CONFIGS[0]

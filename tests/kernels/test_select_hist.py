@@ -364,7 +364,7 @@ def _weighted_cut_probe(score_ptr, w_ptr, need, out_ptr, P: tl.constexpr):
     lane = tl.arange(0, P)
     score = tl.load(score_ptr + lane)
     w = tl.load(w_ptr + lane)
-    cut, quota, k = _weighted_cut(tl.where(w > 0, _order_key(score), 0), score, w, need)
+    cut, quota, k = _weighted_cut(tl.where(w > 0, _order_key(score), 0), w, need)
     tl.store(out_ptr, cut.to(tl.int32, bitcast=True))
     tl.store(out_ptr + 1, quota)
     tl.store(out_ptr + 2, k)

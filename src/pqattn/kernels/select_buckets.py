@@ -43,22 +43,32 @@ from pqattn.kernels.launch import Launcher
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _write_lut
 from pqattn.kernels.select_hist import HIST_TILE, _combo, _need, _weighted_cut, count_combos
 
-# Warps per row program (and slots or tokens per step of its loops). Both configs are exercised
-# by the tests and by `pqattn check`. One stage: pipelined, the loops' loads of the marks and the
-# LUT could become asynchronous copies, which read L2, where this program's own stores need not
-# have arrived; plain loads see them after the barrier.
+# Warps per row program (and slots or tokens per step of its loops), where the runs' bounds are
+# loaded, and a register cap. Every config is exercised by the tests and by `pqattn check`. One
+# stage: pipelined, the loops' loads of the marks and the LUT could become asynchronous copies,
+# which read L2, where this program's own stores need not have arrived; plain loads see them after
+# the barrier.
 BUCKET_CONFIGS = [
-    triton.Config({"CHUNK": 1024}, num_warps=4, num_stages=1),
-    triton.Config({"CHUNK": 2048}, num_warps=8, num_stages=1),
+    triton.Config({"CHUNK": 1024, "LATE_RUNS": False}, num_warps=4, num_stages=1),
+    triton.Config({"CHUNK": 2048, "LATE_RUNS": False}, num_warps=8, num_stages=1),
+    triton.Config({"CHUNK": 1024, "LATE_RUNS": True}, num_warps=4, num_stages=1, maxnreg=168),
 ]
 
 
 def select_config(rows: int, device: torch.device) -> triton.Config:
-    """8 warps while the rows fit on the SMs one program each (a row's latency is the time), else
-    4 (more programs per SM). H200, graph replay, H = 32: B = 1, N = 32K-512K, heavy 2048: 8 warps
-    13.3-15.9 us against 4 warps 15.1-17.6; B = 8 and 32: 4 warps 19-77 us against 27-106."""
-    if device.type == "cuda" and rows <= _sm_count(device):
-        return BUCKET_CONFIGS[1]
+    """By how many programs the SMs hold at once (a row's latency is the time while they hold all):
+    8 warps while the rows fit one program per SM; 4 warps (255 registers a thread at P = 4096:
+    two programs per SM) while they fit two; beyond that 4 warps capped at 168 registers (three
+    per SM; some spill) with the runs' bounds loaded after the search.
+    H200, graph replay, H = 32: B = 1, N = 32K-512K, heavy 2048: 8 warps 13.3-15.9 us against 4
+    warps 15.1-17.6; B = 8: 4 warps 17.5-19 us against 8 warps 25-31 and the capped config 19-21;
+    B = 32, N = 32K-512K, heavy 128-2048: capped 53-74 us against 57-85 uncapped."""
+    if device.type == "cuda":
+        sms = _sm_count(device)
+        if rows <= sms:
+            return BUCKET_CONFIGS[1]
+        if rows > 2 * sms:
+            return BUCKET_CONFIGS[2]
     return BUCKET_CONFIGS[0]
 
 
@@ -166,6 +176,7 @@ def _pq_bucket_select_kernel(
     DSUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,
+    LATE_RUNS: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // H
@@ -197,8 +208,9 @@ def _pq_bucket_select_kernel(
         combo = tl.arange(0, P)
         w = tl.load(hist_ptr + grp.to(tl.int64) * P + combo)
         starts_row = starts_ptr + grp.to(tl.int64) * (P + 1)
-        run = tl.load(starts_row + combo)
-        run_len = tl.load(starts_row + combo + 1) - run
+        if not LATE_RUNS:
+            run = tl.load(starts_row + combo)
+            run_len = tl.load(starts_row + combo + 1) - run
         lut_row = _lut_base(ws_ptr) + row * (M * C)
         _write_lut(
             q_ptr + b * stride_qb + h * stride_qh,
@@ -221,7 +233,10 @@ def _pq_bucket_select_kernel(
             digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
             score += tl.load(lut_row + m * C + digit)
         key = tl.where(w > 0, _order_key(score), 0)
-        cut, quota, k = _weighted_cut(key, score, w, need)
+        cut, quota, k = _weighted_cut(key, w, need)
+        if LATE_RUNS:  # loaded after the search, they hold no registers through it
+            run = tl.load(starts_row + combo)
+            run_len = tl.load(starts_row + combo + 1) - run
 
         # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
         # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
@@ -414,5 +429,13 @@ def pq_select_buckets(
             width,
             marks_off,
         ),
-        dict(M=M, C=C, BITS=C.bit_length() - 1, P=P, DSUB=dsub, BLOCK_D=min(dsub, 64), **config.all_kwargs()),
+        dict(
+            M=M,
+            C=C,
+            BITS=C.bit_length() - 1,
+            P=P,
+            DSUB=dsub,
+            BLOCK_D=min(dsub, 64),
+            **config.all_kwargs(),
+        ),
     )

@@ -176,10 +176,17 @@ def _sum_sum_combine(a0, b0, a1, b1):
 
 
 @triton.jit
-def _weighted_cut(key, score, w, need):
-    """(cut, quota, k) for keys [P] (0: no candidate) of the float32 scores `score`, carrying w
-    tokens each: the k = min(need, sum w) largest tokens are all those of keys > cut plus `quota`
-    of those of key == cut.
+def _key_score(key):
+    """The float32 score of an _order_key key (the inverse map)."""
+    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weighted_cut(key, w, need):
+    """(cut, quota, k) for keys [P] (0: no candidate; `_order_key` of the float32 scores) carrying
+    w tokens each: the k = min(need, sum w) largest tokens are all those of keys > cut plus
+    `quota` of those of key == cut.
 
     The search of pqattn.kernels.select._top_k with token counts: a bracket lo < hi of existing
     keys with c_lo = tokens at or above lo > k and c_hi = tokens at or above hi < k; each step
@@ -207,6 +214,9 @@ def _weighted_cut(key, score, w, need):
         if go & (k * _NORMAL_FROM >= total):  # (not followed by a bisection: the probes go on from there)
             # (the moments in a reduction of their own: carried by the first one, they made every
             # selection slower, 0.3-0.45 us at B=1, heavy 128)
+            # (the scores decoded from the keys: kept beside them, they held 32 more registers a
+            # thread through the search in the bucket kernel's 4-warp config)
+            score = _key_score(key)
             moment = tl.where(valid, w.to(tl.float32) * score, 0.0)
             if _SEPARATE_REDUCTIONS:
                 s1, s2 = tl.sum(moment), tl.sum(moment * score)
@@ -365,7 +375,7 @@ def _pq_cut_kernel(
             BLOCK_D,
         )
         key = tl.where(w > 0, _order_key(score), 0)
-        cut, quota, k = _weighted_cut(key, score, w, need)
+        cut, quota, k = _weighted_cut(key, w, need)
         tl.store(words, k)
         tl.store(words + 1, quota)
         tl.store(words + 4, cut.to(tl.int32, bitcast=True))

@@ -301,7 +301,12 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
         workspace=workspace,
         histogram=hist,
         buckets=buckets,
-        config=triton.Config({"CHUNK": config["CHUNK"]}, num_warps=config["num_warps"], num_stages=1),
+        config=triton.Config(
+            {"CHUNK": config["CHUNK"], "LATE_RUNS": config["LATE_RUNS"]},
+            num_warps=config["num_warps"],
+            num_stages=1,
+            maxnreg=config["maxnreg"],
+        ),
     )
     return positions, counts, None
 
@@ -309,7 +314,7 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
 def _select_buckets_configs() -> list[dict]:
     from pqattn.kernels.select_buckets import BUCKET_CONFIGS
 
-    return [{**c.kwargs, "num_warps": c.num_warps} for c in BUCKET_CONFIGS]
+    return [{**c.kwargs, "num_warps": c.num_warps, "maxnreg": c.maxnreg} for c in BUCKET_CONFIGS]
 
 
 def _select_configs() -> list[dict]:
