@@ -22,6 +22,7 @@ from pqattn.kernels.select_hist import (
     MAX_COMBOS,
     ROW_WORDS,
     SCAN_CONFIGS,
+    _normal_probes,
     _weighted_cut,
     count_combos,
     pq_select_hist,
@@ -447,3 +448,33 @@ def test_weighted_cut_search(dist: str, P: int, warps: int, device: torch.device
         at = int(w[key == cut].sum())
         assert 0 <= quota <= at, (need, cut, quota, at)
         assert above + quota == k, (need, above, quota, k)
+
+
+@triton.jit
+def _normal_probes_probe(score_ptr, w_ptr, k, total, out_ptr, P: tl.constexpr):
+    lane = tl.arange(0, P)
+    w = tl.load(w_ptr + lane)
+    key = tl.where(w > 0, _order_key(tl.load(score_ptr + lane)), 0)
+    p_hi, p_lo = _normal_probes(key, w, k, total)
+    tl.store(out_ptr, p_hi)
+    tl.store(out_ptr + 1, p_lo)
+
+
+@pytest.mark.parametrize("empty", [0.0, 0.05, 0.5], ids=lambda e: f"empty{e}")
+def test_normal_probes_bracket_k(empty: float, device: torch.device) -> None:
+    """On normally distributed scores, with combinations of no token among them (key 0), the two
+    probes land where about k / 1.5 and 1.5 k tokens score at or above them."""
+    P, k = 4096, 2048
+    g = torch.Generator().manual_seed(5)
+    score = torch.randn(P, generator=g)
+    w = torch.randint(1, 40, (P,), generator=g) * (torch.rand(P, generator=g) >= empty)
+    total = int(w.sum())
+    bits = score.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >> 31 == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    out = torch.zeros(2, dtype=torch.int64, device=device)
+    _normal_probes_probe[(1,)](
+        score.to(device), w.to(torch.int32).to(device), k, total, out, P=P, num_warps=8
+    )
+    p_hi, p_lo = (int(x) for x in out.cpu())
+    at_hi, at_lo = int(w[key >= p_hi].sum()), int(w[key >= p_lo].sum())
+    assert k / 3 <= at_hi < k < at_lo <= 3 * k, (at_hi, at_lo, k)

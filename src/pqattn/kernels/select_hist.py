@@ -183,6 +183,31 @@ def _key_score(key):
 
 
 @triton.jit
+def _normal_probes(key, w, k, total):
+    """(p_hi, p_lo) int64: the keys of the scores that the (k / _SPREAD)-th and the (k * _SPREAD)-th
+    largest of `total` tokens would have if the tokens' scores (keys [P], w tokens each, 0 < k <
+    total) were normally distributed with their weighted mean and variance."""
+    valid = w > 0
+    # The scores decoded from the keys (kept beside them, they held 32 more registers a thread
+    # through the search in the bucket kernel's 4-warp config); a key of 0 decodes to NaN. The
+    # moments in a reduction of their own: carried by the first one, they made every selection
+    # slower, 0.3-0.45 us at B=1, heavy 128.
+    score = tl.where(valid, _key_score(key), 0.0)
+    moment = w.to(tl.float32) * score
+    if _SEPARATE_REDUCTIONS:
+        s1, s2 = tl.sum(moment), tl.sum(moment * score)
+    else:
+        s1, s2 = tl.reduce((moment, moment * score), 0, _sum_sum_combine)
+    n = total.to(tl.float32)
+    mean = s1 / n
+    kf = k.to(tl.float32)
+    sd = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
+    p_hi = _order_key(mean + _upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
+    p_lo = _order_key(mean + _upper_probit(tl.minimum(kf * _SPREAD, n - 0.5), n) * sd).to(tl.int64)
+    return p_hi, p_lo
+
+
+@triton.jit
 def _weighted_cut(key, w, need):
     """(cut, quota, k) for keys [P] (0: no candidate; `_order_key` of the float32 scores) carrying
     w tokens each: the k = min(need, sum w) largest tokens are all those of keys > cut plus
@@ -212,22 +237,7 @@ def _weighted_cut(key, w, need):
     go = (k > 0) & (c_lo > k)
     if key.shape[0] >= _NORMAL_MIN_COMBOS:  # noqa: SIM102 (compile time; the inner test runs)
         if go & (k * _NORMAL_FROM >= total):  # (not followed by a bisection: the probes go on from there)
-            # (the moments in a reduction of their own: carried by the first one, they made every
-            # selection slower, 0.3-0.45 us at B=1, heavy 128)
-            # (the scores decoded from the keys: kept beside them, they held 32 more registers a
-            # thread through the search in the bucket kernel's 4-warp config)
-            score = _key_score(key)
-            moment = tl.where(valid, w.to(tl.float32) * score, 0.0)
-            if _SEPARATE_REDUCTIONS:
-                s1, s2 = tl.sum(moment), tl.sum(moment * score)
-            else:
-                s1, s2 = tl.reduce((moment, moment * score), 0, _sum_sum_combine)
-            n = total.to(tl.float32)
-            mean = s1 / n
-            kf = k.to(tl.float32)
-            sd = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
-            p_hi = _order_key(mean + _upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
-            p_lo = _order_key(mean + _upper_probit(tl.minimum(kf * _SPREAD, n - 0.5), n) * sd).to(tl.int64)
+            p_hi, p_lo = _normal_probes(key, w, k, total)
             p_hi = tl.minimum(tl.maximum(p_hi, lo + 1), hi - 1)
             p_lo = tl.minimum(tl.maximum(tl.minimum(p_lo, p_hi), lo + 1), hi - 1)
             lo, hi, c_lo, c_hi = _bracket_step2(
