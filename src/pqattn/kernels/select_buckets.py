@@ -61,8 +61,11 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     two programs per SM) while they fit two; beyond that 4 warps capped at 168 registers (three
     per SM; some spill) with the runs' bounds loaded after the search.
     H200, graph replay, H = 32: B = 1, N = 32K-512K, heavy 2048: 8 warps 13.3-15.9 us against 4
-    warps 15.1-17.6; B = 8: 4 warps 17.5-19 us against 8 warps 25-31 and the capped config 19-21;
-    B = 32, N = 32K-512K, heavy 128-2048: capped 53-74 us against 57-85 uncapped."""
+    warps 15.1-17.6; B = 8: 4 warps 17.5-19 us against 8 warps 25-31 (the capped config: N = 128K,
+    heavy 2048, 20.9 against 19.2); B = 32, N = 128K-512K, heavy 1024-2048: capped 60-71 us
+    against 62-75 uncapped in the same run, and the scaling table at N = 32K 59-74 against 62-79.
+    (Pairs of int32 instead of int64 in the slot scan spilled half as much under the cap and ran
+    another 5-6 us faster there, but need 16-bit counts that a tie at the cut can overflow.)"""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
