@@ -432,13 +432,5 @@ def pq_select_buckets(
             width,
             marks_off,
         ),
-        dict(
-            M=M,
-            C=C,
-            BITS=C.bit_length() - 1,
-            P=P,
-            DSUB=dsub,
-            BLOCK_D=min(dsub, 64),
-            **config.all_kwargs(),
-        ),
+        dict(M=M, C=C, BITS=C.bit_length() - 1, P=P, DSUB=dsub, BLOCK_D=min(dsub, 64), **config.all_kwargs()),
     )
