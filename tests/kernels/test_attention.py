@@ -6,12 +6,15 @@ benchmark shapes). Lengths are deliberately not multiples of any block size.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import triton
 
 from pqattn import ops
 from pqattn import reference as ref
+from pqattn.kernels import attention
 from pqattn.kernels.attention import ATTENTION_CONFIGS, _l2_bytes, flash_forward, rows_per_group
 
 CONFIG_IDS = [
@@ -142,3 +145,28 @@ def test_tma_configs_need_aligned_strides(device: torch.device) -> None:
     flash_forward(q, k, k, out=out, causal=True, config=plain)
     want = ref.dense_attention(q.double(), k.double(), k.double(), causal=True)
     assert float((out.double() - want).abs().max()) <= ATOL[torch.float16]
+
+
+@pytest.mark.parametrize("config", [None, *ATTENTION_CONFIGS], ids=["autotuned", *CONFIG_IDS])
+def test_a_repeated_call_replays_its_launch(config, monkeypatch, device: torch.device) -> None:
+    """On a GPU a call that repeats an earlier call's signature launches the compiled kernel it
+    remembered, on the new call's tensors (fresh data and addresses each time): after the first
+    call with a forced config, after the second with an autotuned one; the JIT is then not
+    reached. Under the interpreter nothing is remembered."""
+    monkeypatch.setattr(attention, "_REPEATS", {})
+    shape = dict(B=2, H=4, Hkv=2, Sq=100, Sk=130, D=64, dtype=torch.float16, causal=True, config=config)
+    for _ in range(2):
+        _run(device, **shape)
+    if device.type != "cuda":
+        assert attention._REPEATS == {}
+        return
+    (entry,) = attention._REPEATS.values()
+    assert isinstance(entry, attention._Repeat)
+    monkeypatch.setattr(attention, "_flash_forward_kernel", None)  # the JIT path would fail
+    monkeypatch.setattr(attention, "_flash_forward_autotuned", types.SimpleNamespace(best_config=None))
+    for _ in range(2):
+        _run(device, **shape)
+    if config is None:
+        assert attention._flash_forward_autotuned.best_config is entry.config, "the lab reads it"
+    with pytest.raises(TypeError, match="subscriptable"):  # another signature: the JIT's
+        _run(device, **{**shape, "Sq": 101})
