@@ -79,6 +79,25 @@ def test_launcher_matches_the_jit_launch_for_every_specialisation(device: torch.
         assert len(launch.kernels) == 3 * 2 * 2 * 2
 
 
+def test_a_remembered_kernel_is_launched_and_recorded(device: torch.device) -> None:
+    """A kernel compiled elsewhere for a call's arguments (the autotuner's) and given to the
+    Launcher: the next such call launches it, recordable at once (no compilation first). Under the
+    interpreter there are no compiled kernels: nothing is kept."""
+    launch = Launcher(_affine)
+    x, y = torch.randn(40, device=device), torch.empty(40, device=device)
+    kernel = _affine[(3,)](x, y, 40, 2.0, BLOCK=16)
+    launch.remember((x, y), (40, 2.0), {"BLOCK": 16}, kernel)
+    if device.type != "cuda":
+        assert launch.kernels == {}
+        return
+    assert [entry[0] for entry in launch.kernels.values()] == [kernel]
+    y.fill_(float("nan"))
+    with recording() as rec:
+        launch((3,), (x, y), (40, 2.0), {"BLOCK": 16})
+    assert rec.complete and rec.launches[0].compiled[1][0] is kernel
+    torch.testing.assert_close(y, x * 2.0 + 40, rtol=0, atol=0)
+
+
 def test_launcher_refuses_missing_constexprs(device: torch.device) -> None:
     if interpreted():
         pytest.skip("the interpreter runs Triton's own launch, which reports this itself")
@@ -140,8 +159,22 @@ class _FakeAutotuner(_Recorder):
         def run(*args, **kw):
             self.best_config = self.configs[self.pick]
             self.log.append(("autotuner", grid(self.best_config.kwargs), args, kw))
+            return ("compiled", self.best_config)  # what Triton's autotuner returns: the kernel it ran
 
         return run
+
+
+class _FakeLauncher:
+    """Stands in for TunedLauncher's Launcher: records launches and the kernels it is given."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def __call__(self, grid, tensors, scalars, kw) -> None:
+        self.log.append(("kernel", grid, tensors + scalars, kw))
+
+    def remember(self, tensors, scalars, kw, kernel) -> None:
+        self.log.append(("remember", tensors + scalars, kw, kernel))
 
 
 CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 64}, num_warps=8, num_stages=2)]
@@ -150,12 +183,18 @@ CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 64
 def test_autotunes_once_per_key_then_launches_the_choice() -> None:
     tuner = _FakeAutotuner(CONFIGS, pick=1)
     launch = TunedLauncher(tuner)
-    launch.launch = lambda grid, tensors, scalars, kw: tuner.log.append(
-        ("kernel", grid, tensors + scalars, kw)
-    )
+    launch.launch = _FakeLauncher(tuner.log)
     x = torch.zeros(3)
     grid = lambda c: (100 // c["BLOCK"], 2)  # noqa: E731
     launch((7, True), grid, (x,), (5,), {"D": 32})
+    # the kernel the autotuner ran is the launcher's for the next such call
+    assert tuner.log[-1] == (
+        "remember",
+        (x, 5),
+        {"D": 32, **CONFIGS[1].all_kwargs()},
+        ("compiled", CONFIGS[1]),
+    )
+    del tuner.log[-1]
     tuner.best_config = None  # the lab resets it before a call and reads it after
     launch((7, True), grid, (x,), (6,), {"D": 32})
     assert [e[0] for e in tuner.log] == ["autotuner", "kernel"]
@@ -165,7 +204,14 @@ def test_autotunes_once_per_key_then_launches_the_choice() -> None:
     assert tuner.best_config is CONFIGS[1]
     launch((8, True), grid, (x,), (6,), {"D": 32})  # another key
     launch((7, True), grid, (x.double(),), (6,), {"D": 32})  # another dtype: the autotuner's key has it
-    assert [e[0] for e in tuner.log] == ["autotuner", "kernel", "autotuner", "autotuner"]
+    assert [e[0] for e in tuner.log] == [
+        "autotuner",
+        "kernel",
+        "autotuner",
+        "remember",
+        "autotuner",
+        "remember",
+    ]
 
 
 def test_configs_with_a_pre_hook_are_refused() -> None:
@@ -196,7 +242,7 @@ def test_a_plan_replays_its_launches_with_new_inputs(device: torch.device) -> No
 def test_recordings_nest_and_an_unrecordable_launch_spoils_one() -> None:
     tuner = _FakeAutotuner(CONFIGS, pick=0)
     tuned = TunedLauncher(tuner)
-    tuned.launch = lambda grid, tensors, scalars, kw: None
+    tuned.launch = _FakeLauncher([])
     x = torch.zeros(3)
     grid = lambda c: (1,)  # noqa: E731
     with recording() as outer:

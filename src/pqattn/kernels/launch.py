@@ -146,6 +146,15 @@ class Launcher:
             *constants,
         )
 
+    def remember(self, tensors: tuple, scalars: tuple, kwargs: dict, kernel) -> None:
+        """Take `kernel`, compiled elsewhere for these arguments (by the autotuner), as this
+        launcher's: the next such call launches it (and can be recorded) instead of compiling."""
+        if interpreted() or kernel is None:
+            return
+        head = (_current_device(), *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors], *kwargs.items())
+        constexprs = self.fn.arg_names[len(tensors) + len(scalars) :]
+        self.kernels[(head, *map(arg_spec, scalars))] = (kernel, tuple(kwargs[n] for n in constexprs))
+
     def _compile_and_launch(
         self, key: tuple, grid: tuple, tensors: tuple, scalars: tuple, kwargs: dict
     ) -> None:
@@ -184,9 +193,11 @@ class TunedLauncher:
         if chosen is None:
             if _recording is not None:
                 _recording.complete = False  # the autotuner's trials are not a launch to repeat
-            self.autotuned[grid](*tensors, *scalars, **meta)
+            kernel = self.autotuned[grid](*tensors, *scalars, **meta)
             config = self.autotuned.best_config
             self.chosen[full_key] = (config, config.all_kwargs())
+            # the next call launches the kernel the autotuner ran (a recording sees it then)
+            self.launch.remember(tensors, scalars, {**meta, **config.all_kwargs()}, kernel)
             return
         config, kwargs = chosen
         self.autotuned.best_config = config
