@@ -498,7 +498,8 @@ def flash_forward(
         )
         blocks = None if descs is None else (list(descs[0].block_shape), list(descs[1].block_shape))
         launch._bind_driver()
-        _remember(key, _Repeat(kernel, key[-1], (*grid, 1, 1)[:3], scalars, constants, blocks, config, tuned))
+        device = launch._current_device()
+        _remember(key, _Repeat(kernel, device, (*grid, 1, 1)[:3], scalars, constants, blocks, config, tuned))
 
 
 def _remember(key: tuple, entry: triton.Config | _Repeat) -> None:
