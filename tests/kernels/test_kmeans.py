@@ -208,6 +208,23 @@ def test_empty_clusters_are_reseeded_like_the_reference(metric: str, device) -> 
     assert (got.objective[1:] <= got.objective[:-1] * (1 + 1e-5)).all(), "the objective never rises"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("metric", ["euclidean", "ip"])
+def test_a_point_as_near_to_two_centres_goes_to_the_lower_index(metric: str, dtype, device) -> None:
+    """Duplicate centres (an init that drew equal points): their points all go to the lower index
+    and the other centre, emptied, is reseeded, as in the reference. (A one-hot that marked every
+    best centre, one comparison per pair, would count such points twice: this test failed for it.)"""
+    keys, lengths = _keys(device, 1, 2, 300, 32, dtype, [300])
+    C, d = 8, 16
+    init = torch.randn(1, 2, 2, C, d + (metric == "ip"), device=device)
+    init[..., 5, :] = init[..., 2, :]
+    init[0, 1, 1, 7] = init[0, 1, 1, 0]  # one group with another pair
+    kw = dict(subvectors=2, bits=3, metric=metric, iters=3, tol=0.0, seed=0, init=init)
+    got = build_pq(keys, lengths, **kw)
+    want = ref_pq.build_pq(keys.double(), lengths, **{**kw, "init": init.double()})
+    _assert_same_build(got, want, lengths, 0)
+
+
 def test_early_stop_freezes_each_group_like_the_reference(device) -> None:
     """Groups stop at different iterations (different sizes); a stopped group's centres, codes and
     objective stay as they were while the others go on."""
