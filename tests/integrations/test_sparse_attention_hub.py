@@ -189,3 +189,106 @@ def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
         args[12] = full[:, : min(n - 1, tile - 4) - 8]
         sparse_list, sparse_len, weights, _, codebook, _ = indexer_next(*args)
         check_selection(args, sparse_list, sparse_len, weights, codebook)
+
+
+def _launched(call) -> tuple[list[str], tuple]:
+    """The kernels `call` launched (by name) and what it returned."""
+    from pqattn.kernels.launch import recording
+
+    with recording() as rec:
+        result = call()
+    return [r.launcher.fn.__name__ for r in rec.launches], result
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "ip"])
+def test_a_decode_loop_selects_from_buckets(
+    kernel_routes, metric: str, device: torch.device, monkeypatch
+) -> None:
+    """Calls that pass back the returned codebook: from the second one the buffer carries the
+    histogram and buckets, and a call is the encode launch and the bucket launch, through keys
+    appended one or several at a time, rows re-sent (the original's benchmark: the same codebook
+    every call), the candidates' end moving back, and the buckets rebuilt every REINDEX_AFTER
+    tokens. A write into the codebook, a re-send of more than `window` rows or other sizes count
+    them again. Every call's outputs by the checker's rules, against the reference."""
+    from pqattn import PQIndex
+
+    monkeypatch.setattr(PQIndex, "REINDEX_AFTER", 5)
+    sink, window, io = 8, 8, 8
+    args, keys, _ = make_call(
+        device, N=420, fresh=40, sink=sink, window=window, io=io, heavy=24, metric=metric
+    )
+    args = list(args)
+    args[1] = keys[:, :, :381]  # 372 rows quantized: one new key
+    first, out = _launched(lambda: indexer_next(*args))
+    assert "_pq_bucket_select_kernel" not in first, "a codebook from elsewhere: no state yet"
+    check_selection(args, out[0], out[1], out[2], out[4])
+    codebook = out[4]
+    # (tokens, rows of the last codebook passed back, what the call does)
+    steps = [
+        (385, 0, "counts"),
+        (386, 0, "appends"),
+        (389, 0, "appends 3"),
+        (389, -1, "re-sends 1 row"),
+        (389, -1, "re-sends 1 row"),
+        (388, -3, "goes back 3, appends 2"),
+        (395, 0, "appends 7 (and reindexes)"),
+        (395, -window, "re-sends `window` rows"),
+        (396, -window - 1, "re-sends more: counts"),
+        (397, 0, "appends"),
+    ]
+    for n, back, what in steps:
+        args[1] = keys[:, :, :n]
+        args[12] = codebook[:, : codebook.shape[1] + back]
+        names, out = _launched(lambda: indexer_next(*args))
+        sparse_list, sparse_len, weights, _, codebook, _ = out
+        check_selection(args, sparse_list, sparse_len, weights, codebook)
+        state = codebook._base._pqattn_state  # the histogram equals a recount of the codebook
+        tokens = codebook._base.transpose(1, 2)[:, :, :n]  # (rows before init_offset: never read)
+        _, starts = ref.bucket_candidates(
+            tokens, torch.full((1,), n, device=device), C=16, window=window, cand_lo=max(io, sink)
+        )
+        assert torch.equal(state.hist.long(), starts.diff(dim=-1)), what
+        counted = "_pq_bucket_kernel" in names
+        assert names[-1] == "_pq_bucket_select_kernel", (what, names)
+        assert counted == (
+            what.startswith("counts") or what.endswith("reindexes)") or what.endswith("counts")
+        ), (
+            what,
+            names,
+        )
+    # an in-place write into the codebook (any view of it) is seen: counted again, and followed
+    codebook[0, 30, 0, 0] = (codebook[0, 30, 0, 0] + 1) % 16
+    args[12] = codebook[:, :-1]
+    names, (sparse_list, sparse_len, weights, _, codebook, _) = _launched(lambda: indexer_next(*args))
+    assert "_pq_bucket_kernel" in names
+    check_selection(args, sparse_list, sparse_len, weights, codebook)
+    # other selection sizes (sink: the candidates start elsewhere) count them again too
+    args[3] = sink + 3
+    names, (sparse_list, sparse_len, weights, _, codebook, _) = _launched(lambda: indexer_next(*args))
+    assert "_pq_bucket_kernel" in names
+    check_selection(args, sparse_list, sparse_len, weights, codebook)
+
+
+def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.device) -> None:
+    """Only the returned codebook is kept (its buffer is reachable through it alone): the next
+    call still finds the histogram and buckets, and a codebook whose rows start elsewhere (another
+    init_offset) is copied instead."""
+    import gc
+
+    args, keys, _ = make_call(device, N=300, fresh=3)
+    args = list(args)
+    args[1] = keys[:, :, :298]
+    codebook = indexer_next(*args)[4]
+    args[1], args[12] = keys[:, :, :299], codebook
+    codebook = indexer_next(*args)[4]  # counts
+    gc.collect()
+    args[1], args[12] = keys, codebook
+    names, out = _launched(lambda: indexer_next(*args))
+    assert names == ["_pq_encode_kernel", "_pq_bucket_select_kernel"]
+    assert out[4].data_ptr() == codebook.data_ptr()
+    check_selection(args, out[0], out[1], out[2], out[4])
+    moved = list(args)
+    moved[9], moved[12] = 9, out[4][:, 1:]  # init_offset 9: the same rows from token 9
+    names, out = _launched(lambda: indexer_next(*moved))
+    assert "_pq_bucket_select_kernel" not in names and out[4].data_ptr() != codebook.data_ptr()
+    check_selection(moved, out[0], out[1], out[2], out[4])

@@ -90,8 +90,11 @@ def run_case(
     round_centroids=False,
     equal_centroids=False,
     calls=2,
+    weights_dtype=None,
+    index_dtype=torch.int32,
 ) -> None:
-    """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths."""
+    """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths; dense
+    weights when weights_dtype is given, positions and counts of index_dtype."""
     C = 2**bits
     q = torch.randn(B, H, D, device=device)
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
@@ -103,8 +106,9 @@ def run_case(
     lens = torch.tensor(lengths, device=device)
     threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
     width = ref.selection_width(sink, window, heavy, min(threshold, N))
-    pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
-    cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+    pos = torch.empty(B, H, width, dtype=index_dtype, device=device)
+    cnt = torch.empty(B, H, dtype=index_dtype, device=device)
+    weights = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
     workspace = torch.zeros(workspace_numel(B * H, M, C, heavy), dtype=torch.int32, device=device)
     hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=device)
     count_combos(codes, lens, hist, C=C, window=window, cand_lo=cand_lo)
@@ -127,12 +131,13 @@ def run_case(
             workspace=workspace,
             histogram=hist,
             buckets=buckets,
+            weights=None if weights is None else weights.fill_(float("nan")),
             config=config,
         )
         assert_selection_exact(
             pos,
             cnt,
-            None,
+            weights,
             q,
             cent,
             codes,
@@ -147,9 +152,13 @@ def run_case(
         assert (workspace[marks_off:] == 0).all(), "marks zeroed"
 
 
-# The histogram selection's cases (no dense weights here), and one whose bucketed slots span
-# several chunks of either config with ties at the cut split between buckets and recent tokens.
-CASES = {name: {k: v for k, v in c.items() if k != "weights_dtype"} for name, c in HIST_CASES.items()}
+# The histogram selection's cases (dense weights as there, and in the short and ragged case, with
+# the original's int64 positions), and one whose bucketed slots span several chunks of either
+# config with ties at the cut split between buckets and recent tokens.
+CASES = dict(HIST_CASES)
+CASES["ragged-gqa-short"] = dict(
+    HIST_CASES["ragged-gqa-short"], weights_dtype=torch.float32, index_dtype=torch.int64
+)
 CASES["long-ties"] = dict(
     B=2,
     H=4,
@@ -164,6 +173,7 @@ CASES["long-ties"] = dict(
     heavy=2500,
     init_offset=4,
     round_centroids=True,
+    weights_dtype=torch.float16,
 )
 
 

@@ -6,9 +6,18 @@ dense weight_list; the codebook with the keys since the last call appended), the
 short-sequence rule n <= heavy + init_offset + 1 + C. On CUDA tensors it is one encode launch
 and one selection launch, with no host sync.
 
-The returned codebook shares storage with a buffer that has room for later keys: passing it back
-on the next call appends in place instead of copying the whole codebook (the rows the caller
-already holds never change). Passing some other tensor costs one copy into a new buffer.
+The returned codebook is a view of a buffer of ours, [B, init_offset + capacity, Hkv, M] int64,
+so that its rows sit at their tokens' positions and later rows have room: passing it back on the
+next call appends in place instead of copying the whole codebook (the rows the caller already
+holds never change), and a call may also pass back fewer rows than it got (the original's
+benchmark re-sends the same codebook: the rows after it are written again). Passing some other
+tensor costs one copy into a new buffer. With at most 4096 code combinations (ops.uses_histogram)
+the buffer also carries, from the first call that passes it back (a decode loop), the candidates'
+histogram and buckets of pqattn.kernels.select_buckets: the encode launch keeps the histogram
+current and the selection is the bucket launch, which reads about `heavy` positions per row
+instead of every code. They are counted again whenever the codebook may have changed outside
+these calls (an in-place write to any view of it, seen by its version counter), when the
+selection sizes change, or when more than `window` rows are re-sent.
 """
 
 from __future__ import annotations
@@ -21,17 +30,19 @@ from pqattn import reference as ref
 from pqattn.reference import Selection
 
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
+_STATE = "_pqattn_state"  # the attribute of our codebook buffers that holds their _State
 
 
 _WORKSPACES: dict[torch.device, tuple[tuple[int, ...], torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, rows: int, M: int, C: int, N: int, heavy: int) -> torch.Tensor:
-    """The selection kernel's zero-filled workspace, kept per device across calls: the original's
-    signature has no place for it. The kernel leaves it ready for a call of the same layout; the
-    places of its counters depend on the tree over N (a decode loop grows N by one per call), so a
-    call of another layout gets a fresh one (once per leaf boundary: every few thousand steps).
-    Calls on one device share it, so they must not run concurrently on different streams."""
+    """The stateless selection kernel's zero-filled workspace, kept per device across calls: the
+    original's signature has no place for it. The kernel leaves it ready for a call of the same
+    layout; the places of its counters depend on the tree over N (a decode loop grows N by one per
+    call), so a call of another layout gets a fresh one (once per leaf boundary: every few
+    thousand steps). Calls on one device share it, so they must not run concurrently on different
+    streams."""
     from pqattn.kernels.select import k_pad, max_tree_nodes
 
     layout = (rows, M, C, max_tree_nodes(N, heavy), k_pad(heavy, N))
@@ -43,23 +54,95 @@ def _workspace(device: torch.device, rows: int, M: int, C: int, N: int, heavy: i
     return cached[1]
 
 
-def _grown_codebook(codebook: torch.Tensor, rows: int) -> torch.Tensor:
-    """A [B, rows, Hkv, M] int64 view whose first rows are `codebook`, in place when it has room."""
+class _State:
+    """What a codebook buffer of ours carries: where its codebook starts, and once a call passed
+    it back, the candidates' histogram and buckets over its codes (see the module's docstring).
+
+    rows: the codebook rows the histogram counts (-1: none built); version: the buffer's version
+    counter after the last call; layout: (window, cand_lo, C, M) of the histogram; lengths [B]:
+    init_offset + rows on the device (the selection reads it); frozen_at / bucketed_at: where
+    the buckets' candidates end and the token count when they were built. It holds no reference
+    to the buffer (the buffer holds it)."""
+
+    def __init__(self, init_offset: int) -> None:
+        self.init_offset = init_offset
+        self.rows = -1
+        self.version = -1
+        self.layout: tuple[int, int, int, int] | None = None
+        self.hist = self.lengths = self.cursor = None
+        self.buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.frozen_at = self.bucketed_at = 0
+        self.workspace_key: tuple[int, int] | None = None
+        self.workspace: torch.Tensor | None = None
+
+    def rebuild(self, codes: torch.Tensor, N: int, layout: tuple[int, int, int, int]) -> None:
+        """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for lengths N
+        (already in self.lengths), and take the histogram from the groups' sizes."""
+        from pqattn.kernels.select_buckets import bucket_tokens
+
+        B, Hkv, capacity, M = codes.shape
+        window, cand_lo, C, _ = layout
+        if self.layout != layout:
+            dev, P = codes.device, C**M
+            self.hist = torch.empty(B, Hkv, P, dtype=torch.int32, device=dev)
+            self.cursor = torch.empty(B, Hkv, P, dtype=torch.int32, device=dev)
+            self.buckets = (
+                torch.empty(B, Hkv, capacity, dtype=torch.int32, device=dev),
+                torch.empty(B, Hkv, P + 1, dtype=torch.int32, device=dev),
+                torch.empty(B, dtype=torch.int32, device=dev),
+            )
+            self.layout = layout
+        order, starts, frozen = self.buckets
+        bucket_tokens(
+            codes[:, :, :N],
+            self.lengths,
+            order,
+            starts,
+            frozen,
+            self.cursor,
+            C=C,
+            window=window,
+            cand_lo=cand_lo,
+        )
+        torch.sub(starts[..., 1:], starts[..., :-1], out=self.hist)
+        self.frozen_at = max(N - window, cand_lo)
+        self.bucketed_at = N
+
+    def workspace_for(self, rows: int, M: int, C: int, heavy: int) -> torch.Tensor:
+        from pqattn.kernels.select_buckets import workspace_numel
+
+        if self.workspace_key != (rows, heavy):
+            self.workspace = torch.zeros(
+                workspace_numel(rows, M, C, heavy), dtype=torch.int32, device=self.hist.device
+            )
+            self.workspace_key = (rows, heavy)
+        return self.workspace
+
+
+def _codebook_buffer(
+    codebook: torch.Tensor, init_offset: int, rows: int
+) -> tuple[torch.Tensor, _State, bool]:
+    """(buffer, its state, whether `codebook` came from an earlier call): a buffer of ours
+    [B, init_offset + capacity, Hkv, M] int64 whose rows init_offset.. hold `codebook` and that has
+    room for `rows` codebook rows; `codebook` itself when it is a view of such a buffer with room."""
     B, n, Hkv, M = codebook.shape
-    row = Hkv * M
-    cap = codebook.stride(0) // row if row else 0
-    in_place = (
-        codebook.stride()[1:] == (row, M, 1)
-        and codebook.storage_offset() == 0
-        and cap >= rows
-        and codebook.untyped_storage().nbytes() >= ((B - 1) * cap + rows) * row * 8
+    base = codebook._base
+    state = getattr(base, _STATE, None) if base is not None else None
+    ours = (
+        state is not None
+        and state.init_offset == init_offset
+        and base.shape[0] == B
+        and base.shape[2:] == (Hkv, M)
+        and codebook.stride() == base.stride()
+        and codebook.storage_offset() == init_offset * Hkv * M
     )
-    if in_place:
-        return codebook.as_strided((B, rows, Hkv, M), codebook.stride())
-    cap = rows + _GROWTH
-    buf = torch.empty(B, cap, Hkv, M, dtype=torch.int64, device=codebook.device)
-    buf[:, :n].copy_(codebook)
-    return buf[:, :rows]
+    if ours and init_offset + rows <= base.shape[1]:
+        return base, state, True
+    buf = torch.empty(B, init_offset + rows + _GROWTH, Hkv, M, dtype=torch.int64, device=codebook.device)
+    buf[:, init_offset : init_offset + n].copy_(codebook)
+    state = _State(init_offset)
+    setattr(buf, _STATE, state)
+    return buf, state, ours
 
 
 def indexer_next(
@@ -150,41 +233,56 @@ def indexer_next(
         )
     q = query[:, :, -1]
     threshold = heavy_size + init_offset + 1 + C
-    codebook = _grown_codebook(pq_codebook, rows)
-    new_keys = key[:, :, init_offset + n_quantized :]
+    buf, state, looped = _codebook_buffer(pq_codebook, init_offset, rows)
+    codebook = buf[:, init_offset : init_offset + rows]
     codes = codebook.transpose(1, 2)  # [B, Hkv, rows, M] view: code of token init_offset + r
-    lengths = torch.full((B,), N, dtype=torch.int64, device=query.device)
+    new_keys = key[:, :, init_offset + n_quantized :]
     if ops.kernel_path(q, pq_centroids, heavy_size):
         from pqattn.kernels.encode import pq_encode
 
-        pq_encode(
-            new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous(),
-            pq_centroids,
-            phi,
-            codes[:, :, n_quantized:],
-        )
+        new_keys = new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous()
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        pq_centroids_c = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
         width = ref.selection_width(sink_size, window_size, heavy_size, min(threshold, N))
         out = Selection(
             torch.empty(B, H, width, dtype=torch.int64, device=query.device),
             torch.empty(B, H, dtype=torch.int64, device=query.device),
         )
         weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
-        ops._select_kernel(
-            q,
-            pq_centroids,
-            codes,
-            lengths,
-            sink=sink_size,
-            window=window_size,
-            heavy=heavy_size,
-            cand_lo=max(init_offset, sink_size),
-            short_threshold=threshold,
-            out=out,
-            workspace=_workspace(query.device, B * H, M, C, N, heavy_size),
-            weights=weights,
-            code_base=init_offset,
-            n_tokens=N,
+        sizes = dict(
+            sink=sink_size, window=window_size, heavy=heavy_size, cand_lo=max(init_offset, sink_size)
         )
+        if looped and ops.uses_histogram(M, C):
+            _select_from_buckets(
+                state,
+                buf,
+                q,
+                pq_centroids_c,
+                phi,
+                new_keys,
+                n_quantized,
+                N,
+                **sizes,
+                short_threshold=threshold,
+                width=width,
+                out=out,
+                weights=weights,
+            )
+        else:
+            pq_encode(new_keys, pq_centroids_c, phi, buf.transpose(1, 2), row0=init_offset + n_quantized)
+            ops._select_kernel(
+                q,
+                pq_centroids_c,
+                codes,
+                torch.full((B,), N, dtype=torch.int64, device=query.device),
+                **sizes,
+                short_threshold=threshold,
+                out=out,
+                workspace=_workspace(query.device, B * H, M, C, N, heavy_size),
+                weights=weights,
+                code_base=init_offset,
+                n_tokens=N,
+            )
         return out.positions, out.counts, weights, pq_centroids, codebook, pq_ip2l2_phi
     if new_keys.shape[2]:
         codes[:, :, n_quantized:] = ref.encode(new_keys, pq_centroids, phi, metric).long()
@@ -194,7 +292,7 @@ def indexer_next(
         q,
         pq_centroids,
         full_codes,
-        lengths,
+        torch.full((B,), N, dtype=torch.int64, device=query.device),
         sink=sink_size,
         window=window_size,
         heavy=heavy_size,
@@ -203,6 +301,82 @@ def indexer_next(
     )
     weights = ref.dense_weights(sel, N, weight_list_dtype)
     return sel.positions.long(), sel.counts.long(), weights, pq_centroids, codebook, pq_ip2l2_phi
+
+
+def _select_from_buckets(
+    state: _State,
+    buf: torch.Tensor,
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    phi: torch.Tensor | None,
+    new_keys: torch.Tensor,
+    n_quantized: int,
+    N: int,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    cand_lo: int,
+    short_threshold: int,
+    width: int,
+    out: Selection,
+    weights: torch.Tensor,
+) -> None:
+    """The kernel path of a call that passed back a codebook of ours: the new keys' codes (and the
+    histogram) in one launch, the bucket selection in another. When the state does not describe
+    the codebook it was given (see the module's docstring), the codes are written first and the
+    histogram and buckets counted from them."""
+    from pqattn.index import PQIndex
+    from pqattn.kernels.encode import pq_encode
+    from pqattn.kernels.select_buckets import pq_select_buckets
+
+    B, H, _ = q.shape
+    M, C = centroids.shape[2], centroids.shape[3]
+    codes = buf.transpose(1, 2)  # [B, Hkv, init_offset + capacity, M]: token p at row p
+    layout = (window, cand_lo, C, M)
+    row0 = state.init_offset + n_quantized
+    n_drop = state.rows - n_quantized
+    if state.layout == layout and state.version == buf._version and 0 <= n_drop <= window:
+        if new_keys.shape[2] or n_drop:
+            pq_encode(
+                new_keys,
+                centroids,
+                phi,
+                codes,
+                hist=state.hist,
+                window=window,
+                cand_lo=cand_lo,
+                row0=row0,
+                n_drop=n_drop,
+                lengths_out=state.lengths,
+            )
+        if max(N - window, cand_lo) < state.frozen_at or N - state.bucketed_at >= PQIndex.REINDEX_AFTER:
+            state.rebuild(codes, N, layout)
+    else:
+        if state.lengths is None:
+            state.lengths = torch.empty(B, dtype=torch.int64, device=q.device)
+        pq_encode(new_keys, centroids, phi, codes, row0=row0, lengths_out=state.lengths)
+        state.rebuild(codes, N, layout)
+    pq_select_buckets(
+        q,
+        centroids,
+        codes,
+        state.lengths,
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        cand_lo=cand_lo,
+        short_threshold=short_threshold,
+        width=width,
+        positions=out.positions,
+        counts=out.counts,
+        workspace=state.workspace_for(B * H, M, C, heavy),
+        histogram=state.hist,
+        buckets=state.buckets,
+        weights=weights,
+    )
+    state.rows = N - state.init_offset
+    state.version = buf._version
 
 
 def sparse_attention(

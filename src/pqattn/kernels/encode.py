@@ -6,15 +6,21 @@ first. The code is written straight into the caller's code buffer, at row `base[
 base (the sequence lengths) is given, so an append is one launch.
 
 With a histogram (PQIndex, histogram selection) the same launch keeps the combination counts of
-the candidate tokens [cand_lo, n - window) current: appending T tokens to n_old makes the
-positions [n_old - window, n_old + T - window) candidates. Program t adds the old position
-n_old - window + t (t < window, its code already stored) and its own token when that one is
-already past the window (t < T - window), so no program reads a code another one writes.
+the candidate tokens [cand_lo, n - window) current. Writing T tokens at row0 over n_drop tokens
+that were there (a caller that rewinds, as the original's entry point may: n_drop <= window, so
+none of them was a candidate yet) moves the candidates' end from e_old = row0 + n_drop - window
+to e_new = row0 + T - window. Program t adds its own token when that one is already past the
+window (t < T - window); the positions of [e_old, e_new) below row0, or of [e_new, e_old) when
+the end moves back, are stored codes no program of the launch writes: program t adds (removes)
+the t-th of them. With n_drop = 0 (PQIndex's appends) that is: T tokens appended to n_old make
+[n_old - window, n_old + T - window) candidates.
 
 A decode step fuses more into the launch, so that it is one node instead of four: the new key
 and value rows are stored into the caller's KV cache at row base[b] + t (cast to the cache's
 dtype), and the last program of a sequence to finish advances base[b] by T (an arrival counter
-per sequence: every program of the sequence has read base[b] before it arrives).
+per sequence: every program of the sequence has read base[b] before it arrives). A caller that
+knows the rows on the host (the original's entry point) passes row0 instead of a base, and the
+launch can store the new lengths, row0 + T, for the selection launch that follows.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ def _pq_encode_kernel(
     stride_vnd,
     Hkv,
     T,
+    G,
+    row0,
+    n_drop,
     window,
     cand_lo,
     M: tl.constexpr,
@@ -76,16 +85,19 @@ def _pq_encode_kernel(
     P: tl.constexpr,
     STORE_KV: tl.constexpr,
     ADVANCE: tl.constexpr,
+    SET_LEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t = pid % T
-    kvh = (pid // T) % Hkv
-    b = pid // (T * Hkv)
+    t = pid % G
+    kvh = (pid // G) % Hkv
+    b = pid // (G * Hkv)
+    new = t < T
     key = k_ptr + b * stride_kb + kvh * stride_kk + t * stride_kt
     cent = cent_ptr + b * stride_cb + kvh * stride_ck
-    row = t
+    first = row0
     if HAS_BASE:
-        row += tl.load(base_ptr + b).to(tl.int32)
+        first += tl.load(base_ptr + b).to(tl.int32)
+    row = first + t
     out = out_ptr + b * stride_ob + kvh * stride_ok + row * stride_on
     c_idx = tl.arange(0, C)
     d_idx = tl.arange(0, BLOCK_D)
@@ -95,7 +107,8 @@ def _pq_encode_kernel(
         c_sq = tl.zeros([C], dtype=tl.float32)
         x_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
         for d0 in tl.static_range(0, DSUB, BLOCK_D):
-            x = tl.load(key + (m * DSUB + d0 + d_idx) * stride_kd).to(tl.float32)
+            x = tl.load(key + (m * DSUB + d0 + d_idx) * stride_kd, mask=t + d_idx * 0 < T, other=0.0)
+            x = x.to(tl.float32)
             c = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
                 tl.float32
             )
@@ -109,21 +122,28 @@ def _pq_encode_kernel(
             dot += extra * c_extra
             c_sq += c_extra * c_extra
         code = tl.argmin(c_sq - 2.0 * dot, axis=0, tie_break_left=True)
-        tl.store(out + m * stride_om, code.to(out_ptr.dtype.element_ty))
+        tl.store(out + m * stride_om, code.to(out_ptr.dtype.element_ty), mask=new)
         combo = combo * C + code
     if HAS_HIST:
         hist = hist_ptr + (b * Hkv + kvh).to(tl.int64) * P
-        if (t < T - window) & (row >= cand_lo):
+        if new & (t < T - window) & (row >= cand_lo):
             tl.atomic_add(hist + combo, 1, sem="relaxed")
-        old = row - window
-        if (t < window) & (old >= cand_lo):
+        # stored positions whose candidacy changes: [e_old, min(e_new, first)) gain it,
+        # [e_new, e_old) lose it (see the module's docstring)
+        gain = n_drop <= T
+        changed = tl.where(gain, tl.minimum(T, window) - n_drop, n_drop - T)
+        old = first - window + tl.where(gain, n_drop, T) + t
+        if (t < changed) & (old >= cand_lo):
             old_combo = 0
             for m in tl.static_range(M):
                 old_code = tl.load(
                     out_ptr + b * stride_ob + kvh * stride_ok + old * stride_on + m * stride_om
                 )
                 old_combo = old_combo * C + old_code.to(tl.int32)
-            tl.atomic_add(hist + old_combo, 1, sem="relaxed")
+            tl.atomic_add(hist + old_combo, tl.where(gain, 1, -1), sem="relaxed")
+    if SET_LEN:  # noqa: SIM102 (compile time; the inner test runs)
+        if (t == 0) & (kvh == 0):
+            tl.store(base_ptr + b, (first + T).to(base_ptr.dtype.element_ty))
     if STORE_KV:
         b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
         k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
@@ -154,33 +174,48 @@ def pq_encode(
     cand_lo: int = 0,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     advance: torch.Tensor | None = None,
+    *,
+    row0: int = 0,
+    n_drop: int = 0,
+    lengths_out: torch.Tensor | None = None,
 ) -> None:
     """Write codes of keys [B, Hkv, T, D] into out (indexed [b, kvh, row, m] by its strides).
 
     centroids [B, Hkv, M, C, dsub(+1)] (last dim contiguous); phi [B, Hkv, M] contiguous for ip;
-    row = base[b] + t when base [B] is given, else t. hist [B, Hkv, C**M] int32 (contiguous, with
-    base): the candidate counts of pqattn.kernels.select_hist for lengths base, brought to base + T
-    (see the module's docstring). kv_cache (with base): (k_cache, v_cache, values), the caches
-    [B, Hkv, >= base + T, D] receive keys and values [B, Hkv, T, D] at rows base[b] + t.
-    advance (with base): int32 [B] arrival counters, zero-filled once (left at zero): base += T
-    in the same launch. Validated inputs only.
+    row = row0 + base[b] + t when base [B] is given, else row0 + t. hist [B, Hkv, C**M] int32
+    (contiguous): the candidate counts of pqattn.kernels.select_hist for sequences that ended at
+    row0 + base + n_drop, brought to row0 + base + T (see the module's docstring; n_drop <=
+    window). kv_cache (with base): (k_cache, v_cache, values), the caches [B, Hkv, >= base + T, D]
+    receive keys and values [B, Hkv, T, D] at rows base[b] + t. advance (with base): int32 [B]
+    arrival counters, zero-filled once (left at zero): base += T in the same launch.
+    lengths_out [B] (without base): set to row0 + T. Validated inputs only.
     """
     B, Hkv, T, D = keys.shape
     M, C, width = centroids.shape[2], centroids.shape[3], centroids.shape[4]
     dsub = D // M
     ip = width == dsub + 1
-    if T == 0:
+    if not 0 <= n_drop <= window:
+        raise ValueError(f"n_drop: expected 0 <= n_drop <= window={window}, got {n_drop}")
+    if (kv_cache is not None or advance is not None) and (base is None or n_drop):
+        raise ValueError("base: kv_cache and advance write at base[b] + t; expected base and n_drop 0")
+    if lengths_out is not None and base is not None:
+        raise ValueError("lengths_out: the lengths come from row0 alone; expected no base with it")
+    G = T  # programs per (b, kvh): those past T only remove positions from the histogram
+    if hist is not None:
+        G = max(G, n_drop - T)
+    if lengths_out is not None:
+        G = max(G, 1)
+    if G == 0:
         return
-    if (kv_cache is not None or advance is not None) and base is None:
-        raise ValueError("base: kv_cache and advance write at base[b] + t; expected base, got None")
     k_cache, v_cache, values = kv_cache if kv_cache is not None else (keys, keys, keys)
+    lengths = base if base is not None else lengths_out
     _pq_encode_launch(
-        (B * Hkv * T,),
+        (B * Hkv * G,),
         (
             keys,
             centroids,
             phi if ip else centroids,
-            base if base is not None else centroids,
+            lengths if lengths is not None else centroids,
             out,
             hist if hist is not None else out,
             k_cache,
@@ -197,6 +232,9 @@ def pq_encode(
             *values.stride(),
             Hkv,
             T,
+            G,
+            row0,
+            n_drop,
             window,
             cand_lo,
         ),
@@ -211,6 +249,7 @@ def pq_encode(
             P=C**M,
             STORE_KV=kv_cache is not None,
             ADVANCE=advance is not None,
+            SET_LEN=lengths_out is not None,
             num_warps=4,
         ),
     )

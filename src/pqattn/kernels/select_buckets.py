@@ -21,7 +21,9 @@ selection is then:
      values, added in the same order), compared with the cut: those above it fill the slots
      between the bucketed ones above and k - quota, those at it the slots after the bucketed
      ties up to the quota;
-  4. sink, window, count and -1 padding.
+  4. sink, window, count and -1 padding; with dense weights [B, H, n_weights] (the original's
+     weight_list), the row's zeros are stored first, while the LUT loads, and the ones at the
+     selected positions last.
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
 codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
@@ -148,6 +150,7 @@ def _pq_bucket_select_kernel(
     ws_ptr,
     pos_ptr,
     cnt_ptr,
+    w_ptr,
     stride_qb,
     stride_qh,
     stride_cb,
@@ -162,6 +165,9 @@ def _pq_bucket_select_kernel(
     stride_ok,
     stride_pb,
     stride_ph,
+    stride_wb,
+    stride_wh,
+    n_weights,
     H,
     G,
     Hkv,
@@ -180,6 +186,7 @@ def _pq_bucket_select_kernel(
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,
     LATE_RUNS: tl.constexpr,
+    HAS_W: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // H
@@ -188,13 +195,22 @@ def _pq_bucket_select_kernel(
     grp = b * Hkv + kvh
     n = tl.load(len_ptr + b).to(tl.int32)
     pos_row = pos_ptr + b * stride_pb + h * stride_ph
+    w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
     lane = tl.arange(0, CHUNK)
     if n <= short_threshold:  # short sequence: every token
         for start in range(0, width, CHUNK):
             o = start + lane
             tl.store(pos_row + o, tl.where(o < n, o, -1), mask=o < width)
         tl.store(cnt_ptr + row, n)
+        if HAS_W:
+            for start in range(0, n_weights, CHUNK):
+                o = start + lane
+                tl.store(w_row + o, tl.where(o < n, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=o < n_weights)
     else:
+        if HAS_W:  # zeros first: the selected tokens' ones overwrite them after the barriers below
+            for start in range(0, n_weights, CHUNK):
+                o = start + lane
+                tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < n_weights)
         hi, need = _need(n, heavy, window, cand_lo)
         n_sink = tl.minimum(sink, n)
         win_lo = tl.maximum(hi, n_sink)
@@ -330,6 +346,13 @@ def _pq_bucket_select_kernel(
             o = start + lane
             tl.store(pos_row + o, tl.full([CHUNK], -1, tl.int32), mask=o < width)
         tl.store(cnt_ptr + row, count)
+        if HAS_W:  # the ones at the positions every thread has written
+            tl.debug_barrier()
+            for start in range(0, count, CHUNK):
+                o = start + lane
+                p = tl.load(pos_row + o, mask=o < count, other=0)
+                one = tl.full([CHUNK], 1.0, tl.float32).to(w_ptr.dtype.element_ty)
+                tl.store(w_row + p, one, mask=o < count)
 
 
 _pq_bucket_launch = Launcher(_pq_bucket_kernel)
@@ -387,15 +410,18 @@ def pq_select_buckets(
     workspace: torch.Tensor,
     histogram: torch.Tensor,
     buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    weights: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> None:
     """Launch the bucket selection on validated inputs (arguments as
-    pqattn.kernels.select_hist.pq_select_hist, codes row r holding token r).
+    pqattn.kernels.select_hist.pq_select_hist, codes row r holding token r; codes of any integer
+    dtype, positions and counts int32 or int64).
 
     histogram [B, Hkv, C**M] int32: the candidate counts for the current lengths; buckets
     (order, starts, frozen) as `bucket_tokens` left them for these codes, at lengths that are now
     at most `lengths`. workspace: int32, zero-filled once, workspace_numel(B * H, M, C, heavy).
-    `config`: one of BUCKET_CONFIGS (by default `select_config`).
+    weights [B, H, n_weights] (last dim contiguous, n_weights >= lengths) or None: 1.0 at the
+    selected positions, 0.0 elsewhere. `config`: one of BUCKET_CONFIGS (by default `select_config`).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -414,13 +440,27 @@ def pq_select_buckets(
     dsub = D // M
     _pq_bucket_select_launch(
         (rows,),
-        (q, centroids, codes, lengths, histogram, order, starts, frozen, workspace, positions, counts),
+        (
+            q,
+            centroids,
+            codes,
+            lengths,
+            histogram,
+            order,
+            starts,
+            frozen,
+            workspace,
+            positions,
+            counts,
+            counts if weights is None else weights,
+        ),
         (
             *q.stride()[:2],
             *centroids.stride()[:4],
             *codes.stride(),
             *order.stride()[:2],
             *positions.stride()[:2],
+            *((0, 0, 0) if weights is None else (*weights.stride()[:2], weights.shape[2])),
             H,
             H // Hkv,
             Hkv,
@@ -432,5 +472,14 @@ def pq_select_buckets(
             width,
             marks_off,
         ),
-        dict(M=M, C=C, BITS=C.bit_length() - 1, P=P, DSUB=dsub, BLOCK_D=min(dsub, 64), **config.all_kwargs()),
+        dict(
+            M=M,
+            C=C,
+            BITS=C.bit_length() - 1,
+            P=P,
+            DSUB=dsub,
+            BLOCK_D=min(dsub, 64),
+            HAS_W=weights is not None,
+            **config.all_kwargs(),
+        ),
     )

@@ -265,8 +265,8 @@ def _select_hist_configs() -> list[dict]:
 
 
 def _run_select_buckets(case: dict, config: dict) -> tuple:
-    """The bucket selection (PQIndex): histogram for the lengths, buckets for a quarter less (the
-    rest scanned as recent tokens). No dense weights."""
+    """The bucket selection (PQIndex, and indexer_next with the original's dense weights):
+    histogram for the lengths, buckets for a quarter less (the rest scanned as recent tokens)."""
     from pqattn.kernels.select_buckets import bucket_tokens, pq_select_buckets, workspace_numel
     from pqattn.kernels.select_hist import count_combos
 
@@ -274,7 +274,7 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
     B, H, _ = q.shape
     Hkv, M, C, N = cent.shape[1], cent.shape[2], cent.shape[3], codes.shape[2]
     o = case["opts"]
-    positions, counts, _ = _select_outputs(case)
+    positions, counts, weights = _select_outputs(case)
     dev = q.device
     workspace = torch.zeros(workspace_numel(B * H, M, C, o["heavy"]), dtype=torch.int32, device=dev)
     hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=dev)
@@ -301,6 +301,7 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
         workspace=workspace,
         histogram=hist,
         buckets=buckets,
+        weights=weights,
         config=triton.Config(
             {"CHUNK": config["CHUNK"], "LATE_RUNS": config["LATE_RUNS"]},
             num_warps=config["num_warps"],
@@ -308,7 +309,7 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
             maxnreg=config["maxnreg"],
         ),
     )
-    return positions, counts, None
+    return positions, counts, weights
 
 
 def _select_buckets_configs() -> list[dict]:
