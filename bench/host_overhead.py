@@ -1,11 +1,14 @@
-"""Host (Python) time of PQIndex's eager calls, with and without its launch plans, on any machine.
+"""Host (Python) time of eager calls, with and without launch plans, on any machine.
 
 Each Triton launch is replaced by a stand-in compiled kernel whose launch does nothing, so what is
 timed is the Python between the call and the driver: argument checks, buffer management, the
 launchers' argument handling, a plan's replay. The driver's own launch (a few microseconds per
 kernel on a GPU host) and the GPU work come on top; `pqattn bench select decode` on a GPU
 measures those end to end. The functional calls are given their output and workspace buffers.
-Shapes: the decode suite's N=32K case (B=1, H=32, Hkv=8, D=128, M=2, bits 6).
+Shapes: the decode suite's N=32K case (B=1, H=32, Hkv=8, D=128, M=2, bits 6). The original's
+entry point (`indexer_next`, which keeps no plans) is timed twice: passed the same codebook
+every call, as the original's benchmark does (the select suite's `compat`), and in a decode
+loop, each call one key longer than the last and passed the codebook the last returned.
 
 Usage: PYTHONPATH=src python3 bench/host_overhead.py [--json PATH]
 """
@@ -22,6 +25,7 @@ import torch
 
 import pqattn
 from pqattn import ops
+from pqattn.integrations.sparse_attention_hub import _codebook_buffer, indexer_next
 from pqattn.kernels import launch
 
 
@@ -68,6 +72,37 @@ def _median_us(fn: Callable[[], object], calls: int = 2000, samples: int = 7) ->
     return sorted(times)[len(times) // 2]
 
 
+def _compat_calls(
+    index: pqattn.PQIndex, q: torch.Tensor, k_cache: torch.Tensor, steps: int
+) -> dict[str, Callable[[], None]]:
+    """indexer_next over the index's codes as the original's int64 codebook (float32 query):
+    the same codebook every call, and a decode loop of up to `steps` calls (then it starts over)."""
+    c = index.config
+    B, Hkv, N, M = index.codes.shape
+    io, n_q = c.offset, N - c.offset - 1
+    query = q[:, :, None].float()
+    keys = torch.randn(B, Hkv, N + steps, index.head_dim, dtype=k_cache.dtype)
+    opts = (torch.float32, c.sink, c.window, c.heavy, M, c.bits, 0, io, c.metric, index.centroids)
+
+    def codebook() -> torch.Tensor:
+        book = index.codes[:, :, io : io + n_q].long().transpose(1, 2)
+        return _codebook_buffer(book, io, n_q + 1)[0][:, io : io + n_q]
+
+    same = codebook()
+    loop = {"n": N, "codebook": codebook()}
+
+    def decode_loop() -> None:
+        if loop["n"] == N + steps:
+            loop["n"], loop["codebook"] = N, codebook()
+        out = indexer_next(query, keys[:, :, : loop["n"]], *opts, loop["codebook"], None)
+        loop["n"], loop["codebook"] = loop["n"] + 1, out[4]
+
+    return {
+        "indexer_next": lambda: indexer_next(query, keys[:, :, :N], *opts, same, None),
+        "indexer_next loop": decode_loop,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -98,6 +133,7 @@ def main() -> None:
     select_ws = torch.zeros(ops.select_workspace_numel(B * H, 2, 64, N, c.heavy), dtype=torch.int32)
     out = torch.empty_like(q)
     attn_ws = torch.zeros(ops.decode_workspace_numel(B * H, c.width, D), dtype=torch.int32)
+    compat = _compat_calls(index, q, k_cache, steps=2000 * 7 + 2)
     calls = {
         "PQIndex.select": lambda: index.select(q),
         "PQIndex.attend": lambda: index.attend(q, k_cache, v_cache, sel),
@@ -116,6 +152,7 @@ def main() -> None:
             workspace=select_ws,
         ),
         "sparse_decode": lambda: pqattn.sparse_decode(q, k_cache, v_cache, *sel, out=out, workspace=attn_ws),
+        **compat,
     }
     rows = {name: {"plans_us": _median_us(fn)} for name, fn in calls.items()}
     build = launch.Plan.build

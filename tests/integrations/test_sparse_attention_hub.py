@@ -191,13 +191,26 @@ def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
         check_selection(args, sparse_list, sparse_len, weights, codebook)
 
 
-def _launched(call) -> tuple[list[str], tuple]:
-    """The kernels `call` launched (by name) and what it returned."""
-    from pqattn.kernels.launch import recording
+def _spied(monkeypatch) -> list[str]:
+    """The names of the launchers indexer_next calls, appended as it calls them."""
+    import pqattn.integrations.sparse_attention_hub as hub
+    from pqattn import ops
 
-    with recording() as rec:
-        result = call()
-    return [r.launcher.fn.__name__ for r in rec.launches], result
+    calls: list[str] = []
+
+    def spy(module, name: str) -> None:
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("pq_encode", "bucket_tokens", "pq_select_buckets"):
+        spy(hub, name)
+    spy(ops, "_select_kernel")
+    return calls
 
 
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
@@ -209,7 +222,8 @@ def test_a_decode_loop_selects_from_buckets(
     appended one or several at a time, rows re-sent (the original's benchmark: the same codebook
     every call), the candidates' end moving back, and the buckets rebuilt every REINDEX_AFTER
     tokens. A write into the codebook, a re-send of more than `window` rows or other sizes count
-    them again. Every call's outputs by the checker's rules, against the reference."""
+    them again. Every call's outputs by the checker's rules, against the reference, and the kept
+    histogram equal to a recount."""
     from pqattn import PQIndex
 
     monkeypatch.setattr(PQIndex, "REINDEX_AFTER", 5)
@@ -219,57 +233,55 @@ def test_a_decode_loop_selects_from_buckets(
     )
     args = list(args)
     args[1] = keys[:, :, :381]  # 372 rows quantized: one new key
-    first, out = _launched(lambda: indexer_next(*args))
-    assert "_pq_bucket_select_kernel" not in first, "a codebook from elsewhere: no state yet"
+    calls = _spied(monkeypatch)
+    out = indexer_next(*args)
+    assert calls == ["pq_encode", "_select_kernel"], "a codebook from elsewhere: no state yet"
     check_selection(args, out[0], out[1], out[2], out[4])
     codebook = out[4]
-    # (tokens, rows of the last codebook passed back, what the call does)
+    counts = ["pq_encode", "bucket_tokens", "pq_select_buckets"]
+    keeps = ["pq_encode", "pq_select_buckets"]
+    # (tokens, rows of the last codebook passed back, the launchers)
     steps = [
-        (385, 0, "counts"),
-        (386, 0, "appends"),
-        (389, 0, "appends 3"),
-        (389, -1, "re-sends 1 row"),
-        (389, -1, "re-sends 1 row"),
-        (388, -3, "goes back 3, appends 2"),
-        (395, 0, "appends 7 (and reindexes)"),
-        (395, -window, "re-sends `window` rows"),
-        (396, -window - 1, "re-sends more: counts"),
-        (397, 0, "appends"),
+        (385, 0, counts),  # the first call that passes back a codebook of ours
+        (386, 0, keeps),  # one new key
+        (389, 0, keeps),  # three
+        (389, -1, keeps),  # the last row re-sent
+        (389, -1, keeps),
+        (388, -3, keeps),  # three re-sent, two new: the candidates' end moves back
+        (395, 0, counts),  # seven new: REINDEX_AFTER tokens since the last count
+        (395, -window, keeps),  # `window` rows re-sent
+        (396, -window - 1, counts),  # more than that
+        (397, 0, keeps),
     ]
-    for n, back, what in steps:
+    for n, back, want in steps:
         args[1] = keys[:, :, :n]
         args[12] = codebook[:, : codebook.shape[1] + back]
-        names, out = _launched(lambda: indexer_next(*args))
-        sparse_list, sparse_len, weights, _, codebook, _ = out
+        calls.clear()
+        sparse_list, sparse_len, weights, _, codebook, _ = indexer_next(*args)
+        assert calls == want, (n, back)
         check_selection(args, sparse_list, sparse_len, weights, codebook)
-        state = codebook._base._pqattn_state  # the histogram equals a recount of the codebook
+        state = codebook._base._pqattn_state
         tokens = codebook._base.transpose(1, 2)[:, :, :n]  # (rows before init_offset: never read)
         _, starts = ref.bucket_candidates(
             tokens, torch.full((1,), n, device=device), C=16, window=window, cand_lo=max(io, sink)
         )
-        assert torch.equal(state.hist.long(), starts.diff(dim=-1)), what
-        counted = "_pq_bucket_kernel" in names
-        assert names[-1] == "_pq_bucket_select_kernel", (what, names)
-        assert counted == (
-            what.startswith("counts") or what.endswith("reindexes)") or what.endswith("counts")
-        ), (
-            what,
-            names,
-        )
+        assert torch.equal(state.hist.long(), starts.diff(dim=-1)), (n, back)
     # an in-place write into the codebook (any view of it) is seen: counted again, and followed
     codebook[0, 30, 0, 0] = (codebook[0, 30, 0, 0] + 1) % 16
     args[12] = codebook[:, :-1]
-    names, (sparse_list, sparse_len, weights, _, codebook, _) = _launched(lambda: indexer_next(*args))
-    assert "_pq_bucket_kernel" in names
+    calls.clear()
+    sparse_list, sparse_len, weights, _, codebook, _ = indexer_next(*args)
+    assert calls == counts
     check_selection(args, sparse_list, sparse_len, weights, codebook)
     # other selection sizes (sink: the candidates start elsewhere) count them again too
     args[3] = sink + 3
-    names, (sparse_list, sparse_len, weights, _, codebook, _) = _launched(lambda: indexer_next(*args))
-    assert "_pq_bucket_kernel" in names
+    calls.clear()
+    sparse_list, sparse_len, weights, _, codebook, _ = indexer_next(*args)
+    assert calls == counts
     check_selection(args, sparse_list, sparse_len, weights, codebook)
 
 
-def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.device) -> None:
+def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.device, monkeypatch) -> None:
     """Only the returned codebook is kept (its buffer is reachable through it alone): the next
     call still finds the histogram and buckets, and a codebook whose rows start elsewhere (another
     init_offset) is copied instead."""
@@ -283,12 +295,14 @@ def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.dev
     codebook = indexer_next(*args)[4]  # counts
     gc.collect()
     args[1], args[12] = keys, codebook
-    names, out = _launched(lambda: indexer_next(*args))
-    assert names == ["_pq_encode_kernel", "_pq_bucket_select_kernel"]
+    calls = _spied(monkeypatch)
+    out = indexer_next(*args)
+    assert calls == ["pq_encode", "pq_select_buckets"]
     assert out[4].data_ptr() == codebook.data_ptr()
     check_selection(args, out[0], out[1], out[2], out[4])
     moved = list(args)
     moved[9], moved[12] = 9, out[4][:, 1:]  # init_offset 9: the same rows from token 9
-    names, out = _launched(lambda: indexer_next(*moved))
-    assert "_pq_bucket_select_kernel" not in names and out[4].data_ptr() != codebook.data_ptr()
+    calls.clear()
+    out = indexer_next(*moved)
+    assert calls == ["pq_encode", "_select_kernel"] and out[4].data_ptr() != codebook.data_ptr()
     check_selection(moved, out[0], out[1], out[2], out[4])

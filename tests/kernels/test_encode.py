@@ -61,19 +61,20 @@ def test_the_cache_and_the_advance_need_a_base(device: torch.device) -> None:
 
 
 def test_rewrites_keep_the_histogram(device: torch.device) -> None:
-    """Rows written from a host-known row0 over n_drop rows written before (the original's entry
-    point re-sends its last rows): int64 codes in a [B, rows, Hkv, M] buffer seen transposed, the
-    candidate histogram equal to a recount after every write (ends moving forward and back, T past
-    the window, T = 0), the lengths set to row0 + T and nothing else written."""
+    """Rows written over the last n_drop rows (row0 = -n_drop: the original's entry point re-sends
+    its last rows): int64 codes in a [B, rows, Hkv, M] buffer seen transposed, the candidate
+    histogram equal to a recount after every write (ends moving forward and back, T past the
+    window, T = 0), the lengths set to lengths - n_drop + T in the launch and nothing else
+    written."""
     B, Hkv, N, D, M, C, window, cand_lo = 2, 3, 64, 16, 2, 4, 4, 6
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
     buf = torch.full((B, N, Hkv, M), -5, dtype=torch.int64, device=device)
     codes = buf.transpose(1, 2)  # [B, Hkv, N, M]
     hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=device)
-    lengths = torch.full((B,), -1, dtype=torch.int64, device=device)
+    lengths = torch.zeros(B, dtype=torch.int64, device=device)
+    arrivals = torch.zeros(B, dtype=torch.int32, device=device)
     n = 0
     for T, n_drop in ((20, 0), (1, 0), (1, 1), (0, 3), (5, 2), (window + 3, window), (2, window), (1, 1)):
-        row0 = n - n_drop
         keys = torch.randn(B, Hkv, T, D, device=device)
         before = buf.clone()
         pq_encode(
@@ -81,22 +82,23 @@ def test_rewrites_keep_the_histogram(device: torch.device) -> None:
             cent,
             None,
             codes,
+            base=lengths,
             hist=hist,
             window=window,
             cand_lo=cand_lo,
-            row0=row0,
+            advance=arrivals,
+            row0=-n_drop,
             n_drop=n_drop,
-            lengths_out=lengths,
         )
-        n = row0 + T
+        row0, n = n - n_drop, n - n_drop + T
         want = before.transpose(1, 2).clone()
         if T:
             want[:, :, row0:n] = ref.encode(keys, cent, None, "euclidean").long()
         assert torch.equal(codes, want), (T, n_drop)
-        assert torch.equal(lengths, torch.full_like(lengths, n))
+        assert torch.equal(lengths, torch.full_like(lengths, n)) and not arrivals.any()
         _, starts = ref.bucket_candidates(
             codes[:, :, :n].clamp(min=0), lengths, C=C, window=window, cand_lo=cand_lo
         )
         assert torch.equal(hist.long(), starts.diff(dim=-1)), (T, n_drop)
     with pytest.raises(ValueError, match="n_drop"):
-        pq_encode(keys, cent, None, codes, hist=hist, window=window, row0=n - window - 1, n_drop=window + 1)
+        pq_encode(keys, cent, None, codes, base=lengths, hist=hist, window=window, n_drop=window + 1)

@@ -27,10 +27,18 @@ import torch
 from pqattn import _validate as check
 from pqattn import ops
 from pqattn import reference as ref
+from pqattn.index import PQIndex
+from pqattn.kernels.encode import pq_encode
+from pqattn.kernels.select_buckets import bucket_tokens, pq_select_buckets, workspace_numel
 from pqattn.reference import Selection
 
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
 _STATE = "_pqattn_state"  # the attribute of our codebook buffers that holds their _State
+
+# Static call signatures (everything but N and the codebook's length) whose checks passed, with
+# the route they take: (kernels, with the buckets). A decode loop checks its arguments once.
+_CHECKED: dict[tuple, tuple[bool, bool]] = {}
+_MAX_CHECKED = 256
 
 
 _WORKSPACES: dict[torch.device, tuple[tuple[int, ...], torch.Tensor]] = {}
@@ -69,19 +77,21 @@ class _State:
         self.rows = -1
         self.version = -1
         self.layout: tuple[int, int, int, int] | None = None
-        self.hist = self.lengths = self.cursor = None
+        self.hist = self.lengths = self.arrivals = self.cursor = None
         self.buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.frozen_at = self.bucketed_at = 0
         self.workspace_key: tuple[int, int] | None = None
         self.workspace: torch.Tensor | None = None
 
     def rebuild(self, codes: torch.Tensor, N: int, layout: tuple[int, int, int, int]) -> None:
-        """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for lengths N
-        (already in self.lengths), and take the histogram from the groups' sizes."""
-        from pqattn.kernels.select_buckets import bucket_tokens
-
+        """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for sequences
+        of N tokens, and take the histogram from the groups' sizes."""
         B, Hkv, capacity, M = codes.shape
         window, cand_lo, C, _ = layout
+        if self.lengths is None:
+            self.lengths = torch.empty(B, dtype=torch.int64, device=codes.device)
+            self.arrivals = torch.zeros(B, dtype=torch.int32, device=codes.device)
+        self.lengths.fill_(N)
         if self.layout != layout:
             dev, P = codes.device, C**M
             self.hist = torch.empty(B, Hkv, P, dtype=torch.int32, device=dev)
@@ -109,8 +119,6 @@ class _State:
         self.bucketed_at = N
 
     def workspace_for(self, rows: int, M: int, C: int, heavy: int) -> torch.Tensor:
-        from pqattn.kernels.select_buckets import workspace_numel
-
         if self.workspace_key != (rows, heavy):
             self.workspace = torch.zeros(
                 workspace_numel(rows, M, C, heavy), dtype=torch.int32, device=self.hist.device
@@ -171,6 +179,140 @@ def indexer_next(
     pq_centroids, pq_codebook [B, N - init_offset, Hkv, M], pq_ip2l2_phi), L = sink + heavy +
     window (wider when the short-sequence rule keeps more tokens); entries past sparse_len are -1.
     """
+    try:
+        sig = (
+            query.shape,
+            query.dtype,
+            query.device,
+            key.shape[:2],
+            key.shape[3:],
+            key.dtype,
+            key.device,
+            weight_list_dtype,
+            (sink_size, window_size, heavy_size, pq_group_factor, pq_bits, init_offset, metric),
+            (type(sink_size), type(window_size), type(heavy_size), type(pq_group_factor), type(pq_bits)),
+            type(init_offset),
+            pq_centroids.shape,
+            pq_centroids.dtype,
+            pq_centroids.device,
+            pq_codebook.shape[:1],
+            pq_codebook.shape[2:],
+            pq_codebook.dtype,
+            pq_codebook.device,
+            None if pq_ip2l2_phi is None else (pq_ip2l2_phi.shape, pq_ip2l2_phi.dtype, pq_ip2l2_phi.device),
+            ops.KERNEL_DEVICES,
+        )
+        route = _CHECKED.get(sig)
+    except (AttributeError, TypeError):  # not tensors, an unhashable option: the checks say which
+        sig, route = None, None
+    if route is None:
+        route = _check_call(
+            query,
+            key,
+            weight_list_dtype,
+            sink_size,
+            window_size,
+            heavy_size,
+            pq_group_factor,
+            pq_bits,
+            init_offset,
+            metric,
+            pq_centroids,
+            pq_codebook,
+            pq_ip2l2_phi,
+        )
+        if sig is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED[sig] = route
+    kernel, bucketed = route
+    B, H = query.shape[:2]
+    Hkv, N = key.shape[1], key.shape[2]
+    M, C = pq_group_factor, 1 << pq_bits
+    phi = None if pq_ip2l2_phi is None or metric != "ip" else pq_ip2l2_phi.reshape(B, Hkv, M)
+    n_quantized = pq_codebook.shape[1]
+    rows = N - init_offset
+    if rows < n_quantized:
+        raise ValueError(
+            f"key: expected at least init_offset + n_quantized = {init_offset + n_quantized} tokens, "
+            f"got N={N}"
+        )
+    q = query[:, :, -1]
+    threshold = heavy_size + init_offset + 1 + C
+    buf, state, looped = _codebook_buffer(pq_codebook, init_offset, rows)
+    codebook = buf[:, init_offset : init_offset + rows]
+    new_keys = key[:, :, init_offset + n_quantized :]
+    if kernel:
+        new_keys = new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous()
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        cent = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
+        width = ref.selection_width(sink_size, window_size, heavy_size, min(threshold, N))
+        out = Selection(
+            torch.empty(B, H, width, dtype=torch.int64, device=query.device),
+            torch.empty(B, H, dtype=torch.int64, device=query.device),
+        )
+        weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
+        sizes = dict(
+            sink=sink_size,
+            window=window_size,
+            heavy=heavy_size,
+            cand_lo=max(init_offset, sink_size),
+            short_threshold=threshold,
+        )
+        if looped and bucketed:
+            _select_from_buckets(state, buf, q, cent, phi, new_keys, n_quantized, N, sizes, out, weights)
+        else:
+            pq_encode(new_keys, cent, phi, buf.transpose(1, 2), row0=init_offset + n_quantized)
+            ops._select_kernel(
+                q,
+                cent,
+                codebook.transpose(1, 2),  # [B, Hkv, rows, M]: row r holds token init_offset + r
+                torch.full((B,), N, dtype=torch.int64, device=query.device),
+                **sizes,
+                out=out,
+                workspace=_workspace(query.device, B * H, M, C, N, heavy_size),
+                weights=weights,
+                code_base=init_offset,
+                n_tokens=N,
+            )
+        return out.positions, out.counts, weights, pq_centroids, codebook, pq_ip2l2_phi
+    codes = codebook.transpose(1, 2)  # [B, Hkv, rows, M] view: code of token init_offset + r
+    if new_keys.shape[2]:
+        codes[:, :, n_quantized:] = ref.encode(new_keys, pq_centroids, phi, metric).long()
+    full_codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=query.device)
+    full_codes[:, :, init_offset:] = codes.to(torch.uint8)
+    sel = ref.select_pq(
+        q,
+        pq_centroids,
+        full_codes,
+        torch.full((B,), N, dtype=torch.int64, device=query.device),
+        sink=sink_size,
+        window=window_size,
+        heavy=heavy_size,
+        init_offset=init_offset,
+        short_threshold=threshold,
+    )
+    weights = ref.dense_weights(sel, N, weight_list_dtype)
+    return sel.positions.long(), sel.counts.long(), weights, pq_centroids, codebook, pq_ip2l2_phi
+
+
+def _check_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weight_list_dtype: torch.dtype,
+    sink_size: int,
+    window_size: int,
+    heavy_size: int,
+    pq_group_factor: int,
+    pq_bits: int,
+    init_offset: int,
+    metric: str,
+    pq_centroids: torch.Tensor,
+    pq_codebook: torch.Tensor,
+    pq_ip2l2_phi: torch.Tensor | None,
+) -> tuple[bool, bool]:
+    """indexer_next's argument checks but those of N and the codebook's length; returns the route:
+    (the Triton kernels, with the buckets)."""
     check.tensor("query", query, shape=(None,) * 4, dims="[B, H, Sq, D]", dtypes=check.FLOAT_DTYPES)
     B, H, _, D = query.shape
     check.tensor(
@@ -181,11 +323,12 @@ def indexer_next(
         dtypes=check.FLOAT_DTYPES,
         device=query.device,
     )
-    Hkv, N = key.shape[1], key.shape[2]
+    Hkv = key.shape[1]
     check.gqa(H, Hkv)
-    M, C = pq_group_factor, 1 << pq_bits
+    if not isinstance(weight_list_dtype, torch.dtype) or not weight_list_dtype.is_floating_point:
+        raise TypeError(f"weight_list_dtype: expected a floating torch.dtype, got {weight_list_dtype!r}")
+    M, C = pq_group_factor, 1 << check.bits(pq_bits)
     check.subvectors(M, D)
-    check.bits(pq_bits)
     check.metric(metric)
     for name, value in (
         ("sink_size", sink_size),
@@ -211,7 +354,6 @@ def indexer_next(
         dtypes=(torch.int64,),
         device=query.device,
     )
-    phi = None
     if metric == "ip":
         if pq_ip2l2_phi is None:
             raise ValueError("pq_ip2l2_phi: the ip metric needs phi [B * Hkv * M], got None")
@@ -223,84 +365,8 @@ def indexer_next(
             dtypes=check.FLOAT_DTYPES,
             device=query.device,
         )
-        phi = pq_ip2l2_phi.reshape(B, Hkv, M)
-    n_quantized = pq_codebook.shape[1]
-    rows = N - init_offset
-    if rows < n_quantized:
-        raise ValueError(
-            f"key: expected at least init_offset + n_quantized = {init_offset + n_quantized} tokens, "
-            f"got N={N}"
-        )
-    q = query[:, :, -1]
-    threshold = heavy_size + init_offset + 1 + C
-    buf, state, looped = _codebook_buffer(pq_codebook, init_offset, rows)
-    codebook = buf[:, init_offset : init_offset + rows]
-    codes = codebook.transpose(1, 2)  # [B, Hkv, rows, M] view: code of token init_offset + r
-    new_keys = key[:, :, init_offset + n_quantized :]
-    if ops.kernel_path(q, pq_centroids, heavy_size):
-        from pqattn.kernels.encode import pq_encode
-
-        new_keys = new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous()
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        pq_centroids_c = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
-        width = ref.selection_width(sink_size, window_size, heavy_size, min(threshold, N))
-        out = Selection(
-            torch.empty(B, H, width, dtype=torch.int64, device=query.device),
-            torch.empty(B, H, dtype=torch.int64, device=query.device),
-        )
-        weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
-        sizes = dict(
-            sink=sink_size, window=window_size, heavy=heavy_size, cand_lo=max(init_offset, sink_size)
-        )
-        if looped and ops.uses_histogram(M, C):
-            _select_from_buckets(
-                state,
-                buf,
-                q,
-                pq_centroids_c,
-                phi,
-                new_keys,
-                n_quantized,
-                N,
-                **sizes,
-                short_threshold=threshold,
-                width=width,
-                out=out,
-                weights=weights,
-            )
-        else:
-            pq_encode(new_keys, pq_centroids_c, phi, buf.transpose(1, 2), row0=init_offset + n_quantized)
-            ops._select_kernel(
-                q,
-                pq_centroids_c,
-                codes,
-                torch.full((B,), N, dtype=torch.int64, device=query.device),
-                **sizes,
-                short_threshold=threshold,
-                out=out,
-                workspace=_workspace(query.device, B * H, M, C, N, heavy_size),
-                weights=weights,
-                code_base=init_offset,
-                n_tokens=N,
-            )
-        return out.positions, out.counts, weights, pq_centroids, codebook, pq_ip2l2_phi
-    if new_keys.shape[2]:
-        codes[:, :, n_quantized:] = ref.encode(new_keys, pq_centroids, phi, metric).long()
-    full_codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=query.device)
-    full_codes[:, :, init_offset:] = codes.to(torch.uint8)
-    sel = ref.select_pq(
-        q,
-        pq_centroids,
-        full_codes,
-        torch.full((B,), N, dtype=torch.int64, device=query.device),
-        sink=sink_size,
-        window=window_size,
-        heavy=heavy_size,
-        init_offset=init_offset,
-        short_threshold=threshold,
-    )
-    weights = ref.dense_weights(sel, N, weight_list_dtype)
-    return sel.positions.long(), sel.counts.long(), weights, pq_centroids, codebook, pq_ip2l2_phi
+    kernel = ops.kernel_path(query[:, :, -1], pq_centroids, heavy_size)
+    return kernel, kernel and ops.uses_histogram(M, C)
 
 
 def _select_from_buckets(
@@ -312,65 +378,51 @@ def _select_from_buckets(
     new_keys: torch.Tensor,
     n_quantized: int,
     N: int,
-    *,
-    sink: int,
-    window: int,
-    heavy: int,
-    cand_lo: int,
-    short_threshold: int,
-    width: int,
+    sizes: dict,
     out: Selection,
     weights: torch.Tensor,
 ) -> None:
     """The kernel path of a call that passed back a codebook of ours: the new keys' codes (and the
-    histogram) in one launch, the bucket selection in another. When the state does not describe
-    the codebook it was given (see the module's docstring), the codes are written first and the
-    histogram and buckets counted from them."""
-    from pqattn.index import PQIndex
-    from pqattn.kernels.encode import pq_encode
-    from pqattn.kernels.select_buckets import pq_select_buckets
-
+    histogram, and the lengths on the device) in one launch, the bucket selection in another.
+    When the state does not describe the codebook it was given (see the module's docstring), the
+    codes are written first and the histogram and buckets counted from them. sizes: the
+    selection's sink, window, heavy, cand_lo and short_threshold."""
     B, H, _ = q.shape
     M, C = centroids.shape[2], centroids.shape[3]
+    window, cand_lo = sizes["window"], sizes["cand_lo"]
     codes = buf.transpose(1, 2)  # [B, Hkv, init_offset + capacity, M]: token p at row p
     layout = (window, cand_lo, C, M)
-    row0 = state.init_offset + n_quantized
-    n_drop = state.rows - n_quantized
+    n_drop = state.rows - n_quantized  # rows the caller sends again (0 in a decode loop)
     if state.layout == layout and state.version == buf._version and 0 <= n_drop <= window:
-        if new_keys.shape[2] or n_drop:
-            pq_encode(
-                new_keys,
-                centroids,
-                phi,
-                codes,
-                hist=state.hist,
-                window=window,
-                cand_lo=cand_lo,
-                row0=row0,
-                n_drop=n_drop,
-                lengths_out=state.lengths,
-            )
+        pq_encode(
+            new_keys,
+            centroids,
+            phi,
+            codes,
+            base=state.lengths,
+            hist=state.hist,
+            window=window,
+            cand_lo=cand_lo,
+            advance=state.arrivals,
+            row0=-n_drop,
+            n_drop=n_drop,
+        )
         if max(N - window, cand_lo) < state.frozen_at or N - state.bucketed_at >= PQIndex.REINDEX_AFTER:
             state.rebuild(codes, N, layout)
     else:
-        if state.lengths is None:
-            state.lengths = torch.empty(B, dtype=torch.int64, device=q.device)
-        pq_encode(new_keys, centroids, phi, codes, row0=row0, lengths_out=state.lengths)
+        pq_encode(new_keys, centroids, phi, codes, row0=state.init_offset + n_quantized)
         state.rebuild(codes, N, layout)
+    width = out.positions.shape[2]
     pq_select_buckets(
         q,
         centroids,
         codes,
         state.lengths,
-        sink=sink,
-        window=window,
-        heavy=heavy,
-        cand_lo=cand_lo,
-        short_threshold=short_threshold,
+        **sizes,
         width=width,
         positions=out.positions,
         counts=out.counts,
-        workspace=state.workspace_for(B * H, M, C, heavy),
+        workspace=state.workspace_for(B * H, M, C, sizes["heavy"]),
         histogram=state.hist,
         buckets=state.buckets,
         weights=weights,

@@ -18,9 +18,8 @@ the t-th of them. With n_drop = 0 (PQIndex's appends) that is: T tokens appended
 A decode step fuses more into the launch, so that it is one node instead of four: the new key
 and value rows are stored into the caller's KV cache at row base[b] + t (cast to the cache's
 dtype), and the last program of a sequence to finish advances base[b] by T (an arrival counter
-per sequence: every program of the sequence has read base[b] before it arrives). A caller that
-knows the rows on the host (the original's entry point) passes row0 instead of a base, and the
-launch can store the new lengths, row0 + T, for the selection launch that follows.
+per sequence: every program of the sequence has read base[b] before it arrives), to
+base[b] + row0 + T: row0 = -n_drop for a caller that rewrites its last n_drop rows.
 """
 
 from __future__ import annotations
@@ -85,7 +84,6 @@ def _pq_encode_kernel(
     P: tl.constexpr,
     STORE_KV: tl.constexpr,
     ADVANCE: tl.constexpr,
-    SET_LEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = pid % G
@@ -141,9 +139,6 @@ def _pq_encode_kernel(
                 )
                 old_combo = old_combo * C + old_code.to(tl.int32)
             tl.atomic_add(hist + old_combo, tl.where(gain, 1, -1), sem="relaxed")
-    if SET_LEN:  # noqa: SIM102 (compile time; the inner test runs)
-        if (t == 0) & (kvh == 0):
-            tl.store(base_ptr + b, (first + T).to(base_ptr.dtype.element_ty))
     if STORE_KV:
         b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
         k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
@@ -155,8 +150,8 @@ def _pq_encode_kernel(
             tl.store(v_dst + d * stride_vcd, tl.load(v_src + d * stride_vnd).to(vc_ptr.dtype.element_ty))
     if ADVANCE:
         arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
-        if arrived == Hkv * T - 1:
-            tl.store(base_ptr + b, (row - t + T).to(base_ptr.dtype.element_ty))
+        if arrived == Hkv * G - 1:
+            tl.store(base_ptr + b, (first + T).to(base_ptr.dtype.element_ty))
             tl.store(arrive_ptr + b, 0)
 
 
@@ -177,18 +172,17 @@ def pq_encode(
     *,
     row0: int = 0,
     n_drop: int = 0,
-    lengths_out: torch.Tensor | None = None,
 ) -> None:
     """Write codes of keys [B, Hkv, T, D] into out (indexed [b, kvh, row, m] by its strides).
 
     centroids [B, Hkv, M, C, dsub(+1)] (last dim contiguous); phi [B, Hkv, M] contiguous for ip;
-    row = row0 + base[b] + t when base [B] is given, else row0 + t. hist [B, Hkv, C**M] int32
+    row = base[b] + row0 + t when base [B] is given, else row0 + t. hist [B, Hkv, C**M] int32
     (contiguous): the candidate counts of pqattn.kernels.select_hist for sequences that ended at
-    row0 + base + n_drop, brought to row0 + base + T (see the module's docstring; n_drop <=
-    window). kv_cache (with base): (k_cache, v_cache, values), the caches [B, Hkv, >= base + T, D]
-    receive keys and values [B, Hkv, T, D] at rows base[b] + t. advance (with base): int32 [B]
-    arrival counters, zero-filled once (left at zero): base += T in the same launch.
-    lengths_out [B] (without base): set to row0 + T. Validated inputs only.
+    base + row0 + n_drop, brought to base + row0 + T (see the module's docstring; n_drop <=
+    window). kv_cache (with base, n_drop 0): (k_cache, v_cache, values), the caches
+    [B, Hkv, >= base + T, D] receive keys and values [B, Hkv, T, D] at rows base[b] + t.
+    advance (with base): int32 [B] arrival counters, zero-filled once (left at zero): base is
+    set to base + row0 + T in the same launch. Validated inputs only.
     """
     B, Hkv, T, D = keys.shape
     M, C, width = centroids.shape[2], centroids.shape[3], centroids.shape[4]
@@ -196,26 +190,23 @@ def pq_encode(
     ip = width == dsub + 1
     if not 0 <= n_drop <= window:
         raise ValueError(f"n_drop: expected 0 <= n_drop <= window={window}, got {n_drop}")
-    if (kv_cache is not None or advance is not None) and (base is None or n_drop):
-        raise ValueError("base: kv_cache and advance write at base[b] + t; expected base and n_drop 0")
-    if lengths_out is not None and base is not None:
-        raise ValueError("lengths_out: the lengths come from row0 alone; expected no base with it")
+    if (kv_cache is not None or advance is not None) and base is None:
+        raise ValueError("base: kv_cache and advance write at base[b] + t; expected base, got None")
+    if kv_cache is not None and (n_drop or row0):
+        raise ValueError("kv_cache: the rows are stored at base[b] + t; expected row0 = n_drop = 0")
     G = T  # programs per (b, kvh): those past T only remove positions from the histogram
     if hist is not None:
         G = max(G, n_drop - T)
-    if lengths_out is not None:
-        G = max(G, 1)
     if G == 0:
         return
     k_cache, v_cache, values = kv_cache if kv_cache is not None else (keys, keys, keys)
-    lengths = base if base is not None else lengths_out
     _pq_encode_launch(
         (B * Hkv * G,),
         (
             keys,
             centroids,
             phi if ip else centroids,
-            lengths if lengths is not None else centroids,
+            base if base is not None else centroids,
             out,
             hist if hist is not None else out,
             k_cache,
@@ -249,7 +240,6 @@ def pq_encode(
             P=C**M,
             STORE_KV=kv_cache is not None,
             ADVANCE=advance is not None,
-            SET_LEN=lengths_out is not None,
             num_warps=4,
         ),
     )

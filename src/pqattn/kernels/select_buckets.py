@@ -77,6 +77,10 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     return BUCKET_CONFIGS[0]
 
 
+# each config's launch options, made once (Config.all_kwargs builds a dict per call)
+_CONFIG_KWARGS = {id(c): c.all_kwargs() for c in BUCKET_CONFIGS}
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -433,9 +437,12 @@ def pq_select_buckets(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
             f"with {workspace.numel()}"
         )
-    if config is not None and config not in BUCKET_CONFIGS:
-        raise ValueError("config: expected one of BUCKET_CONFIGS")
-    config = config or select_config(rows, q.device)
+    if config is None:
+        config = select_config(rows, q.device)
+    else:  # one of BUCKET_CONFIGS, or an equal one (its launch options are kept by identity)
+        config = next((c for c in BUCKET_CONFIGS if c == config), None)
+        if config is None:
+            raise ValueError("config: expected one of BUCKET_CONFIGS")
     order, starts, frozen = buckets
     dsub = D // M
     _pq_bucket_select_launch(
@@ -480,6 +487,6 @@ def pq_select_buckets(
             DSUB=dsub,
             BLOCK_D=min(dsub, 64),
             HAS_W=weights is not None,
-            **config.all_kwargs(),
+            **_CONFIG_KWARGS[id(config)],
         ),
     )

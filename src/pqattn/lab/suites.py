@@ -74,6 +74,10 @@ KERNEL_NOTE = "the Triton kernel on CUDA (the PyTorch reference on a CPU)"
 # ---- select: PQ top-k selection for one decode query per sequence (issue 4) -----------------------
 
 
+# keys a compat decode loop appends before it starts over (room for them in the case's key tensor)
+_LOOP_CALLS = 4096
+
+
 def _index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQIndex:
     """A PQIndex over the case's codebook: what a decode loop selects through."""
     config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy)
@@ -102,6 +106,23 @@ def _compat_codebook(x: dict, sink: int) -> torch.Tensor:
     book = x["codes"][:, :, sink : sink + n_q].long().transpose(1, 2)
     buf = _codebook_buffer(book, sink, n_q + 1)[0]
     return buf[:, sink : sink + n_q]
+
+
+def _compat_loop(x: dict, sink: int) -> Callable[[], object]:
+    """A decode loop through indexer_next: each call one key longer than the last, passed the
+    codebook the last one returned; after _LOOP_CALLS calls it starts over from the case's
+    codebook (that call counts the buckets again)."""
+    N = x["key"].shape[2]
+    loop = {"n": N + _LOOP_CALLS, "codebook": None}
+
+    def step() -> object:
+        if loop["n"] == N + _LOOP_CALLS:
+            loop["n"], loop["codebook"] = N, _compat_codebook(x, sink)
+        out = x["compat"](loop["codebook"], loop["n"])
+        loop["n"], loop["codebook"] = loop["n"] + 1, out[4]
+        return out
+
+    return step
 
 
 def _aged_compat_codebook(x: dict, sink: int, window: int, bits: int) -> torch.Tensor:
@@ -175,14 +196,18 @@ def _select_case(
         )
         if compat:  # the original's call: all but the newest key quantized, int64 codebook
             x["query"] = x["q"][:, :, None].float()
-            x["key"] = torch.randn(B, Hkv, N, D, device=device, generator=g)
-            query, key, cent = x["query"], x["key"], x["centroids"]
+            keys = torch.randn(B, Hkv, N + _LOOP_CALLS, D, device=device, generator=g)
+            x["key"] = keys[:, :, :N]
+            query, cent = x["query"], x["centroids"]
             opts_ = (torch.float32, sink, window, heavy, M, bits, 0, sink, "euclidean")
-            x["compat"] = lambda codebook: indexer_next(query, key, *opts_, cent, codebook, None)
+            x["compat"] = lambda codebook, n=N: indexer_next(
+                query, keys[:, :, :n], *opts_, cent, codebook, None
+            )
             x["codebook"] = _compat_codebook(x, sink)
             x["codebook_aged"] = (
                 _aged_compat_codebook(x, sink, window, bits) if device.type == "cuda" else x["codebook"]
             )
+            x["compat_loop"] = _compat_loop(x, sink)
         return x
 
     select_bytes = (
@@ -256,6 +281,17 @@ def _select_case(
                         note="indexer_next: int64 codebook, encodes the new key, dense float32 weights; "
                         "the codebook an earlier call returned, passed back with the newest key's row to "
                         "write again (the same codebook every call, as the original's benchmark)",
+                    ),
+                    Impl(
+                        "compat-loop",
+                        "pqattn",
+                        lambda x: x["compat_loop"](),
+                        compat_bytes,
+                        select_flops,
+                        note="compat in a decode loop: each call one key longer than the last and passed "
+                        f"the codebook the last returned (from the case's codebook again every {_LOOP_CALLS} "
+                        "calls)",
+                        no_graph="each call is one key longer than the last (a graph replays one length)",
                     ),
                     Impl(
                         "compat-aged",
