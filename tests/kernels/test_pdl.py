@@ -1,6 +1,7 @@
-"""Programmatic dependent launch between the selection's cut and scan: which launches ask for it,
-and the order the compiled kernels keep between `griddepcontrol.wait` and their memory accesses
-(pqattn.kernels.pdl's contract).
+"""Programmatic dependent launch between the selection's cut and scan, and between the encode
+launch and the bucket selection behind it: which launches ask for it, and the order the compiled
+kernels keep between `griddepcontrol.wait` and their memory accesses (pqattn.kernels.pdl's
+contract).
 
 The order is checked in the PTX that Triton compiles for sm_90, in a subprocess without the
 interpreter, so it runs on a machine without a GPU. (On the GPU, every selection test runs the
@@ -22,11 +23,11 @@ from tests.helpers import select_hist_launches
 # Compiles the cut and scan kernels with PDL=True (and False) for sm_90 and reports, per kernel,
 # the griddepcontrol instructions and the global memory instructions ahead of the wait.
 _COMPILE = r"""
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pqattn.kernels import select_hist
+from pqattn.kernels import encode, select_buckets, select_hist
 
 def compile_ptx(fn, types, constexprs, num_warps):
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -34,25 +35,62 @@ def compile_ptx(fn, types, constexprs, num_warps):
     options = {"num_warps": num_warps, "launch_pdl": constexprs["PDL"]}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
+def pointer_params(lines, reg):
+    # the pointer parameters (by index) that register `reg` is computed from
+    defs = {}
+    for line in lines:
+        m = re.match(r"([a-z][\w.]*)\s+(%\w+),\s*(.*);", line)
+        if m and not m.group(1).startswith(("st.", "ld.global")):
+            param = re.search(r"_param_(\d+)\]", m.group(3))
+            defs[m.group(2)] = int(param.group(1)) if param else re.findall(r"%\w+", m.group(3))
+    seen, todo, params = set(), [reg], set()
+    while todo:
+        r = todo.pop()
+        if r in seen or r not in defs:
+            continue
+        seen.add(r)
+        if not isinstance(defs[r], int):
+            todo.extend(defs[r])
+        elif r.startswith("%rd"):
+            params.add(defs[r])
+    return params
+
+def atomic(line):
+    return re.match(r"(@!?%\w+\s+)?(atom|red)\.", line) is not None
+
 def report(ptx):
     lines = [line.strip() for line in ptx.splitlines()]
     waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     ahead = lines[: waits[0]] if waits else []
+    loads = [re.search(r"\[\s*(%\w+)", line).group(1) for line in ahead if "ld.global" in line]
     return {
+        "load_params_ahead": sorted(set().union(*(pointer_params(ahead, r) for r in loads))),
         "waits": len(waits),
         "releases": sum("griddepcontrol.launch_dependents" in line for line in lines),
         "loads_ahead": sum("ld.global" in line for line in ahead),
-        "writes_ahead": sum(("st.global" in line) or ("atom." in line) or ("red." in line) for line in ahead),
+        "writes_ahead": sum(("st.global" in line) or atomic(line) for line in ahead),
+        "atomics_ahead": sum(atomic(line) for line in ahead),
     }
 
 i32, u8 = "*i32", "*u8"
 cut_types = dict(q_ptr="*fp32", cent_ptr="*fp32", len_ptr=i32, hist_ptr=i32, ws_ptr=i32)
 scan_types = dict(codes_ptr=u8, len_ptr=i32, hist_ptr=i32, ws_ptr=i32, pos_ptr=i32, cnt_ptr=i32)
 scan_types["w_ptr"] = "*fp16"
+bucket_types = dict(q_ptr="*fp32", cent_ptr="*fp32", codes_ptr="*i64", len_ptr="*i64", hist_ptr=i32,
+                    order_ptr=i32, starts_ptr=i32, frozen_ptr=i32, ws_ptr=i32, pos_ptr="*i64",
+                    cnt_ptr="*i64", w_ptr="*fp32")
+encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="*i64", out_ptr="*i64",
+                    hist_ptr=i32, kc_ptr="*fp32", vc_ptr="*fp32", vn_ptr="*fp32", arrive_ptr=i32)
 kernels = {
     "cut": (select_hist._pq_cut_kernel, cut_types, dict(M=2, C=16, P=256, DSUB=16, BLOCK_D=16), 4),
     "scan": (select_hist._pq_scan_kernel, scan_types,
              dict(M=2, C=16, P=256, GP=4, HAS_W=True, CONSUME_HIST=True, TILE=256), 2),
+    "bucket": (select_buckets._pq_bucket_select_kernel, bucket_types,
+               dict(M=2, C=16, BITS=4, P=256, DSUB=16, BLOCK_D=16, CHUNK=1024, LATE_RUNS=False,
+                    HAS_W=True), 4),
+    "encode": (encode._pq_encode_kernel, encode_types,
+               dict(M=2, C=16, DSUB=16, BLOCK_D=16, IP=False, HAS_BASE=True, HAS_HIST=True, P=256,
+                    STORE_KV=False, ADVANCE=True), 4),
 }
 out = {}
 for name, (fn, types, constexprs, warps) in kernels.items():
@@ -92,6 +130,22 @@ def test_only_the_scan_reads_before_the_wait(compiled: dict) -> None:
     assert compiled["scan:True"]["loads_ahead"] >= 2
 
 
+def test_the_encode_releases_the_bucket_selection_behind_it(compiled: dict) -> None:
+    """The encode launch releases at once and never waits (it starts as any launch does); the
+    bucket selection waits once, and ahead of the wait reads only through its first two pointers,
+    the query and the centroids (its LUT's operands), and makes no atomic update (it writes its
+    LUT and the weights' zeros, which no launch in flight touches)."""
+    assert (compiled["encode:True"]["waits"], compiled["encode:True"]["releases"]) == (0, 1)
+    assert (compiled["encode:False"]["waits"], compiled["encode:False"]["releases"]) == (0, 0)
+    bucket = compiled["bucket:True"]
+    assert (bucket["waits"], bucket["releases"]) == (1, 0)
+    assert bucket["loads_ahead"] >= 1 and bucket["load_params_ahead"] == [0, 1]
+    assert bucket["atomics_ahead"] == 0
+    assert compiled["bucket:False"]["waits"] == 0
+    # the scan's loads ahead of its wait: the codes and the lengths (params 0 and 1)
+    assert compiled["scan:True"]["load_params_ahead"] == [0, 1]
+
+
 def test_pdl_meta_asks_for_pdl_only_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert pdl.pdl_meta(cpu) == {"PDL": False}
@@ -113,3 +167,52 @@ def test_only_the_scan_is_launched_early(monkeypatch: pytest.MonkeyPatch) -> Non
     cut, scan = launched["_pq_cut_kernel"][3], launched["_pq_scan_kernel"][3]
     assert (cut["PDL"], cut["launch_pdl"]) == (True, False)
     assert (scan["PDL"], scan["launch_pdl"]) == (True, True)
+
+
+def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encode launch releases but starts as any launch does; the bucket selection asks to start
+    early when its caller launched the encode right before it (the original's entry point), and
+    not otherwise (PQIndex.select may follow anything). Launches recorded, not run."""
+    from pqattn.kernels import launch
+    from pqattn.kernels.encode import pq_encode
+    from pqattn.kernels.select_buckets import pq_select_buckets, workspace_numel
+
+    monkeypatch.setattr(pdl, "interpreted", lambda: False)
+    monkeypatch.setattr(pdl, "_supported", lambda device: True)
+    launched: list[tuple[str, dict]] = []
+    monkeypatch.setattr(
+        launch.Launcher, "__call__", lambda self, *a: launched.append((self.fn.__name__, a[3]))
+    )
+    B, H, Hkv, N, M, C = 1, 4, 2, 64, 2, 4
+    cent = torch.randn(B, Hkv, M, C, 8)
+    codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8)
+    lengths = torch.full((B,), N, dtype=torch.int64)
+    pq_encode(torch.randn(B, Hkv, 1, 16), cent, None, codes, base=lengths)
+    for after_encode in (True, False):
+        pq_select_buckets(
+            torch.randn(B, H, 16),
+            cent,
+            codes,
+            lengths,
+            sink=2,
+            window=2,
+            heavy=8,
+            cand_lo=2,
+            short_threshold=12,
+            width=12,
+            positions=torch.empty(B, H, 12, dtype=torch.int64),
+            counts=torch.empty(B, H, dtype=torch.int64),
+            workspace=torch.zeros(workspace_numel(B * H, M, C, 8), dtype=torch.int32),
+            histogram=torch.zeros(B, Hkv, C**M, dtype=torch.int32),
+            buckets=(torch.zeros(B, Hkv, N, dtype=torch.int32),) * 2 + (torch.zeros(B, dtype=torch.int32),),
+            after_encode=after_encode,
+        )
+    (enc, enc_kw), (early, early_kw), (plain, plain_kw) = launched
+    assert (enc, early, plain) == (
+        "_pq_encode_kernel",
+        "_pq_bucket_select_kernel",
+        "_pq_bucket_select_kernel",
+    )
+    assert (enc_kw["PDL"], enc_kw["launch_pdl"]) == (True, False)
+    assert (early_kw["PDL"], early_kw["launch_pdl"]) == (True, True)
+    assert plain_kw["PDL"] is False and "launch_pdl" not in plain_kw

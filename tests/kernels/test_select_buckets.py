@@ -92,6 +92,7 @@ def run_case(
     calls=2,
     weights_dtype=None,
     index_dtype=torch.int32,
+    after_encode=False,
 ) -> None:
     """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths; dense
     weights when weights_dtype is given, positions and counts of index_dtype."""
@@ -133,6 +134,7 @@ def run_case(
             buckets=buckets,
             weights=None if weights is None else weights.fill_(float("nan")),
             config=config,
+            after_encode=after_encode,
         )
         assert_selection_exact(
             pos,
@@ -182,6 +184,16 @@ CASES["long-ties"] = dict(
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_select_cases(case: dict, config: triton.Config, recent: int, device: torch.device) -> None:
     run_case(device, **case, recent=recent, config=config)
+
+
+@pytest.mark.parametrize("config", BUCKET_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_select_cases_after_encode(case: dict, config: triton.Config, device: torch.device) -> None:
+    """Compiled with programmatic dependent launch (pqattn.kernels.pdl): the LUT and the weights'
+    zeros come before the wait (under the interpreter the kernel is the one above)."""
+    if device.type != "cuda":
+        pytest.skip("the PDL variant is compiled on the GPU only")
+    run_case(device, **case, recent=60, config=config, after_encode=True)
 
 
 @pytest.mark.parametrize("recent", [0, 5000], ids=lambda r: f"recent{r}")

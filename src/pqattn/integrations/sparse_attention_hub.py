@@ -426,6 +426,7 @@ def _select_from_buckets(
         histogram=state.hist,
         buckets=state.buckets,
         weights=weights,
+        after_encode=True,
     )
     state.rows = N - state.init_offset
     state.version = buf._version

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.launch import Launcher
+from pqattn.kernels.pdl import pdl_meta, release_next
 
 
 @triton.jit
@@ -84,7 +85,9 @@ def _pq_encode_kernel(
     P: tl.constexpr,
     STORE_KV: tl.constexpr,
     ADVANCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)  # a selection launched behind this one may start (pqattn.kernels.pdl)
     pid = tl.program_id(0)
     t = pid % G
     kvh = (pid // G) % Hkv
@@ -240,6 +243,7 @@ def pq_encode(
             P=C**M,
             STORE_KV=kv_cache is not None,
             ADVANCE=advance is not None,
+            **pdl_meta(keys.device, early=False),
             num_warps=4,
         ),
     )

@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) between the selection's two launches.
+"""Programmatic dependent launch (PDL): the selection's second launch behind its first, and the
+bucket selection behind the encode launch.
 
 The selection is two launches of a few microseconds each, the cut (one program per query row)
 and the scan (many programs over the tokens), so the gap between them (the scan's launch and
@@ -7,18 +8,24 @@ the programmatic-stream-serialization attribute (Triton's `launch_pdl` option) m
 the launch ahead of it in the stream has finished, once every program of that one has executed
 `griddepcontrol.launch_dependents` (`release_next`); its programs then block in
 `griddepcontrol.wait` (`wait_prior`) until that launch has completed and its writes are
-visible. A launch whose predecessor never releases (any kernel but the cut) starts when that one
-completes, as without the attribute.
+visible. A launch whose predecessor never releases (any kernel but the cut, the scan and the
+encode) starts when that one completes, as without the attribute.
 
 The contract of a kernel compiled with the `PDL` constexpr:
-- every program calls `wait_prior` unconditionally, before its first write and before reading
-  anything the launch ahead of it may write; then `release_next`. A launch therefore completes
-  only after the one ahead of it has, and the launches keep the order they have without PDL;
+- a kernel that is launched early (the scan, the bucket selection) has every program call
+  `wait_prior` unconditionally, before reading anything the launch ahead of it may write; a
+  kernel with a launch behind it that may start early (the cut, the scan, the encode) has every
+  program call `release_next` (the scan after its wait, the others at once: they are never
+  launched early). A launch therefore completes only after the one ahead of it has, and the
+  launches keep the order they have without PDL;
 - before `wait_prior`, a program reads only what the launch ahead of it never writes and what
   was written two or more launches back: the scan reads the codes and the lengths there, which
-  the cut never writes, so those loads overlap the cut.
+  the cut never writes, so those loads overlap the cut. A program may write there only memory
+  that no launch that can be in flight reads or writes: the bucket selection launched behind
+  the encode (the original's entry point, `pq_select_buckets(after_encode=True)`) writes its
+  row's LUT and the zeros of its dense weights before it waits, while the encode runs.
 
-Only the scan is launched early. Measured on the H200 (graph replay, with and without PDL in the
+The scan is launched early behind the cut. Measured on the H200 (graph replay, with and without PDL in the
 same run): `PQIndex.select` at the original's shape (B=1, N=32000, H=Hkv=32), 14.7-15.1 ->
 14.0 us; the decode suite's step (select + attention) 20.3 -> 20.1, 42.8 -> 41.8 and 99.1 ->
 97.5 us at its three shapes. Launching the cut early as well made a loop of selections slower,

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.launch import Launcher
+from pqattn.kernels.pdl import pdl_meta, wait_prior
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _write_lut
 from pqattn.kernels.select_hist import HIST_TILE, _combo, _need, _weighted_cut, count_combos
 
@@ -191,16 +192,28 @@ def _pq_bucket_select_kernel(
     CHUNK: tl.constexpr,
     LATE_RUNS: tl.constexpr,
     HAS_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     b = row // H
     h = row % H
     kvh = h // G
     grp = b * Hkv + kvh
-    n = tl.load(len_ptr + b).to(tl.int32)
     pos_row = pos_ptr + b * stride_pb + h * stride_ph
     w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
     lane = tl.arange(0, CHUNK)
+    lut_row = _lut_base(ws_ptr) + row * (M * C)
+    q_row = q_ptr + b * stride_qb + h * stride_qh
+    cent_row = cent_ptr + b * stride_cb + kvh * stride_ck
+    if PDL:  # launched early behind the encode launch: first what that one does not write
+        _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
+        if HAS_W:
+            for start in range(0, n_weights, CHUNK):
+                o = start + lane
+                tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < n_weights)
+        wait_prior(PDL)
+        tl.debug_barrier()  # the LUT and the zeros are visible to every thread after it
+    n = tl.load(len_ptr + b).to(tl.int32)
     if n <= short_threshold:  # short sequence: every token
         for start in range(0, width, CHUNK):
             o = start + lane
@@ -211,7 +224,7 @@ def _pq_bucket_select_kernel(
                 o = start + lane
                 tl.store(w_row + o, tl.where(o < n, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=o < n_weights)
     else:
-        if HAS_W:  # zeros first: the selected tokens' ones overwrite them after the barriers below
+        if HAS_W and not PDL:  # zeros first: the selected tokens' ones overwrite them after a barrier
             for start in range(0, n_weights, CHUNK):
                 o = start + lane
                 tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < n_weights)
@@ -234,18 +247,8 @@ def _pq_bucket_select_kernel(
         if not LATE_RUNS:
             run = tl.load(starts_row + combo)
             run_len = tl.load(starts_row + combo + 1) - run
-        lut_row = _lut_base(ws_ptr) + row * (M * C)
-        _write_lut(
-            q_ptr + b * stride_qb + h * stride_qh,
-            cent_ptr + b * stride_cb + kvh * stride_ck,
-            lut_row,
-            stride_cm,
-            stride_cc,
-            M,
-            C,
-            DSUB,
-            BLOCK_D,
-        )
+        if not PDL:  # (the LUT's loads in flight with the ones above)
+            _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
         tl.debug_barrier()  # the other threads' LUT stores are visible after it
         # Each combination's score gathered from the LUT in memory, added in the order the recent
         # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors.
@@ -416,6 +419,7 @@ def pq_select_buckets(
     buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     weights: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    after_encode: bool = False,
 ) -> None:
     """Launch the bucket selection on validated inputs (arguments as
     pqattn.kernels.select_hist.pq_select_hist, codes row r holding token r; codes of any integer
@@ -425,7 +429,10 @@ def pq_select_buckets(
     (order, starts, frozen) as `bucket_tokens` left them for these codes, at lengths that are now
     at most `lengths`. workspace: int32, zero-filled once, workspace_numel(B * H, M, C, heavy).
     weights [B, H, n_weights] (last dim contiguous, n_weights >= lengths) or None: 1.0 at the
-    selected positions, 0.0 elsewhere. `config`: one of BUCKET_CONFIGS (by default `select_config`).
+    selected positions, 0.0 elsewhere. after_encode: the launch ahead of this one is the encode
+    launch (pqattn.kernels.encode), which lets it start early (programmatic dependent launch):
+    the LUT and the weights' zeros are written while the encode runs. `config`: one of
+    BUCKET_CONFIGS (by default `select_config`).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -487,6 +494,7 @@ def pq_select_buckets(
             DSUB=dsub,
             BLOCK_D=min(dsub, 64),
             HAS_W=weights is not None,
+            **(pdl_meta(q.device) if after_encode else {"PDL": False}),
             **_CONFIG_KWARGS[id(config)],
         ),
     )
