@@ -36,7 +36,7 @@ def compile_ptx(fn, types, constexprs, num_warps):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 def pointer_params(lines, reg):
-    # the pointer parameters (by index) that register `reg` is computed from
+    # the parameters (by index) that register `reg` is computed from
     defs = {}
     for line in lines:
         m = re.match(r"([a-z][\w.]*)\s+(%\w+),\s*(.*);", line)
@@ -51,20 +51,21 @@ def pointer_params(lines, reg):
         seen.add(r)
         if not isinstance(defs[r], int):
             todo.extend(defs[r])
-        elif r.startswith("%rd"):
+        else:
             params.add(defs[r])
     return params
 
 def atomic(line):
     return re.match(r"(@!?%\w+\s+)?(atom|red)\.", line) is not None
 
-def report(ptx):
+def report(ptx, pointers):
     lines = [line.strip() for line in ptx.splitlines()]
     waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     ahead = lines[: waits[0]] if waits else []
     loads = [re.search(r"\[\s*(%\w+)", line).group(1) for line in ahead if "ld.global" in line]
+    read = set().union(*(pointer_params(ahead, r) for r in loads))
     return {
-        "load_params_ahead": sorted(set().union(*(pointer_params(ahead, r) for r in loads))),
+        "load_params_ahead": sorted(read & pointers),
         "waits": len(waits),
         "releases": sum("griddepcontrol.launch_dependents" in line for line in lines),
         "loads_ahead": sum("ld.global" in line for line in ahead),
@@ -95,7 +96,8 @@ kernels = {
 out = {}
 for name, (fn, types, constexprs, warps) in kernels.items():
     for flag in (True, False):
-        out[f"{name}:{flag}"] = report(compile_ptx(fn, types, {**constexprs, "PDL": flag}, warps))
+        pointers = {i for i, n in enumerate(fn.arg_names) if types.get(n, "").startswith("*")}
+        out[f"{name}:{flag}"] = report(compile_ptx(fn, types, {**constexprs, "PDL": flag}, warps), pointers)
 json.dump(out, sys.stdout)
 """
 
