@@ -22,8 +22,8 @@ selection is then:
      between the bucketed ones above and k - quota, those at it the slots after the bucketed
      ties up to the quota;
   4. sink, window, count and -1 padding; with dense weights [B, H, n_weights] (the original's
-     weight_list), the row's zeros are stored first, while the LUT loads, and the ones at the
-     selected positions last.
+     weight_list), the row's zeros are stored first (under PDL while the encode launch ahead
+     runs) and the ones at the selected positions last.
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
 codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
@@ -105,6 +105,15 @@ def workspace_numel(rows: int, M: int, C: int, heavy: int) -> int:
 @triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
+
+
+@triton.jit
+def _zero_row(w_row, n_weights, CHUNK: tl.constexpr):
+    """w_row[0:n_weights] = 0."""
+    lane = tl.arange(0, CHUNK)
+    for start in range(0, n_weights, CHUNK):
+        o = start + lane
+        tl.store(w_row + o, tl.zeros([CHUNK], w_row.dtype.element_ty), mask=o < n_weights)
 
 
 @triton.jit
@@ -208,9 +217,7 @@ def _pq_bucket_select_kernel(
     if PDL:  # launched early behind the encode launch: first what that one does not write
         _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
         if HAS_W:
-            for start in range(0, n_weights, CHUNK):
-                o = start + lane
-                tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < n_weights)
+            _zero_row(w_row, n_weights, CHUNK)
         wait_prior(PDL)
         tl.debug_barrier()  # the LUT and the zeros are visible to every thread after it
     n = tl.load(len_ptr + b).to(tl.int32)
@@ -225,9 +232,7 @@ def _pq_bucket_select_kernel(
                 tl.store(w_row + o, tl.where(o < n, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=o < n_weights)
     else:
         if HAS_W and not PDL:  # zeros first: the selected tokens' ones overwrite them after a barrier
-            for start in range(0, n_weights, CHUNK):
-                o = start + lane
-                tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < n_weights)
+            _zero_row(w_row, n_weights, CHUNK)
         hi, need = _need(n, heavy, window, cand_lo)
         n_sink = tl.minimum(sink, n)
         win_lo = tl.maximum(hi, n_sink)
