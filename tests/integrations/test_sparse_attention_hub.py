@@ -193,8 +193,8 @@ def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
 
 def _spied(monkeypatch) -> list[str]:
     """The names of the launchers indexer_next calls, appended as it calls them."""
-    import pqattn.integrations.sparse_attention_hub as hub
     from pqattn import ops
+    from pqattn.kernels import encode, select_buckets
 
     calls: list[str] = []
 
@@ -207,8 +207,9 @@ def _spied(monkeypatch) -> list[str]:
 
         monkeypatch.setattr(module, name, wrapper)
 
-    for name in ("pq_encode", "bucket_tokens", "pq_select_buckets"):
-        spy(hub, name)
+    spy(encode, "pq_encode")
+    spy(select_buckets, "bucket_tokens")
+    spy(select_buckets, "pq_select_buckets")
     spy(ops, "_select_kernel")
     return calls
 
@@ -306,3 +307,23 @@ def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.dev
     out = indexer_next(*moved)
     assert calls == ["pq_encode", "_select_kernel"] and out[4].data_ptr() != codebook.data_ptr()
     check_selection(moved, out[0], out[1], out[2], out[4])
+
+
+def test_importing_the_cli_decorates_no_kernel() -> None:
+    """The CLI's parser imports the lab's suites and through them this entry point: none of that
+    may import a Triton kernel, since a caller that sets TRITON_INTERPRET for a moment (the CLI's
+    own tests do, to check on a CPU) would then have interpreted kernels for the rest of the
+    process, on a GPU too."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pqattn.cli import main; main(['check', '--kernel', 'nosuch']); "
+        "print(sorted(m for m in sys.modules if m.startswith('pqattn.kernels.')))"
+    )
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src), TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "['pqattn.kernels.launch']"

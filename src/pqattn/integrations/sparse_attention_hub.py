@@ -28,9 +28,11 @@ from pqattn import _validate as check
 from pqattn import ops
 from pqattn import reference as ref
 from pqattn.index import PQIndex
-from pqattn.kernels.encode import pq_encode
-from pqattn.kernels.select_buckets import bucket_tokens, pq_select_buckets, workspace_numel
 from pqattn.reference import Selection
+
+# The Triton kernels are imported where they are launched: importing this module (the lab's
+# suites do, and so does the CLI) decorates no kernel, so that it cannot happen while a caller
+# has TRITON_INTERPRET set for a moment (Triton fixes a kernel's mode when it is decorated).
 
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
 _STATE = "_pqattn_state"  # the attribute of our codebook buffers that holds their _State
@@ -86,6 +88,8 @@ class _State:
     def rebuild(self, codes: torch.Tensor, N: int, layout: tuple[int, int, int, int]) -> None:
         """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for sequences
         of N tokens, and take the histogram from the groups' sizes."""
+        from pqattn.kernels.select_buckets import bucket_tokens
+
         B, Hkv, capacity, M = codes.shape
         window, cand_lo, C, _ = layout
         if self.lengths is None:
@@ -119,6 +123,8 @@ class _State:
         self.bucketed_at = N
 
     def workspace_for(self, rows: int, M: int, C: int, heavy: int) -> torch.Tensor:
+        from pqattn.kernels.select_buckets import workspace_numel
+
         if self.workspace_key != (rows, heavy):
             self.workspace = torch.zeros(
                 workspace_numel(rows, M, C, heavy), dtype=torch.int32, device=self.hist.device
@@ -243,6 +249,8 @@ def indexer_next(
     codebook = buf[:, init_offset : init_offset + rows]
     new_keys = key[:, :, init_offset + n_quantized :]
     if kernel:
+        from pqattn.kernels.encode import pq_encode
+
         new_keys = new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous()
         q = q if q.stride(-1) == 1 else q.contiguous()
         cent = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
@@ -387,6 +395,9 @@ def _select_from_buckets(
     When the state does not describe the codebook it was given (see the module's docstring), the
     codes are written first and the histogram and buckets counted from them. sizes: the
     selection's sink, window, heavy, cand_lo and short_threshold."""
+    from pqattn.kernels.encode import pq_encode
+    from pqattn.kernels.select_buckets import pq_select_buckets
+
     B, H, _ = q.shape
     M, C = centroids.shape[2], centroids.shape[3]
     window, cand_lo = sizes["window"], sizes["cand_lo"]
