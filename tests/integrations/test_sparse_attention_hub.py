@@ -214,23 +214,25 @@ def _spied(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.parametrize("Hkv", [4, 8], ids=["gqa", "mha"])
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
 def test_a_decode_loop_selects_from_buckets(
-    kernel_routes, metric: str, device: torch.device, monkeypatch
+    kernel_routes, metric: str, Hkv: int, device: torch.device, monkeypatch
 ) -> None:
     """Calls that pass back the returned codebook: from the second one the buffer carries the
     histogram and buckets, and a call is the encode launch and the bucket launch, through keys
     appended one or several at a time, rows re-sent (the original's benchmark: the same codebook
     every call), the candidates' end moving back, and the buckets rebuilt every REINDEX_AFTER
     tokens. A write into the codebook, a re-send of more than `window` rows or other sizes count
-    them again. Every call's outputs by the checker's rules, against the reference, and the kept
-    histogram equal to a recount."""
+    them again. With a KV head per query head, a call of one new key (one or two rows re-sent)
+    is the bucket launch alone, which encodes it. Every call's outputs by the checker's rules,
+    against the reference, and the kept histogram equal to a recount."""
     from pqattn import PQIndex
 
     monkeypatch.setattr(PQIndex, "REINDEX_AFTER", 5)
     sink, window, io = 8, 8, 8
     args, keys, _ = make_call(
-        device, N=420, fresh=40, sink=sink, window=window, io=io, heavy=24, metric=metric
+        device, N=420, H=8, Hkv=Hkv, fresh=40, sink=sink, window=window, io=io, heavy=24, metric=metric
     )
     args = list(args)
     args[1] = keys[:, :, :381]  # 372 rows quantized: one new key
@@ -241,18 +243,20 @@ def test_a_decode_loop_selects_from_buckets(
     codebook = out[4]
     counts = ["pq_encode", "bucket_tokens", "pq_select_buckets"]
     keeps = ["pq_encode", "pq_select_buckets"]
+    one = ["pq_select_buckets"] if Hkv == 8 else keeps  # the key encoded by the selection
     # (tokens, rows of the last codebook passed back, the launchers)
     steps = [
         (385, 0, counts),  # the first call that passes back a codebook of ours
-        (386, 0, keeps),  # one new key
+        (386, 0, one),  # one new key
         (389, 0, keeps),  # three
-        (389, -1, keeps),  # the last row re-sent
-        (389, -1, keeps),
+        (389, -1, one),  # the last row re-sent
+        (389, -1, one),
         (388, -3, keeps),  # three re-sent, two new: the candidates' end moves back
         (395, 0, counts),  # seven new: REINDEX_AFTER tokens since the last count
         (395, -window, keeps),  # `window` rows re-sent
         (396, -window - 1, counts),  # more than that
-        (397, 0, keeps),
+        (397, 0, one),
+        (396, -2, one),  # two re-sent, one new: the end moves back
     ]
     for n, back, want in steps:
         args[1] = keys[:, :, :n]

@@ -79,7 +79,7 @@ scan_types = dict(codes_ptr=u8, len_ptr=i32, hist_ptr=i32, ws_ptr=i32, pos_ptr=i
 scan_types["w_ptr"] = "*fp16"
 bucket_types = dict(q_ptr="*fp32", cent_ptr="*fp32", codes_ptr="*i64", len_ptr="*i64", hist_ptr=i32,
                     order_ptr=i32, starts_ptr=i32, frozen_ptr=i32, ws_ptr=i32, pos_ptr="*i64",
-                    cnt_ptr="*i64", w_ptr="*fp32")
+                    cnt_ptr="*i64", w_ptr="*fp32", x_ptr="*fp32", phi_ptr="*fp32", arrive_ptr=i32)
 encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="*i64", out_ptr="*i64",
                     hist_ptr=i32, kc_ptr="*fp32", vc_ptr="*fp32", vn_ptr="*fp32", arrive_ptr=i32)
 kernels = {
@@ -88,7 +88,7 @@ kernels = {
              dict(M=2, C=16, P=256, GP=4, HAS_W=True, CONSUME_HIST=True, TILE=256), 2),
     "bucket": (select_buckets._pq_bucket_select_kernel, bucket_types,
                dict(M=2, C=16, BITS=4, P=256, DSUB=16, BLOCK_D=16, CHUNK=1024, LATE_RUNS=False,
-                    HAS_W=True), 4),
+                    HAS_W=True, ZERO_PROGS=0, ENCODE=False, IP=False), 4),
     "encode": (encode._pq_encode_kernel, encode_types,
                dict(M=2, C=16, DSUB=16, BLOCK_D=16, IP=False, HAS_BASE=True, HAS_HIST=True, P=256,
                     STORE_KV=False, ADVANCE=True), 4),

@@ -15,6 +15,7 @@ from pqattn import reference as ref
 from pqattn.kernels.launch import recording
 from pqattn.kernels.select_buckets import (
     BUCKET_CONFIGS,
+    NewKey,
     bucket_tokens,
     pq_select_buckets,
     workspace_layout,
@@ -23,6 +24,7 @@ from pqattn.kernels.select_buckets import (
 from pqattn.kernels.select_hist import count_combos
 from tests.helpers import assert_index_selection, assert_selection_exact
 from tests.kernels.test_select_hist import CASES as HIST_CASES
+from tests.kernels.test_select_hist import _histogram
 
 CONFIG_IDS = [
     f"CHUNK{c.kwargs['CHUNK']}-w{c.num_warps}" + (f"-late-r{c.maxnreg}" if c.kwargs["LATE_RUNS"] else "")
@@ -93,6 +95,7 @@ def run_case(
     weights_dtype=None,
     index_dtype=torch.int32,
     after_encode=False,
+    zero_programs=None,
 ) -> None:
     """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths; dense
     weights when weights_dtype is given, positions and counts of index_dtype."""
@@ -135,6 +138,7 @@ def run_case(
             weights=None if weights is None else weights.fill_(float("nan")),
             config=config,
             after_encode=after_encode,
+            zero_programs=zero_programs,
         )
         assert_selection_exact(
             pos,
@@ -196,6 +200,30 @@ def test_select_cases_after_encode(case: dict, config: triton.Config, device: to
     run_case(device, **case, recent=60, config=config, after_encode=True)
 
 
+WEIGHTED = [name for name, case in CASES.items() if case.get("weights_dtype") is not None]
+
+
+@pytest.mark.parametrize("zero_programs", [1, 3], ids=lambda z: f"zero{z}")
+@pytest.mark.parametrize("config", BUCKET_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("name", WEIGHTED)
+def test_zero_programs_write_the_weights(
+    name: str, config: triton.Config, zero_programs: int, device: torch.device
+) -> None:
+    """Dense weights zeroed by other programs of the launch (shares of whole chunks, the last one
+    partial or empty), the ones by whichever of a row's programs arrives last (under the
+    interpreter, the last zero program; compiled, usually the selection), short rows included;
+    the arrival counters left at zero (checked with the marks). With PDL on the GPU as well."""
+    for after_encode in (False, True) if device.type == "cuda" else (False,):
+        run_case(
+            device,
+            **CASES[name],
+            recent=60,
+            config=config,
+            zero_programs=zero_programs,
+            after_encode=after_encode,
+        )
+
+
 @pytest.mark.parametrize("recent", [0, 5000], ids=lambda r: f"recent{r}")
 @pytest.mark.parametrize("heavy", [12_000, 16_500], ids=lambda h: f"heavy{h}")
 @pytest.mark.parametrize("M, N", [(2, 60_000), (1, 80_000)], ids=["4x15K", "2x40K"])
@@ -248,6 +276,104 @@ def test_large_shapes_on_gpu(device: torch.device) -> None:
             config=config,
             calls=3,
         )
+
+
+@pytest.mark.parametrize("zero_programs", [0, 2], ids=lambda z: f"zero{z}")
+@pytest.mark.parametrize("metric", ["euclidean", "ip"])
+def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device: torch.device) -> None:
+    """NewKey (H == Hkv): every call writes one new key's codes over the last n_drop rows (int64
+    codes in a [B, rows, Hkv, M] buffer seen transposed, as the original's entry point keeps
+    them), keeps the histogram, sets the lengths in the same launch and selects from the
+    resulting codes, ragged and short rows included. With zero programs for the dense weights,
+    the first of each row's encodes the key (and arrives for the length), else the selection."""
+    B, H, D, M, C, cap = 3, 3, 32, 2, 8, 700
+    sink, window, heavy, init_offset = 4, 6, 40, 4
+    cand_lo, threshold = max(init_offset, sink), 20
+    dsub = D // M + (metric == "ip")
+    cent = torch.randn(B, H, M, C, dsub, device=device)
+    phi = torch.rand(B, H, M, device=device) * 50 if metric == "ip" else None
+    buf = torch.randint(0, C, (B, cap, H, M), device=device)
+    codes = buf.transpose(1, 2)  # [B, Hkv, cap, M]
+    lengths = torch.tensor([600, 45, 15], device=device)  # (45: fewer candidates than heavy)
+    arrivals = torch.zeros(B, dtype=torch.int32, device=device)
+    hist = _histogram(codes, lengths, C, window, cand_lo)
+    buckets = _buckets(codes, (lengths - 30).clamp(min=0), C, window, cand_lo)  # later ones scanned
+    width = ref.selection_width(sink, window, heavy, threshold)
+    pos = torch.empty(B, H, width, dtype=torch.int64, device=device)
+    cnt = torch.empty(B, H, dtype=torch.int64, device=device)
+    weights = torch.empty(B, H, cap, device=device)
+    workspace = torch.zeros(workspace_numel(B * H, M, C, heavy), dtype=torch.int32, device=device)
+    for n_drop in (0, 1, 2, 0, 1, 0, 2, 1):
+        q = torch.randn(B, H, D, device=device)
+        keys = torch.randn(B, H, 1, D, device=device)
+        want = codes.clone()
+        rows = lengths - n_drop
+        for b, r in enumerate(rows.tolist()):
+            want[b, :, r] = ref.encode(keys, cent, phi, metric)[b, :, 0]
+        pq_select_buckets(
+            q,
+            cent,
+            codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
+            width=width,
+            positions=pos.fill_(-7),
+            counts=cnt.fill_(-7),
+            workspace=workspace,
+            histogram=hist,
+            buckets=buckets,
+            weights=weights.fill_(float("nan")),
+            new_key=NewKey(keys, phi, arrivals, n_drop),
+            zero_programs=zero_programs,
+        )
+        assert torch.equal(codes, want), n_drop
+        assert torch.equal(lengths, rows + 1) and not arrivals.any(), n_drop
+        assert torch.equal(hist, _histogram(codes, lengths, C, window, cand_lo)), n_drop
+        assert_selection_exact(
+            pos,
+            cnt,
+            weights,
+            q,
+            cent,
+            codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=cand_lo,
+            short_threshold=threshold,
+        )
+        assert (workspace[workspace_layout(B * H, M, C, heavy)[1] :] == 0).all(), "marks and counters zeroed"
+    args = dict(
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        cand_lo=cand_lo,
+        short_threshold=threshold,
+        width=width,
+        positions=pos,
+        counts=cnt,
+        workspace=workspace,
+        histogram=hist,
+        buckets=buckets,
+    )
+    bad = [
+        (dict(new_key=NewKey(keys, phi, arrivals, window)), "n_drop"),
+        (dict(new_key=NewKey(keys, phi, arrivals, 0), after_encode=True), "after_encode"),
+        (dict(new_key=NewKey(keys.expand(B, H, 2, D), phi, arrivals, 0)), r"new_key.keys"),
+        (dict(new_key=NewKey(keys, phi, arrivals.long(), 0)), "arrivals"),
+        (dict(new_key=NewKey(keys, None if metric == "ip" else cent[:, :, :, 0, 0], arrivals, 0)), "phi"),
+    ]
+    for extra, match in bad:
+        with pytest.raises(ValueError, match=match):
+            pq_select_buckets(q, cent, codes, lengths, **args, **extra)
+    with pytest.raises(ValueError, match="H == Hkv"):
+        q2 = torch.randn(B, 2 * H, D, device=device)
+        pq_select_buckets(q2, cent, codes, lengths, **args, new_key=NewKey(keys, phi, arrivals, 0))
 
 
 def test_routing_and_validation() -> None:

@@ -33,6 +33,102 @@ from pqattn.kernels.pdl import pdl_meta, release_next
 
 
 @triton.jit
+def _sub_distances(
+    x_ptr,
+    stride_xd,
+    valid,
+    cent_m,
+    stride_cc,
+    phi_m,
+    q_ptr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IP: tl.constexpr,
+    WITH_Q: tl.constexpr,
+):
+    """(||c||^2 - 2 <x, c> for the centroids c of cent_m [C, DSUB (+1 for ip)] and the sub-vector
+    at x_ptr (for ip augmented with sqrt(phi_m[0] - ||x||^2); x reads as zeros unless `valid`),
+    and with WITH_Q <q, c[:DSUB]> for the query's sub-vector at q_ptr (a LUT row) from the same
+    centroid loads; zeros without)."""
+    c_idx = tl.arange(0, C)
+    d_idx = tl.arange(0, BLOCK_D)
+    dot = tl.zeros([C], dtype=tl.float32)
+    c_sq = tl.zeros([C], dtype=tl.float32)
+    q_dot = tl.zeros([C], dtype=tl.float32)
+    x_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in tl.static_range(0, DSUB, BLOCK_D):
+        # (a bound instead of a scalar & block mask: Triton 3.9's interpreter makes that int32)
+        x = tl.load(x_ptr + (d0 + d_idx) * stride_xd, mask=d_idx < tl.where(valid, BLOCK_D, 0), other=0.0)
+        x = x.to(tl.float32)
+        c = tl.load(cent_m + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(tl.float32)
+        dot += tl.sum(c * x[None, :], axis=1)
+        c_sq += tl.sum(c * c, axis=1)
+        x_sq += x * x
+        if WITH_Q:
+            q_dot += tl.sum(c * tl.load(q_ptr + d0 + d_idx).to(tl.float32)[None, :], axis=1)
+    if IP:
+        extra = tl.sqrt(tl.maximum(tl.load(phi_m).to(tl.float32) - tl.sum(x_sq, axis=0), 0.0))
+        c_extra = tl.load(cent_m + c_idx * stride_cc + DSUB).to(tl.float32)
+        dot += extra * c_extra
+        c_sq += c_extra * c_extra
+    return c_sq - 2.0 * dot, q_dot
+
+
+@triton.jit
+def _nearest_code(
+    x_ptr,
+    stride_xd,
+    valid,
+    cent_m,
+    stride_cc,
+    phi_m,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IP: tl.constexpr,
+):
+    """The index of the centroid of cent_m nearest to the sub-vector at x_ptr (_sub_distances)."""
+    dist, _ = _sub_distances(
+        x_ptr, stride_xd, valid, cent_m, stride_cc, phi_m, x_ptr, C, DSUB, BLOCK_D, IP, False
+    )
+    return tl.argmin(dist, axis=0, tie_break_left=True)
+
+
+@triton.jit
+def _candidacy_changes(
+    codes_row,
+    stride_on,
+    stride_om,
+    new,
+    t,
+    T,
+    first,
+    n_drop,
+    window,
+    cand_lo,
+    M: tl.constexpr,
+    C: tl.constexpr,
+):
+    """What program t of a write of T tokens at rows `first`.. over n_drop changes in the candidate
+    histogram (the module's docstring): (whether its own token is counted, the combination of the
+    stored position whose candidacy changes and the change: +1, -1 or 0). codes_row: the codes
+    of this (sequence, KV head), row r at r * stride_on."""
+    own = new & (t < T - window) & (first + t >= cand_lo)
+    # stored positions whose candidacy changes: [e_old, min(e_new, first)) gain it,
+    # [e_new, e_old) lose it
+    gain = n_drop <= T
+    changed = tl.where(gain, tl.minimum(T, window) - n_drop, n_drop - T)
+    old = first - window + tl.where(gain, n_drop, T) + t
+    change = tl.where((t < changed) & (old >= cand_lo), tl.where(gain, 1, -1), 0)
+    old_combo = 0
+    for m in tl.static_range(M):
+        old_code = tl.load(codes_row + old * stride_on + m * stride_om, mask=change != 0, other=0)
+        old_combo = old_combo * C + old_code.to(tl.int32)
+    return own, old_combo, change
+
+
+@triton.jit
 def _pq_encode_kernel(
     k_ptr,
     cent_ptr,
@@ -100,49 +196,34 @@ def _pq_encode_kernel(
         first += tl.load(base_ptr + b).to(tl.int32)
     row = first + t
     out = out_ptr + b * stride_ob + kvh * stride_ok + row * stride_on
-    c_idx = tl.arange(0, C)
-    d_idx = tl.arange(0, BLOCK_D)
     combo = 0
     for m in tl.static_range(M):
-        dot = tl.zeros([C], dtype=tl.float32)
-        c_sq = tl.zeros([C], dtype=tl.float32)
-        x_sq = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for d0 in tl.static_range(0, DSUB, BLOCK_D):
-            x = tl.load(key + (m * DSUB + d0 + d_idx) * stride_kd, mask=t + d_idx * 0 < T, other=0.0)
-            x = x.to(tl.float32)
-            c = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
-                tl.float32
-            )
-            dot += tl.sum(c * x[None, :], axis=1)
-            c_sq += tl.sum(c * c, axis=1)
-            x_sq += x * x
-        if IP:
-            phi = tl.load(phi_ptr + (b * Hkv + kvh) * M + m).to(tl.float32)
-            extra = tl.sqrt(tl.maximum(phi - tl.sum(x_sq, axis=0), 0.0))
-            c_extra = tl.load(cent + m * stride_cm + c_idx * stride_cc + DSUB).to(tl.float32)
-            dot += extra * c_extra
-            c_sq += c_extra * c_extra
-        code = tl.argmin(c_sq - 2.0 * dot, axis=0, tie_break_left=True)
+        code = _nearest_code(
+            key + m * DSUB * stride_kd,
+            stride_kd,
+            new,
+            cent + m * stride_cm,
+            stride_cc,
+            phi_ptr + (b * Hkv + kvh) * M + m,
+            C,
+            DSUB,
+            BLOCK_D,
+            IP,
+        )
         tl.store(out + m * stride_om, code.to(out_ptr.dtype.element_ty), mask=new)
         combo = combo * C + code
     if HAS_HIST:
         hist = hist_ptr + (b * Hkv + kvh).to(tl.int64) * P
-        if new & (t < T - window) & (row >= cand_lo):
+        codes_row = out_ptr + b * stride_ob + kvh * stride_ok
+        own, old_combo, old_change = _candidacy_changes(
+            codes_row, stride_on, stride_om, new, t, T, first, n_drop, window, cand_lo, M, C
+        )
+        if own:
             tl.atomic_add(hist + combo, 1, sem="relaxed")
-        # stored positions whose candidacy changes: [e_old, min(e_new, first)) gain it,
-        # [e_new, e_old) lose it (see the module's docstring)
-        gain = n_drop <= T
-        changed = tl.where(gain, tl.minimum(T, window) - n_drop, n_drop - T)
-        old = first - window + tl.where(gain, n_drop, T) + t
-        if (t < changed) & (old >= cand_lo):
-            old_combo = 0
-            for m in tl.static_range(M):
-                old_code = tl.load(
-                    out_ptr + b * stride_ob + kvh * stride_ok + old * stride_on + m * stride_om
-                )
-                old_combo = old_combo * C + old_code.to(tl.int32)
-            tl.atomic_add(hist + old_combo, tl.where(gain, 1, -1), sem="relaxed")
+        if old_change != 0:
+            tl.atomic_add(hist + old_combo, old_change, sem="relaxed")
     if STORE_KV:
+        d_idx = tl.arange(0, BLOCK_D)
         b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
         k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
         v_dst = vc_ptr + b64 * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn

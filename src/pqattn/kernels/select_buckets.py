@@ -22,8 +22,13 @@ selection is then:
      between the bucketed ones above and k - quota, those at it the slots after the bucketed
      ties up to the quota;
   4. sink, window, count and -1 padding; with dense weights [B, H, n_weights] (the original's
-     weight_list), the row's zeros are stored first (under PDL while the encode launch ahead
-     runs) and the ones at the selected positions last.
+     weight_list), the ones at the selected positions, after the row's zeros. While the rows
+     leave SMs idle, other programs of the launch write the zeros ("zero programs", a share of
+     the row each), and whichever of a row's programs arrives last at its counter writes the
+     ones; else the row's program writes the zeros first (under PDL while the encode launch
+     ahead runs).
+With NewKey (H == Hkv) the launch also does the encode launch's work for one new key per
+sequence and KV head: its codes, the histogram's change and the lengths (see NewKey).
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
 codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
@@ -36,11 +41,13 @@ a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from pqattn.kernels.encode import _candidacy_changes, _sub_distances
 from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, wait_prior
 from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _write_lut
@@ -90,12 +97,40 @@ def _sm_count(device: torch.device) -> int:
 _BIAS: tl.constexpr = tl.constexpr(1 << 31)
 
 
-def workspace_layout(rows: int, M: int, C: int, heavy: int) -> tuple[int, int, int]:
-    """int32-word offsets of the LUTs and of the marks (int64, `heavy` per row), and the total."""
+class NewKey(NamedTuple):
+    """One new key per (sequence, KV head) that the bucket selection encodes before it selects,
+    doing the encode launch's work (pqattn.kernels.encode with T = 1) in the same launch: keys
+    [B, Hkv, 1, D] (last dim contiguous) written at row lengths[b] - n_drop over the last n_drop
+    rows, the histogram kept, and lengths[b] set to lengths[b] - n_drop + 1 by the sequence's
+    last program (arrivals: [B] int32, zero-filled once, left at zero). phi [B, Hkv, M]
+    (contiguous) for the ip metric, else None. Needs H == Hkv (each program owns its KV head's
+    histogram) and n_drop < window (the new key is in the window: the selection does not read
+    its code), n_drop <= 2 (at most one position changes candidacy)."""
+
+    keys: torch.Tensor
+    phi: torch.Tensor | None
+    arrivals: torch.Tensor
+    n_drop: int
+
+
+def zero_programs_for(rows: int, device: torch.device) -> int:
+    """Programs per row that write a row of dense weights' zeros beside its selection: as many as
+    the SMs the row programs leave idle hold (at most 8), none once the rows fill the SMs. A row
+    of the original's weights is 128 KB at N = 32K; written by the row's own program it cost about
+    2 us of that SM's store bandwidth."""
+    if device.type != "cuda":
+        return 0
+    return min(8, max(0, _sm_count(device) // rows - 1))
+
+
+def workspace_layout(rows: int, M: int, C: int, heavy: int) -> tuple[int, int, int, int]:
+    """int32-word offsets of the LUTs, of the marks (int64, `heavy` per row) and of the rows'
+    arrival counters (the dense weights' zero programs), and the total."""
     luts = 0
     marks = luts + rows * M * C
     marks += marks % 2  # 8-byte aligned
-    return luts, marks, marks + 2 * rows * heavy
+    done = marks + 2 * rows * heavy
+    return luts, marks, done, done + rows
 
 
 def workspace_numel(rows: int, M: int, C: int, heavy: int) -> int:
@@ -114,6 +149,91 @@ def _zero_row(w_row, n_weights, CHUNK: tl.constexpr):
     for start in range(0, n_weights, CHUNK):
         o = start + lane
         tl.store(w_row + o, tl.zeros([CHUNK], w_row.dtype.element_ty), mask=o < n_weights)
+
+
+@triton.jit
+def _write_ones(pos_row, count, first, w_row, CHUNK: tl.constexpr):
+    """w_row[positions[0:count]] = 1, `first` holding positions[0:CHUNK] (the rest read through
+    L2: another program may have written them)."""
+    lane = tl.arange(0, CHUNK)
+    one = tl.full([CHUNK], 1.0, tl.float32).to(w_row.dtype.element_ty)
+    tl.store(w_row + first, one, mask=lane < count)
+    for start in range(CHUNK, count, CHUNK):
+        o = start + lane
+        p = tl.load(pos_row + o, mask=o < count, other=0, cache_modifier=".cg")
+        tl.store(w_row + p, one, mask=o < count)
+
+
+@triton.jit
+def _arrive_at_row(done, PARTS: tl.constexpr):
+    """Whether this program is the last of the row's PARTS programs (the selection and its zero
+    programs, in any order) to arrive at the row's counter, once its writes to the row are done
+    (released by the arrival): the last writes the ones, which must follow every zero, and
+    resets the counter."""
+    tl.debug_barrier()  # every thread's stores precede the arrival
+    return tl.atomic_add(done, 1, sem="acq_rel") == PARTS - 1
+
+
+@triton.jit
+def _new_codes(
+    x_row,
+    stride_xd,
+    cent,
+    phi_row,
+    code_out,
+    stride_om,
+    stride_cm,
+    stride_cc,
+    q_row,
+    lut_row,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IP: tl.constexpr,
+    WITH_LUT: tl.constexpr,
+):
+    """Store the codes of the key at x_row (its M sub-vectors' nearest centroids) at code_out
+    (m at m * stride_om) and, WITH_LUT, the query's LUT row as _write_lut does."""
+    for m in tl.static_range(M):
+        dist, q_dot = _sub_distances(
+            x_row + m * DSUB * stride_xd,
+            stride_xd,
+            True,
+            cent + m * stride_cm,
+            stride_cc,
+            phi_row + m,
+            q_row + m * DSUB,
+            C,
+            DSUB,
+            BLOCK_D,
+            IP,
+            WITH_LUT,
+        )
+        if WITH_LUT:
+            tl.store(lut_row + m * C + tl.arange(0, C), q_dot)
+        code = tl.argmin(dist, axis=0, tie_break_left=True)
+        tl.store(code_out + m * stride_om, code.to(code_out.dtype.element_ty))
+
+
+@triton.jit
+def _arrive(arrive, ARRIVALS, CHUNK: tl.constexpr):
+    """Count this program at its sequence's arrival counter (once it has read the sequence's
+    length): a [CHUNK] mask, true at one lane if this program is the last of ARRIVALS. From one
+    lane of a block: a scalar atomic's result is broadcast through a barrier right away, this
+    one's is waited for only where that lane uses it (_set_length)."""
+    lane = tl.arange(0, CHUNK)
+    first = lane == 0
+    arrived = tl.atomic_add(arrive + lane * 0, first.to(tl.int32), mask=first, sem="acq_rel")
+    return first & (arrived == ARRIVALS - 1)
+
+
+@triton.jit
+def _set_length(last, arrive, length, new_length):
+    """The last to arrive (_arrive) sets the length and resets the counter."""
+    zero = last.to(tl.int32) * 0
+    tl.store(length + zero, (new_length + zero).to(length.dtype.element_ty), mask=last)
+    tl.store(arrive + zero, zero, mask=last)
 
 
 @triton.jit
@@ -165,6 +285,9 @@ def _pq_bucket_select_kernel(
     pos_ptr,
     cnt_ptr,
     w_ptr,
+    x_ptr,
+    phi_ptr,
+    arrive_ptr,
     stride_qb,
     stride_qh,
     stride_cb,
@@ -181,7 +304,12 @@ def _pq_bucket_select_kernel(
     stride_ph,
     stride_wb,
     stride_wh,
+    stride_xb,
+    stride_xk,
+    stride_xd,
     n_weights,
+    zero_span,
+    rows,
     H,
     G,
     Hkv,
@@ -192,6 +320,9 @@ def _pq_bucket_select_kernel(
     short_threshold,
     width,
     marks_off,
+    done_off,
+    row0,
+    n_drop,
     M: tl.constexpr,
     C: tl.constexpr,
     BITS: tl.constexpr,
@@ -201,170 +332,272 @@ def _pq_bucket_select_kernel(
     CHUNK: tl.constexpr,
     LATE_RUNS: tl.constexpr,
     HAS_W: tl.constexpr,
+    ZERO_PROGS: tl.constexpr,
+    ENCODE: tl.constexpr,
+    IP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    b = row // H
-    h = row % H
-    kvh = h // G
-    grp = b * Hkv + kvh
-    pos_row = pos_ptr + b * stride_pb + h * stride_ph
-    w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
+    pid = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
-    lut_row = _lut_base(ws_ptr) + row * (M * C)
-    q_row = q_ptr + b * stride_qb + h * stride_qh
-    cent_row = cent_ptr + b * stride_cb + kvh * stride_ck
-    if PDL:  # launched early behind the encode launch: first what that one does not write
-        _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
-        if HAS_W:
-            _zero_row(w_row, n_weights, CHUNK)
-        wait_prior(PDL)
-        tl.debug_barrier()  # the LUT and the zeros are visible to every thread after it
-    n = tl.load(len_ptr + b).to(tl.int32)
-    if n <= short_threshold:  # short sequence: every token
-        for start in range(0, width, CHUNK):
+    zeroing = False  # (without zero programs the branch is not compiled)
+    if ZERO_PROGS > 0:
+        zeroing = pid >= rows
+    if zeroing:  # zeros over a share of a row's dense weights
+        row = (pid - rows) // ZERO_PROGS
+        b = row // H
+        h = row % H
+        w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
+        part = (pid - rows) % ZERO_PROGS
+        z_lo = part * zero_span
+        z_hi = tl.minimum(z_lo + zero_span, n_weights)
+        for start in range(z_lo, z_hi, CHUNK):
             o = start + lane
-            tl.store(pos_row + o, tl.where(o < n, o, -1), mask=o < width)
-        tl.store(cnt_ptr + row, n)
-        if HAS_W:
-            for start in range(0, n_weights, CHUNK):
-                o = start + lane
-                tl.store(w_row + o, tl.where(o < n, 1.0, 0.0).to(w_ptr.dtype.element_ty), mask=o < n_weights)
+            tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < z_hi)
+        if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
+            if part == 0:  # the row's new key (H == Hkv): see the selection's ENCODE below
+                new_row = tl.load(len_ptr + b).to(tl.int32) + row0
+                _new_codes(
+                    x_ptr + b * stride_xb + h * stride_xk,
+                    stride_xd,
+                    cent_ptr + b * stride_cb + h * stride_ck,
+                    phi_ptr + row * M,
+                    codes_ptr + b * stride_kb + h * stride_kk + new_row * stride_kn,
+                    stride_km,
+                    stride_cm,
+                    stride_cc,
+                    q_ptr,
+                    q_ptr,
+                    M,
+                    C,
+                    DSUB,
+                    BLOCK_D,
+                    IP,
+                    False,
+                )
+                tl.debug_barrier()  # every thread has read the length (the codes' address needs it)
+                last = _arrive(arrive_ptr + b, 2 * H, CHUNK)
+                _set_length(last, arrive_ptr + b, len_ptr + b, new_row + 1)
+        if _arrive_at_row(ws_ptr + done_off + row, ZERO_PROGS + 1):  # the selection's outputs are in
+            pos_row = pos_ptr + b * stride_pb + h * stride_ph
+            count = tl.load(cnt_ptr + row, cache_modifier=".cg").to(tl.int32)
+            first = tl.load(pos_row + lane, mask=lane < width, other=0, cache_modifier=".cg")
+            _write_ones(pos_row, count, first, w_row, CHUNK)
+            tl.store(ws_ptr + done_off + row, 0)
     else:
-        if HAS_W and not PDL:  # zeros first: the selected tokens' ones overwrite them after a barrier
-            _zero_row(w_row, n_weights, CHUNK)
-        hi, need = _need(n, heavy, window, cand_lo)
-        n_sink = tl.minimum(sink, n)
-        win_lo = tl.maximum(hi, n_sink)
-        n_win = n - win_lo
-
-        # The first recent tokens' codes, the histogram and the runs' bounds are in flight with
-        # the LUT's loads.
-        rec_lo = tl.maximum(tl.load(frozen_ptr + b), cand_lo)
-        rec_hi = tl.where(need > 0, hi, cand_lo)
+        row = pid
+        b = row // H
+        h = row % H
+        kvh = h // G
+        grp = b * Hkv + kvh
+        pos_row = pos_ptr + b * stride_pb + h * stride_ph
+        w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
+        lut_row = _lut_base(ws_ptr) + row * (M * C)
+        q_row = q_ptr + b * stride_qb + h * stride_qh
+        cent_row = cent_ptr + b * stride_cb + kvh * stride_ck
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk
-        code_next = _load_codes(codes_row, rec_lo + lane, rec_lo + lane < rec_hi, stride_kn, stride_km, M)
-
-        # 1. The cut.
-        combo = tl.arange(0, P)
-        w = tl.load(hist_ptr + grp.to(tl.int64) * P + combo)
-        starts_row = starts_ptr + grp.to(tl.int64) * (P + 1)
-        if not LATE_RUNS:
-            run = tl.load(starts_row + combo)
-            run_len = tl.load(starts_row + combo + 1) - run
-        if not PDL:  # (the LUT's loads in flight with the ones above)
+        if PDL:  # launched early behind the encode launch: first what that one does not write
             _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
-        tl.debug_barrier()  # the other threads' LUT stores are visible after it
-        # Each combination's score gathered from the LUT in memory, added in the order the recent
-        # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors.
-        # (The cut launch's outer sums in registers, reshaped to [P], gave wrong rows here once
-        # scans consumed them: H200, P = 4096, H = 4, every run; that launch only reduces them.)
-        score = tl.zeros([P], tl.float32)
-        for m in tl.static_range(M):
-            digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
-            score += tl.load(lut_row + m * C + digit)
-        key = tl.where(w > 0, _order_key(score), 0)
-        cut, quota, k = _weighted_cut(key, w, need)
-        if LATE_RUNS:  # loaded after the search, they hold no registers through it
-            run = tl.load(starts_row + combo)
-            run_len = tl.load(starts_row + combo + 1) - run
-
-        # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
-        # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
-        # combination order, up to the quota) first. Both runs' offsets come from one scan of
-        # (run at the cut << 32) + run above the cut.
-        above = tl.where((w > 0) & (key > cut), run_len, 0)
-        # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
-        at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
-        runs = (at_cut.to(tl.int64) << 32) + above
-        before = tl.cumsum(runs, 0) - runs
-        totals = tl.sum(runs, 0)
-        n_above = (totals - ((totals >> 32) << 32)).to(tl.int32)
-        n_tie = tl.minimum(totals >> 32, quota).to(tl.int32)
-        tie_lo = k - quota
-        tie_before = (before >> 32).to(tl.int32)
-        tie_run = (at_cut > 0) & (tie_before < quota)
-        first = tl.where(tie_run, tie_lo + tie_before, (before - ((before >> 32) << 32)).to(tl.int32))
-        marked = (above > 0) | tie_run
-        # A mark with low word 0 (no run's: those are >= 2^31 - heavy) stops the runs at the slots
-        # the recent tokens above the cut fill, [n_above, tie_lo).
-        stop = n_above < tie_lo
-        marks = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + marks_off // 2 + row.to(tl.int64) * heavy
-        tl.store(
-            marks + first,
-            ((first + 1).to(tl.int64) << 32) | ((run - first).to(tl.int64) + _BIAS),
-            mask=marked,
-        )
-        if stop:
-            tl.store(marks + n_above, (n_above + 1).to(tl.int64) << 32)
-        tl.debug_barrier()  # every thread's marks are visible to the others after it
-        order_row = order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok
-        carry = tl.full([], 0, tl.int64)
-        for j0 in range(0, tie_lo + n_tie, CHUNK):
-            j = j0 + lane
-            v = tl.load(marks + j, mask=j < tie_lo + n_tie, other=0)
-            v = tl.maximum(tl.associative_scan(v, 0, _max_combine), carry)
-            carry = tl.max(v, 0)
-            low = v - ((v >> 32) << 32)
-            ok = (j < tie_lo + n_tie) & (low != 0)
-            tl.store(pos_row + n_sink + j, tl.load(order_row + j + (low - _BIAS), mask=ok), mask=ok)
-        # Zero the marks for the next call once every thread has read them (zeroing each chunk
-        # as it is read races: the scan may take the loads into another layout than the stores)
-        tl.debug_barrier()
-        tl.store(marks + first, tl.zeros([P], tl.int64), mask=marked)
-        if stop:
-            tl.store(marks + n_above, tl.zeros([], tl.int64))
-
-        # 3. Recent tokens [frozen, hi): those above the cut fill [n_above, tie_lo), ties the
-        # slots after the bucketed ones up to the quota. Each step loads the next step's codes
-        # before it scores its own, and ranks its tokens only when it takes one.
-        next_above = n_above
-        next_tie = tie_lo + n_tie
-        ties_left = quota - n_tie
-        m_idx = tl.arange(0, M)
-        for start in range(rec_lo, rec_hi, CHUNK):
-            offs = start + lane
-            cand = offs < rec_hi
-            code = code_next
-            code_next = _load_codes(codes_row, offs + CHUNK, offs + CHUNK < rec_hi, stride_kn, stride_km, M)
-            s = tl.zeros([CHUNK], tl.float32)
-            for m in tl.static_range(M):
-                code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
-                s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
-            key_t = _order_key(s)
-            is_above = cand & (key_t > cut)
-            is_tie = cand & (key_t == cut) & (offs * 0 + ties_left > 0)
-            packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
-            total = tl.sum(packed, 0)
-            if total > 0:
-                inclusive = tl.cumsum(packed, 0)
-                tie_rank = (inclusive >> 16) - 1
-                slot = tl.where(is_above, next_above + (inclusive & 0xFFFF) - 1, next_tie + tie_rank)
-                taken = (is_above | (is_tie & (tie_rank < ties_left))) & (slot < k)
-                tl.store(pos_row + n_sink + slot, offs, mask=taken)
-            next_above += total & 0xFFFF
-            next_tie += total >> 16
-            ties_left -= total >> 16
-
-        # 4. Sink, window, count, -1 padding.
-        for start in range(0, n_sink, CHUNK):
-            o = start + lane
-            tl.store(pos_row + o, o, mask=o < n_sink)
-        for start in range(0, n_win, CHUNK):
-            o = start + lane
-            tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
-        count = n_sink + k + n_win
-        for start in range(count, width, CHUNK):
-            o = start + lane
-            tl.store(pos_row + o, tl.full([CHUNK], -1, tl.int32), mask=o < width)
-        tl.store(cnt_ptr + row, count)
-        if HAS_W:  # the ones at the positions every thread has written
-            tl.debug_barrier()
-            for start in range(0, count, CHUNK):
+            if HAS_W and ZERO_PROGS == 0:
+                _zero_row(w_row, n_weights, CHUNK)
+            wait_prior(PDL)
+            tl.debug_barrier()  # the LUT and the zeros are visible to every thread after it
+        elif HAS_W and ZERO_PROGS == 0:  # the ones overwrite them after a barrier
+            _zero_row(w_row, n_weights, CHUNK)
+        if ENCODE:
+            # The new key of this row's KV head (H == Hkv: no other program counts that head's
+            # histogram), as the encode launch writes it (pqattn.kernels.encode, T = 1 over
+            # n_drop rows). Its own row is in the window (window >= 1): no program of the launch
+            # reads its code, which the row's first zero program writes, off this program's path
+            # (without zero programs, this one, with the LUT). The candidacy change is applied to
+            # this program's copy of the histogram and written back at the end, once every thread
+            # has read the histogram.
+            new_row = tl.load(len_ptr + b).to(tl.int32) + row0
+            x_row = x_ptr + b * stride_xb + kvh * stride_xk
+            _, old_combo, old_change = _candidacy_changes(
+                codes_row, stride_kn, stride_km, True, 0, 1, new_row, n_drop, window, cand_lo, M, C
+            )
+            # The sequence's programs (and their keys' encoders) arrive once every thread has
+            # used the length (_arrive); the last one sets it.
+            readers = H
+            if ZERO_PROGS > 0:
+                readers = 2 * H
+            n = new_row + 1
+        else:
+            n = tl.load(len_ptr + b).to(tl.int32)
+        if ENCODE and ZERO_PROGS == 0:  # the key's codes with the LUT, from one centroid load
+            _new_codes(
+                x_row,
+                stride_xd,
+                cent_row,
+                phi_ptr + grp * M,
+                codes_row + new_row * stride_kn,
+                stride_km,
+                stride_cm,
+                stride_cc,
+                q_row,
+                lut_row,
+                M,
+                C,
+                DSUB,
+                BLOCK_D,
+                IP,
+                True,
+            )
+        if n <= short_threshold:  # short sequence: every token
+            for start in range(0, width, CHUNK):
                 o = start + lane
-                p = tl.load(pos_row + o, mask=o < count, other=0)
-                one = tl.full([CHUNK], 1.0, tl.float32).to(w_ptr.dtype.element_ty)
-                tl.store(w_row + p, one, mask=o < count)
+                tl.store(pos_row + o, tl.where(o < n, o, -1), mask=o < width)
+            count = n
+            if ENCODE:
+                tl.debug_barrier()  # every thread has used the length (the stores' masks)
+                last = _arrive(arrive_ptr + b, readers, CHUNK)
+        else:
+            hi, need = _need(n, heavy, window, cand_lo)
+            n_sink = tl.minimum(sink, n)
+            win_lo = tl.maximum(hi, n_sink)
+            n_win = n - win_lo
+
+            # The first recent tokens' codes, the histogram and the runs' bounds are in flight
+            # with the LUT's loads.
+            rec_lo = tl.maximum(tl.load(frozen_ptr + b), cand_lo)
+            rec_hi = tl.where(need > 0, hi, cand_lo)
+            code_next = _load_codes(codes_row, rec_lo + lane, rec_lo + lane < rec_hi, stride_kn, stride_km, M)
+
+            # 1. The cut.
+            combo = tl.arange(0, P)
+            w = tl.load(hist_ptr + grp.to(tl.int64) * P + combo)
+            if ENCODE:  # this call's change, written back to the histogram at the end
+                w += tl.where(combo == old_combo, old_change, 0)
+            starts_row = starts_ptr + grp.to(tl.int64) * (P + 1)
+            if not LATE_RUNS:
+                run = tl.load(starts_row + combo)
+                run_len = tl.load(starts_row + combo + 1) - run
+            if not PDL and not (ENCODE and ZERO_PROGS == 0):  # (loads in flight with the ones above)
+                _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
+            tl.debug_barrier()  # the other threads' LUT stores are visible after it
+            if ENCODE:  # every thread has used the length before the barrier (code_next's mask)
+                last = _arrive(arrive_ptr + b, readers, CHUNK)
+            # Each combination's score gathered from the LUT in memory, added in the order the recent
+            # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors.
+            # (The cut launch's outer sums in registers, reshaped to [P], gave wrong rows here once
+            # scans consumed them: H200, P = 4096, H = 4, every run; that launch only reduces them.)
+            score = tl.zeros([P], tl.float32)
+            for m in tl.static_range(M):
+                digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
+                score += tl.load(lut_row + m * C + digit)
+            key = tl.where(w > 0, _order_key(score), 0)
+            cut, quota, k = _weighted_cut(key, w, need)
+            if LATE_RUNS:  # loaded after the search, they hold no registers through it
+                run = tl.load(starts_row + combo)
+                run_len = tl.load(starts_row + combo + 1) - run
+
+            # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
+            # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
+            # combination order, up to the quota) first. Both runs' offsets come from one scan of
+            # (run at the cut << 32) + run above the cut.
+            above = tl.where((w > 0) & (key > cut), run_len, 0)
+            # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
+            at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
+            runs = (at_cut.to(tl.int64) << 32) + above
+            before = tl.cumsum(runs, 0) - runs
+            totals = tl.sum(runs, 0)
+            n_above = (totals - ((totals >> 32) << 32)).to(tl.int32)
+            n_tie = tl.minimum(totals >> 32, quota).to(tl.int32)
+            tie_lo = k - quota
+            tie_before = (before >> 32).to(tl.int32)
+            tie_run = (at_cut > 0) & (tie_before < quota)
+            first = tl.where(tie_run, tie_lo + tie_before, (before - ((before >> 32) << 32)).to(tl.int32))
+            marked = (above > 0) | tie_run
+            # A mark with low word 0 (no run's: those are >= 2^31 - heavy) stops the runs at the slots
+            # the recent tokens above the cut fill, [n_above, tie_lo).
+            stop = n_above < tie_lo
+            marks_ws = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+            marks = marks_ws + marks_off // 2 + row.to(tl.int64) * heavy
+            tl.store(
+                marks + first,
+                ((first + 1).to(tl.int64) << 32) | ((run - first).to(tl.int64) + _BIAS),
+                mask=marked,
+            )
+            if stop:
+                tl.store(marks + n_above, (n_above + 1).to(tl.int64) << 32)
+            tl.debug_barrier()  # every thread's marks are visible to the others after it
+            order_row = order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok
+            carry = tl.full([], 0, tl.int64)
+            for j0 in range(0, tie_lo + n_tie, CHUNK):
+                j = j0 + lane
+                v = tl.load(marks + j, mask=j < tie_lo + n_tie, other=0)
+                v = tl.maximum(tl.associative_scan(v, 0, _max_combine), carry)
+                carry = tl.max(v, 0)
+                low = v - ((v >> 32) << 32)
+                ok = (j < tie_lo + n_tie) & (low != 0)
+                tl.store(pos_row + n_sink + j, tl.load(order_row + j + (low - _BIAS), mask=ok), mask=ok)
+            # Zero the marks for the next call once every thread has read them (zeroing each chunk
+            # as it is read races: the scan may take the loads into another layout than the stores)
+            tl.debug_barrier()
+            tl.store(marks + first, tl.zeros([P], tl.int64), mask=marked)
+            if stop:
+                tl.store(marks + n_above, tl.zeros([], tl.int64))
+
+            # 3. Recent tokens [frozen, hi): those above the cut fill [n_above, tie_lo), ties the
+            # slots after the bucketed ones up to the quota. Each step loads the next step's codes
+            # before it scores its own, and ranks its tokens only when it takes one.
+            next_above = n_above
+            next_tie = tie_lo + n_tie
+            ties_left = quota - n_tie
+            m_idx = tl.arange(0, M)
+            for start in range(rec_lo, rec_hi, CHUNK):
+                offs = start + lane
+                cand = offs < rec_hi
+                code = code_next
+                code_next = _load_codes(
+                    codes_row, offs + CHUNK, offs + CHUNK < rec_hi, stride_kn, stride_km, M
+                )
+                s = tl.zeros([CHUNK], tl.float32)
+                for m in tl.static_range(M):
+                    code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
+                    s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
+                key_t = _order_key(s)
+                is_above = cand & (key_t > cut)
+                is_tie = cand & (key_t == cut) & (offs * 0 + ties_left > 0)
+                packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
+                total = tl.sum(packed, 0)
+                if total > 0:
+                    inclusive = tl.cumsum(packed, 0)
+                    tie_rank = (inclusive >> 16) - 1
+                    slot = tl.where(is_above, next_above + (inclusive & 0xFFFF) - 1, next_tie + tie_rank)
+                    taken = (is_above | (is_tie & (tie_rank < ties_left))) & (slot < k)
+                    tl.store(pos_row + n_sink + slot, offs, mask=taken)
+                next_above += total & 0xFFFF
+                next_tie += total >> 16
+                ties_left -= total >> 16
+
+            # 4. Sink, window, count, -1 padding.
+            for start in range(0, n_sink, CHUNK):
+                o = start + lane
+                tl.store(pos_row + o, o, mask=o < n_sink)
+            for start in range(0, n_win, CHUNK):
+                o = start + lane
+                tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
+            count = n_sink + k + n_win
+            for start in range(count, width, CHUNK):
+                o = start + lane
+                tl.store(pos_row + o, tl.full([CHUNK], -1, tl.int32), mask=o < width)
+        tl.store(cnt_ptr + row, count)
+        if ENCODE:
+            tl.debug_barrier()  # every thread has read the histogram
+            if old_change != 0:
+                tl.atomic_add(hist_ptr + grp.to(tl.int64) * P + old_combo, old_change, sem="relaxed")
+            _set_length(last, arrive_ptr + b, len_ptr + b, n)
+        if HAS_W:
+            tl.debug_barrier()  # the positions every thread has written
+            # (the first chunk of them in flight with the arrival; loaded before it, as it reads
+            # this program's own stores)
+            first = tl.load(pos_row + lane, mask=lane < count, other=0)
+            if ZERO_PROGS == 0:
+                _write_ones(pos_row, count, first, w_row, CHUNK)
+            elif _arrive_at_row(ws_ptr + done_off + row, ZERO_PROGS + 1):
+                _write_ones(pos_row, count, first, w_row, CHUNK)
+                tl.store(ws_ptr + done_off + row, 0)
 
 
 _pq_bucket_launch = Launcher(_pq_bucket_kernel)
@@ -425,6 +658,8 @@ def pq_select_buckets(
     weights: torch.Tensor | None = None,
     config: triton.Config | None = None,
     after_encode: bool = False,
+    new_key: NewKey | None = None,
+    zero_programs: int | None = None,
 ) -> None:
     """Launch the bucket selection on validated inputs (arguments as
     pqattn.kernels.select_hist.pq_select_hist, codes row r holding token r; codes of any integer
@@ -438,12 +673,17 @@ def pq_select_buckets(
     launch (pqattn.kernels.encode), which lets it start early (programmatic dependent launch):
     the LUT and the weights' zeros are written while the encode runs. `config`: one of
     BUCKET_CONFIGS (by default `select_config`).
+    new_key: the encode launch's work for one new key, done by the selection itself (one launch
+    instead of two; see NewKey). zero_programs: programs per row that write the weights' zeros
+    beside the row's selection (by default `zero_programs_for`; 0: the selection writes them).
     """
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     P = C**M
     rows = B * H
-    _, marks_off, need = workspace_layout(rows, M, C, heavy)
+    if new_key is not None:
+        _check_new_key(new_key, q, centroids, window, after_encode)
+    _, marks_off, done_off, need = workspace_layout(rows, M, C, heavy)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
@@ -457,8 +697,20 @@ def pq_select_buckets(
             raise ValueError("config: expected one of BUCKET_CONFIGS")
     order, starts, frozen = buckets
     dsub = D // M
+    if weights is None:
+        zero = 0
+    elif zero_programs is None:
+        zero = zero_programs_for(rows, q.device)
+    elif zero_programs >= 0:
+        zero = zero_programs
+    else:
+        raise ValueError(f"zero_programs: expected >= 0 or None, got {zero_programs}")
+    n_weights = 0 if weights is None else weights.shape[2]
+    chunk = config.kwargs["CHUNK"]
+    zero_span = triton.cdiv(triton.cdiv(n_weights, max(zero, 1)), chunk) * chunk  # whole chunks
+    keys = q if new_key is None else new_key.keys
     _pq_bucket_select_launch(
-        (rows,),
+        (rows * (1 + zero),),
         (
             q,
             centroids,
@@ -472,6 +724,9 @@ def pq_select_buckets(
             positions,
             counts,
             counts if weights is None else weights,
+            keys,
+            centroids if new_key is None or new_key.phi is None else new_key.phi,
+            counts if new_key is None else new_key.arrivals,
         ),
         (
             *q.stride()[:2],
@@ -479,7 +734,11 @@ def pq_select_buckets(
             *codes.stride(),
             *order.stride()[:2],
             *positions.stride()[:2],
-            *((0, 0, 0) if weights is None else (*weights.stride()[:2], weights.shape[2])),
+            *((0, 0) if weights is None else weights.stride()[:2]),
+            *((0, 0, 0) if new_key is None else (keys.stride(0), keys.stride(1), keys.stride(3))),
+            n_weights,
+            zero_span,
+            rows,
             H,
             H // Hkv,
             Hkv,
@@ -490,6 +749,9 @@ def pq_select_buckets(
             short_threshold,
             width,
             marks_off,
+            done_off,
+            0 if new_key is None else -new_key.n_drop,
+            0 if new_key is None else new_key.n_drop,
         ),
         dict(
             M=M,
@@ -499,7 +761,41 @@ def pq_select_buckets(
             DSUB=dsub,
             BLOCK_D=min(dsub, 64),
             HAS_W=weights is not None,
+            ZERO_PROGS=zero,
+            ENCODE=new_key is not None,
+            IP=centroids.shape[4] == dsub + 1,
             **(pdl_meta(q.device) if after_encode else {"PDL": False}),
             **_CONFIG_KWARGS[id(config)],
         ),
     )
+
+
+def _check_new_key(
+    new_key: NewKey, q: torch.Tensor, centroids: torch.Tensor, window: int, after_encode: bool
+) -> None:
+    B, H, D = q.shape
+    Hkv, M = centroids.shape[1], centroids.shape[2]
+    if Hkv != H:
+        raise ValueError(
+            f"new_key: one program per KV head encodes its key; expected H == Hkv, got {H} and {Hkv}"
+        )
+    if after_encode:
+        raise ValueError("new_key: the selection encodes the key itself; expected after_encode=False")
+    if tuple(new_key.keys.shape) != (B, Hkv, 1, D) or new_key.keys.stride(-1) != 1:
+        raise ValueError(
+            f"new_key.keys: expected [B, Hkv, 1, D] = {[B, Hkv, 1, D]} with a contiguous last dim, "
+            f"got {list(new_key.keys.shape)} with strides {new_key.keys.stride()}"
+        )
+    if not 0 <= new_key.n_drop <= min(2, window - 1):
+        raise ValueError(
+            f"new_key.n_drop: expected 0 <= n_drop <= min(2, window - 1) = {min(2, window - 1)} (the new "
+            f"key in the window, one position changing candidacy), got {new_key.n_drop}"
+        )
+    if new_key.arrivals.dtype != torch.int32 or tuple(new_key.arrivals.shape) != (B,):
+        raise ValueError(
+            f"new_key.arrivals: expected int32 [{B}], got {new_key.arrivals.dtype} "
+            f"{list(new_key.arrivals.shape)}"
+        )
+    ip = centroids.shape[4] == D // M + 1
+    if ip != (new_key.phi is not None):
+        raise ValueError(f"new_key.phi: expected {'[B, Hkv, M]' if ip else 'None'} for these centroids")
