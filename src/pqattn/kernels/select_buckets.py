@@ -164,14 +164,19 @@ def _write_ones(pos_row, count, first, w_row, CHUNK: tl.constexpr):
         tl.store(w_row + p, one, mask=o < count)
 
 
+# What the row's selection adds to its counter when it arrives (a zero program adds 1).
+_SELECTED: tl.constexpr = tl.constexpr(1 << 16)
+
+
 @triton.jit
-def _arrive_at_row(done, PARTS: tl.constexpr):
-    """Whether this program is the last of the row's PARTS programs (the selection and its zero
-    programs, in any order) to arrive at the row's counter, once its writes to the row are done
-    (released by the arrival): the last writes the ones, which must follow every zero, and
-    resets the counter."""
+def _arrive_at_row(done, add, last):
+    """Arrive at the row's counter (the selection adds _SELECTED, a zero program 1) once this
+    program's writes to the row are done (released by the arrival); whether the counter held
+    `last` before: then this program is the last of the row's (the selection and its zero
+    programs, in any order), and writes the ones, which must follow every zero, and resets the
+    counter."""
     tl.debug_barrier()  # every thread's stores precede the arrival
-    return tl.atomic_add(done, 1, sem="acq_rel") == PARTS - 1
+    return tl.atomic_add(done, add, sem="acq_rel") == last
 
 
 @triton.jit
@@ -353,6 +358,13 @@ def _pq_bucket_select_kernel(
         for start in range(z_lo, z_hi, CHUNK):
             o = start + lane
             tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < z_hi)
+        # (the zeros out first: the selection looks for them to write its ones with its positions)
+        if _arrive_at_row(ws_ptr + done_off + row, 1, _SELECTED + ZERO_PROGS - 1):
+            pos_row = pos_ptr + b * stride_pb + h * stride_ph
+            count = tl.load(cnt_ptr + row, cache_modifier=".cg").to(tl.int32)
+            first = tl.load(pos_row + lane, mask=lane < width, other=0, cache_modifier=".cg")
+            _write_ones(pos_row, count, first, w_row, CHUNK)
+            tl.store(ws_ptr + done_off + row, 0)
         if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
             if part == 0:  # the row's new key (H == Hkv): see the selection's ENCODE below
                 new_row = tl.load(len_ptr + b).to(tl.int32) + row0
@@ -377,12 +389,6 @@ def _pq_bucket_select_kernel(
                 tl.debug_barrier()  # every thread has read the length (the codes' address needs it)
                 last = _arrive(arrive_ptr + b, 2 * H, CHUNK)
                 _set_length(last, arrive_ptr + b, len_ptr + b, new_row + 1)
-        if _arrive_at_row(ws_ptr + done_off + row, ZERO_PROGS + 1):  # the selection's outputs are in
-            pos_row = pos_ptr + b * stride_pb + h * stride_ph
-            count = tl.load(cnt_ptr + row, cache_modifier=".cg").to(tl.int32)
-            first = tl.load(pos_row + lane, mask=lane < width, other=0, cache_modifier=".cg")
-            _write_ones(pos_row, count, first, w_row, CHUNK)
-            tl.store(ws_ptr + done_off + row, 0)
     else:
         row = pid
         b = row // H
@@ -448,6 +454,8 @@ def _pq_bucket_select_kernel(
                 o = start + lane
                 tl.store(pos_row + o, tl.where(o < n, o, -1), mask=o < width)
             count = n
+            if HAS_W and ZERO_PROGS > 0:
+                fast = n < 0  # (the ones after the positions)
             if ENCODE:
                 tl.debug_barrier()  # every thread has used the length (the stores' masks)
                 last = _arrive(arrive_ptr + b, readers, CHUNK)
@@ -477,6 +485,12 @@ def _pq_bucket_select_kernel(
             tl.debug_barrier()  # the other threads' LUT stores are visible after it
             if ENCODE:  # every thread has used the length before the barrier (code_next's mask)
                 last = _arrive(arrive_ptr + b, readers, CHUNK)
+            if HAS_W and ZERO_PROGS > 0:
+                # Whether the row's zero programs are done (from one lane, reduced after the cut):
+                # then the ones go out with the positions below, else after them.
+                seen = tl.atomic_add(
+                    ws_ptr + done_off + row + lane * 0, lane * 0, mask=lane == 0, sem="acquire"
+                )
             # Each combination's score gathered from the LUT in memory, added in the order the recent
             # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors.
             # (The cut launch's outer sums in registers, reshaped to [P], gave wrong rows here once
@@ -487,6 +501,10 @@ def _pq_bucket_select_kernel(
                 score += tl.load(lut_row + m * C + digit)
             key = tl.where(w > 0, _order_key(score), 0)
             cut, quota, k = _weighted_cut(key, w, need)
+            if HAS_W and ZERO_PROGS > 0:
+                fast = tl.max(tl.where(lane == 0, seen, 0), 0) == ZERO_PROGS
+                with_ones = lane < tl.where(fast, CHUNK, 0)  # (a block mask: see `at_cut`)
+                one = tl.full([CHUNK], 1.0, tl.float32).to(w_ptr.dtype.element_ty)
             if LATE_RUNS:  # loaded after the search, they hold no registers through it
                 run = tl.load(starts_row + combo)
                 run_len = tl.load(starts_row + combo + 1) - run
@@ -530,7 +548,10 @@ def _pq_bucket_select_kernel(
                 carry = tl.max(v, 0)
                 low = v - ((v >> 32) << 32)
                 ok = (j < tie_lo + n_tie) & (low != 0)
-                tl.store(pos_row + n_sink + j, tl.load(order_row + j + (low - _BIAS), mask=ok), mask=ok)
+                token = tl.load(order_row + j + (low - _BIAS), mask=ok)
+                tl.store(pos_row + n_sink + j, token, mask=ok)
+                if HAS_W and ZERO_PROGS > 0:
+                    tl.store(w_row + token, one, mask=ok & with_ones)
             # Zero the marks for the next call once every thread has read them (zeroing each chunk
             # as it is read races: the scan may take the loads into another layout than the stores)
             tl.debug_barrier()
@@ -567,6 +588,8 @@ def _pq_bucket_select_kernel(
                     slot = tl.where(is_above, next_above + (inclusive & 0xFFFF) - 1, next_tie + tie_rank)
                     taken = (is_above | (is_tie & (tie_rank < ties_left))) & (slot < k)
                     tl.store(pos_row + n_sink + slot, offs, mask=taken)
+                    if HAS_W and ZERO_PROGS > 0:
+                        tl.store(w_row + offs, one, mask=taken & with_ones)
                 next_above += total & 0xFFFF
                 next_tie += total >> 16
                 ties_left -= total >> 16
@@ -575,9 +598,13 @@ def _pq_bucket_select_kernel(
             for start in range(0, n_sink, CHUNK):
                 o = start + lane
                 tl.store(pos_row + o, o, mask=o < n_sink)
+                if HAS_W and ZERO_PROGS > 0:
+                    tl.store(w_row + o, one, mask=(o < n_sink) & with_ones)
             for start in range(0, n_win, CHUNK):
                 o = start + lane
                 tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
+                if HAS_W and ZERO_PROGS > 0:
+                    tl.store(w_row + win_lo + o, one, mask=(o < n_win) & with_ones)
             count = n_sink + k + n_win
             for start in range(count, width, CHUNK):
                 o = start + lane
@@ -588,16 +615,20 @@ def _pq_bucket_select_kernel(
             if old_change != 0:
                 tl.atomic_add(hist_ptr + grp.to(tl.int64) * P + old_combo, old_change, sem="relaxed")
             _set_length(last, arrive_ptr + b, len_ptr + b, n)
-        if HAS_W:
+        if HAS_W and ZERO_PROGS == 0:
             tl.debug_barrier()  # the positions every thread has written
-            # (the first chunk of them in flight with the arrival; loaded before it, as it reads
-            # this program's own stores)
-            first = tl.load(pos_row + lane, mask=lane < count, other=0)
-            if ZERO_PROGS == 0:
-                _write_ones(pos_row, count, first, w_row, CHUNK)
-            elif _arrive_at_row(ws_ptr + done_off + row, ZERO_PROGS + 1):
-                _write_ones(pos_row, count, first, w_row, CHUNK)
+            _write_ones(pos_row, count, tl.load(pos_row + lane, mask=lane < count, other=0), w_row, CHUNK)
+        if HAS_W and ZERO_PROGS > 0:
+            if fast:  # the ones are out; every zero program has arrived
                 tl.store(ws_ptr + done_off + row, 0)
+            else:
+                tl.debug_barrier()  # the positions every thread has written
+                # (the first chunk of them in flight with the arrival; loaded before it, as it
+                # reads this program's own stores)
+                first = tl.load(pos_row + lane, mask=lane < count, other=0)
+                if _arrive_at_row(ws_ptr + done_off + row, _SELECTED, ZERO_PROGS):
+                    _write_ones(pos_row, count, first, w_row, CHUNK)
+                    tl.store(ws_ptr + done_off + row, 0)
 
 
 _pq_bucket_launch = Launcher(_pq_bucket_kernel)
