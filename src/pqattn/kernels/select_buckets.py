@@ -143,12 +143,12 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _zero_row(w_row, n_weights, CHUNK: tl.constexpr):
-    """w_row[0:n_weights] = 0."""
+def _zero_row(w_row, lo, hi, CHUNK: tl.constexpr):
+    """w_row[lo:hi] = 0."""
     lane = tl.arange(0, CHUNK)
-    for start in range(0, n_weights, CHUNK):
+    for start in range(lo, hi, CHUNK):
         o = start + lane
-        tl.store(w_row + o, tl.zeros([CHUNK], w_row.dtype.element_ty), mask=o < n_weights)
+        tl.store(w_row + o, tl.zeros([CHUNK], w_row.dtype.element_ty), mask=o < hi)
 
 
 @triton.jit
@@ -355,9 +355,7 @@ def _pq_bucket_select_kernel(
         part = (pid - rows) % ZERO_PROGS
         z_lo = part * zero_span
         z_hi = tl.minimum(z_lo + zero_span, n_weights)
-        for start in range(z_lo, z_hi, CHUNK):
-            o = start + lane
-            tl.store(w_row + o, tl.zeros([CHUNK], w_ptr.dtype.element_ty), mask=o < z_hi)
+        _zero_row(w_row, z_lo, z_hi, CHUNK)
         # (the zeros out first: the selection looks for them to write its ones with its positions)
         if _arrive_at_row(ws_ptr + done_off + row, 1, _SELECTED + ZERO_PROGS - 1):
             pos_row = pos_ptr + b * stride_pb + h * stride_ph
@@ -404,11 +402,11 @@ def _pq_bucket_select_kernel(
         if PDL:  # launched early behind the encode launch: first what that one does not write
             _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
             if HAS_W and ZERO_PROGS == 0:
-                _zero_row(w_row, n_weights, CHUNK)
+                _zero_row(w_row, 0, n_weights, CHUNK)
             wait_prior(PDL)
             tl.debug_barrier()  # the LUT and the zeros are visible to every thread after it
         elif HAS_W and ZERO_PROGS == 0:  # the ones overwrite them after a barrier
-            _zero_row(w_row, n_weights, CHUNK)
+            _zero_row(w_row, 0, n_weights, CHUNK)
         if ENCODE:
             # The new key of this row's KV head (H == Hkv: no other program counts that head's
             # histogram), as the encode launch writes it (pqattn.kernels.encode, T = 1 over
