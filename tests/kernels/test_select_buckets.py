@@ -284,70 +284,71 @@ def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device
     """NewKey (H == Hkv): every call writes one new key's codes over the last n_drop rows (int64
     codes in a [B, rows, Hkv, M] buffer seen transposed, as the original's entry point keeps
     them), keeps the histogram, sets the lengths in the same launch and selects from the
-    resulting codes, ragged and short rows included. With zero programs for the dense weights,
-    the first of each row's encodes the key (and arrives for the length), else the selection."""
+    resulting codes, in long and short sequences. With zero programs for the dense weights, the
+    first of each row's encodes the key, else the selection."""
     B, H, D, M, C, cap = 3, 3, 32, 2, 8, 700
     sink, window, heavy, init_offset = 4, 6, 40, 4
     cand_lo, threshold = max(init_offset, sink), 20
     dsub = D // M + (metric == "ip")
     cent = torch.randn(B, H, M, C, dsub, device=device)
     phi = torch.rand(B, H, M, device=device) * 50 if metric == "ip" else None
-    buf = torch.randint(0, C, (B, cap, H, M), device=device)
-    codes = buf.transpose(1, 2)  # [B, Hkv, cap, M]
-    lengths = torch.tensor([600, 45, 15], device=device)  # (45: fewer candidates than heavy)
-    arrivals = torch.zeros(B, dtype=torch.int32, device=device)
-    hist = _histogram(codes, lengths, C, window, cand_lo)
-    buckets = _buckets(codes, (lengths - 30).clamp(min=0), C, window, cand_lo)  # later ones scanned
     width = ref.selection_width(sink, window, heavy, threshold)
     pos = torch.empty(B, H, width, dtype=torch.int64, device=device)
     cnt = torch.empty(B, H, dtype=torch.int64, device=device)
     weights = torch.empty(B, H, cap, device=device)
     workspace = torch.zeros(workspace_numel(B * H, M, C, heavy), dtype=torch.int32, device=device)
-    for n_drop in (0, 1, 2, 0, 1, 0, 2, 1):
-        q = torch.randn(B, H, D, device=device)
-        keys = torch.randn(B, H, 1, D, device=device)
-        want = codes.clone()
-        rows = lengths - n_drop
-        for b, r in enumerate(rows.tolist()):
-            want[b, :, r] = ref.encode(keys, cent, phi, metric)[b, :, 0]
-        pq_select_buckets(
-            q,
-            cent,
-            codes,
-            lengths,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-            width=width,
-            positions=pos.fill_(-7),
-            counts=cnt.fill_(-7),
-            workspace=workspace,
-            histogram=hist,
-            buckets=buckets,
-            weights=weights.fill_(float("nan")),
-            new_key=NewKey(keys, phi, arrivals, n_drop),
-            zero_programs=zero_programs,
-        )
-        assert torch.equal(codes, want), n_drop
-        assert torch.equal(lengths, rows + 1) and not arrivals.any(), n_drop
-        assert torch.equal(hist, _histogram(codes, lengths, C, window, cand_lo)), n_drop
-        assert_selection_exact(
-            pos,
-            cnt,
-            weights,
-            q,
-            cent,
-            codes,
-            lengths,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-        )
-        assert (workspace[workspace_layout(B * H, M, C, heavy)[1] :] == 0).all(), "marks and counters zeroed"
+    # 600: bucketed and recent candidates; 45: fewer candidates than heavy; 15: short
+    for start, drops in ((600, (0, 1, 2, 0, 1, 0, 2, 1)), (45, (1, 0, 2)), (15, (2, 0, 1))):
+        buf = torch.randint(0, C, (B, cap, H, M), device=device)
+        codes = buf.transpose(1, 2)  # [B, Hkv, cap, M]
+        lengths = torch.full((B,), start, device=device)
+        hist = _histogram(codes, lengths, C, window, cand_lo)
+        buckets = _buckets(codes, (lengths - 30).clamp(min=0), C, window, cand_lo)  # later ones scanned
+        for n_drop in drops:
+            q = torch.randn(B, H, D, device=device)
+            keys = torch.randn(B, H, 1, D, device=device)
+            want = codes.clone()
+            row = int(lengths[0]) - n_drop
+            want[:, :, row] = ref.encode(keys, cent, phi, metric)[:, :, 0]
+            pq_select_buckets(
+                q,
+                cent,
+                codes,
+                lengths,
+                sink=sink,
+                window=window,
+                heavy=heavy,
+                cand_lo=cand_lo,
+                short_threshold=threshold,
+                width=width,
+                positions=pos.fill_(-7),
+                counts=cnt.fill_(-7),
+                workspace=workspace,
+                histogram=hist,
+                buckets=buckets,
+                weights=weights.fill_(float("nan")),
+                new_key=NewKey(keys, phi, row + 1, n_drop),
+                zero_programs=zero_programs,
+            )
+            assert torch.equal(codes, want), (start, n_drop)
+            assert (lengths == row + 1).all(), (start, n_drop)
+            assert torch.equal(hist, _histogram(codes, lengths, C, window, cand_lo)), (start, n_drop)
+            assert_selection_exact(
+                pos,
+                cnt,
+                weights,
+                q,
+                cent,
+                codes,
+                lengths,
+                sink=sink,
+                window=window,
+                heavy=heavy,
+                cand_lo=cand_lo,
+                short_threshold=threshold,
+            )
+            marks = workspace[workspace_layout(B * H, M, C, heavy)[1] :]
+            assert (marks == 0).all(), "marks and counters zeroed"
     args = dict(
         sink=sink,
         window=window,
@@ -362,18 +363,19 @@ def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device
         buckets=buckets,
     )
     bad = [
-        (dict(new_key=NewKey(keys, phi, arrivals, window)), "n_drop"),
-        (dict(new_key=NewKey(keys, phi, arrivals, 0), after_encode=True), "after_encode"),
-        (dict(new_key=NewKey(keys.expand(B, H, 2, D), phi, arrivals, 0)), r"new_key.keys"),
-        (dict(new_key=NewKey(keys, phi, arrivals.long(), 0)), "arrivals"),
-        (dict(new_key=NewKey(keys, None if metric == "ip" else cent[:, :, :, 0, 0], arrivals, 0)), "phi"),
+        (dict(new_key=NewKey(keys, phi, 20, window)), "n_drop"),
+        (dict(new_key=NewKey(keys, phi, 20, 0), after_encode=True), "after_encode"),
+        (dict(new_key=NewKey(keys.expand(B, H, 2, D), phi, 20, 0)), r"new_key.keys"),
+        (dict(new_key=NewKey(keys, phi, cap + 1, 0)), r"new_key.length"),
+        (dict(new_key=NewKey(keys, phi, 0, 0)), r"new_key.length"),
+        (dict(new_key=NewKey(keys, None if metric == "ip" else cent[:, :, :, 0, 0], 20, 0)), "phi"),
     ]
     for extra, match in bad:
         with pytest.raises(ValueError, match=match):
             pq_select_buckets(q, cent, codes, lengths, **args, **extra)
     with pytest.raises(ValueError, match="H == Hkv"):
         q2 = torch.randn(B, 2 * H, D, device=device)
-        pq_select_buckets(q2, cent, codes, lengths, **args, new_key=NewKey(keys, phi, arrivals, 0))
+        pq_select_buckets(q2, cent, codes, lengths, **args, new_key=NewKey(keys, phi, 20, 0))
 
 
 def test_routing_and_validation() -> None:

@@ -412,7 +412,7 @@ def _select_from_buckets(
     new_key = None
     if steady and not rebuild and Hkv == H and new_keys.shape[2] == 1 and n_drop <= min(2, window - 1):
         # a decode loop's call, each query head with a KV head of its own: one launch
-        new_key = NewKey(new_keys, phi, state.arrivals, n_drop)
+        new_key = NewKey(new_keys, phi, N, n_drop)
     elif steady:
         pq_encode(
             new_keys,

@@ -32,8 +32,8 @@ sequence and KV head: its codes, the histogram's change and the lengths (see New
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
 codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
-no atomics, no allocation: the marks are zeroed after use, so the workspace stays as the owner
-zero-filled it and the launch can be replayed from a CUDA graph. The buckets must describe
+no allocation: the marks and the rows' counters are reset after use, so the workspace stays as
+the owner zero-filled it and the launch can be replayed from a CUDA graph. The buckets must describe
 the codes and lengths: PQIndex rebuilds them (in place) with `bucket_tokens`; recent tokens cost
 a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
 """
@@ -100,16 +100,18 @@ _BIAS: tl.constexpr = tl.constexpr(1 << 31)
 class NewKey(NamedTuple):
     """One new key per (sequence, KV head) that the bucket selection encodes before it selects,
     doing the encode launch's work (pqattn.kernels.encode with T = 1) in the same launch: keys
-    [B, Hkv, 1, D] (last dim contiguous) written at row lengths[b] - n_drop over the last n_drop
-    rows, the histogram kept, and lengths[b] set to lengths[b] - n_drop + 1 by the sequence's
-    last program (arrivals: [B] int32, zero-filled once, left at zero). phi [B, Hkv, M]
-    (contiguous) for the ip metric, else None. Needs H == Hkv (each program owns its KV head's
-    histogram) and n_drop < window (the new key is in the window: the selection does not read
-    its code), n_drop <= 2 (at most one position changes candidacy)."""
+    [B, Hkv, 1, D] (last dim contiguous) written at row `length` - 1 over the last n_drop rows
+    of sequences `length` - 1 + n_drop tokens long (every sequence: the original's entry point
+    has one N), the histogram kept, and the lengths set to `length`. The length is a launch
+    argument rather than read from the device: no program's work waits for that load, and
+    nothing needs to know when every program has read it. phi [B, Hkv, M] (contiguous) for the
+    ip metric, else None. Needs H == Hkv (each program owns its KV head's histogram) and
+    n_drop < window (the new key is in the window: the selection does not read its code),
+    n_drop <= 2 (at most one position changes candidacy)."""
 
     keys: torch.Tensor
     phi: torch.Tensor | None
-    arrivals: torch.Tensor
+    length: int
     n_drop: int
 
 
@@ -222,26 +224,6 @@ def _new_codes(
 
 
 @triton.jit
-def _arrive(arrive, ARRIVALS, CHUNK: tl.constexpr):
-    """Count this program at its sequence's arrival counter (once it has read the sequence's
-    length): a [CHUNK] mask, true at one lane if this program is the last of ARRIVALS. From one
-    lane of a block: a scalar atomic's result is broadcast through a barrier right away, this
-    one's is waited for only where that lane uses it (_set_length)."""
-    lane = tl.arange(0, CHUNK)
-    first = lane == 0
-    arrived = tl.atomic_add(arrive + lane * 0, first.to(tl.int32), mask=first, sem="acq_rel")
-    return first & (arrived == ARRIVALS - 1)
-
-
-@triton.jit
-def _set_length(last, arrive, length, new_length):
-    """The last to arrive (_arrive) sets the length and resets the counter."""
-    zero = last.to(tl.int32) * 0
-    tl.store(length + zero, (new_length + zero).to(length.dtype.element_ty), mask=last)
-    tl.store(arrive + zero, zero, mask=last)
-
-
-@triton.jit
 def _pq_bucket_kernel(
     codes_ptr,
     len_ptr,
@@ -292,7 +274,6 @@ def _pq_bucket_select_kernel(
     w_ptr,
     x_ptr,
     phi_ptr,
-    arrive_ptr,
     stride_qb,
     stride_qh,
     stride_cb,
@@ -365,13 +346,12 @@ def _pq_bucket_select_kernel(
             tl.store(ws_ptr + done_off + row, 0)
         if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
             if part == 0:  # the row's new key (H == Hkv): see the selection's ENCODE below
-                new_row = tl.load(len_ptr + b).to(tl.int32) + row0
                 _new_codes(
                     x_ptr + b * stride_xb + h * stride_xk,
                     stride_xd,
                     cent_ptr + b * stride_cb + h * stride_ck,
                     phi_ptr + row * M,
-                    codes_ptr + b * stride_kb + h * stride_kk + new_row * stride_kn,
+                    codes_ptr + b * stride_kb + h * stride_kk + row0 * stride_kn,
                     stride_km,
                     stride_cm,
                     stride_cc,
@@ -384,9 +364,6 @@ def _pq_bucket_select_kernel(
                     IP,
                     False,
                 )
-                tl.debug_barrier()  # every thread has read the length (the codes' address needs it)
-                last = _arrive(arrive_ptr + b, 2 * H, CHUNK)
-                _set_length(last, arrive_ptr + b, len_ptr + b, new_row + 1)
     else:
         row = pid
         b = row // H
@@ -414,18 +391,15 @@ def _pq_bucket_select_kernel(
             # reads its code, which the row's first zero program writes, off this program's path
             # (without zero programs, this one, with the LUT). The candidacy change is applied to
             # this program's copy of the histogram and written back at the end, once every thread
-            # has read the histogram.
-            new_row = tl.load(len_ptr + b).to(tl.int32) + row0
+            # has read the histogram. The row is row0 (NewKey.length - 1): the programs of the
+            # launch read no length, so the first of each sequence's stores the new one.
             x_row = x_ptr + b * stride_xb + kvh * stride_xk
             _, old_combo, old_change = _candidacy_changes(
-                codes_row, stride_kn, stride_km, True, 0, 1, new_row, n_drop, window, cand_lo, M, C
+                codes_row, stride_kn, stride_km, True, 0, 1, row0, n_drop, window, cand_lo, M, C
             )
-            # The sequence's programs (and their keys' encoders) arrive once every thread has
-            # used the length (_arrive); the last one sets it.
-            readers = H
-            if ZERO_PROGS > 0:
-                readers = 2 * H
-            n = new_row + 1
+            n = row0 + 1
+            if h == 0:
+                tl.store(len_ptr + b, n.to(len_ptr.dtype.element_ty))
         else:
             n = tl.load(len_ptr + b).to(tl.int32)
         if ENCODE and ZERO_PROGS == 0:  # the key's codes with the LUT, from one centroid load
@@ -434,7 +408,7 @@ def _pq_bucket_select_kernel(
                 stride_xd,
                 cent_row,
                 phi_ptr + grp * M,
-                codes_row + new_row * stride_kn,
+                codes_row + row0 * stride_kn,
                 stride_km,
                 stride_cm,
                 stride_cc,
@@ -454,9 +428,6 @@ def _pq_bucket_select_kernel(
             count = n
             if HAS_W and ZERO_PROGS > 0:
                 fast = n < 0  # (the ones after the positions)
-            if ENCODE:
-                tl.debug_barrier()  # every thread has used the length (the stores' masks)
-                last = _arrive(arrive_ptr + b, readers, CHUNK)
         else:
             hi, need = _need(n, heavy, window, cand_lo)
             n_sink = tl.minimum(sink, n)
@@ -481,8 +452,6 @@ def _pq_bucket_select_kernel(
             if not PDL and not (ENCODE and ZERO_PROGS == 0):  # (loads in flight with the ones above)
                 _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
             tl.debug_barrier()  # the other threads' LUT stores are visible after it
-            if ENCODE:  # every thread has used the length before the barrier (code_next's mask)
-                last = _arrive(arrive_ptr + b, readers, CHUNK)
             if HAS_W and ZERO_PROGS > 0:
                 # Whether the row's zero programs are done (from one lane, reduced after the cut):
                 # then the ones go out with the positions below, else after them.
@@ -612,7 +581,6 @@ def _pq_bucket_select_kernel(
             tl.debug_barrier()  # every thread has read the histogram
             if old_change != 0:
                 tl.atomic_add(hist_ptr + grp.to(tl.int64) * P + old_combo, old_change, sem="relaxed")
-            _set_length(last, arrive_ptr + b, len_ptr + b, n)
         if HAS_W and ZERO_PROGS == 0:
             tl.debug_barrier()  # the positions every thread has written
             _write_ones(pos_row, count, tl.load(pos_row + lane, mask=lane < count, other=0), w_row, CHUNK)
@@ -711,7 +679,7 @@ def pq_select_buckets(
     P = C**M
     rows = B * H
     if new_key is not None:
-        _check_new_key(new_key, q, centroids, window, after_encode)
+        _check_new_key(new_key, q, centroids, codes, window, after_encode)
     _, marks_off, done_off, need = workspace_layout(rows, M, C, heavy)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
@@ -755,7 +723,6 @@ def pq_select_buckets(
             counts if weights is None else weights,
             keys,
             centroids if new_key is None or new_key.phi is None else new_key.phi,
-            counts if new_key is None else new_key.arrivals,
         ),
         (
             *q.stride()[:2],
@@ -779,7 +746,7 @@ def pq_select_buckets(
             width,
             marks_off,
             done_off,
-            0 if new_key is None else -new_key.n_drop,
+            0 if new_key is None else new_key.length - 1,
             0 if new_key is None else new_key.n_drop,
         ),
         dict(
@@ -800,9 +767,15 @@ def pq_select_buckets(
 
 
 def _check_new_key(
-    new_key: NewKey, q: torch.Tensor, centroids: torch.Tensor, window: int, after_encode: bool
+    new_key: NewKey,
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    window: int,
+    after_encode: bool,
 ) -> None:
     B, H, D = q.shape
+    capacity = codes.shape[2]
     Hkv, M = centroids.shape[1], centroids.shape[2]
     if Hkv != H:
         raise ValueError(
@@ -820,10 +793,9 @@ def _check_new_key(
             f"new_key.n_drop: expected 0 <= n_drop <= min(2, window - 1) = {min(2, window - 1)} (the new "
             f"key in the window, one position changing candidacy), got {new_key.n_drop}"
         )
-    if new_key.arrivals.dtype != torch.int32 or tuple(new_key.arrivals.shape) != (B,):
+    if not 1 <= new_key.length <= capacity:
         raise ValueError(
-            f"new_key.arrivals: expected int32 [{B}], got {new_key.arrivals.dtype} "
-            f"{list(new_key.arrivals.shape)}"
+            f"new_key.length: expected 1 <= length <= the codes' rows ({capacity}), got {new_key.length}"
         )
     ip = centroids.shape[4] == D // M + 1
     if ip != (new_key.phi is not None):
