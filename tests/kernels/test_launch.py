@@ -14,6 +14,7 @@ from pqattn.kernels.launch import (
     Launcher,
     Plan,
     TunedLauncher,
+    _scalar_specs,
     arg_spec,
     autotuning,
     interpreted,
@@ -50,6 +51,14 @@ def test_arg_spec_is_at_least_as_fine_as_tritons_specialisation() -> None:
         if spec[i] == spec[j]:
             assert triton_spec[i] == triton_spec[j], (values[i], values[j])
     assert len(set(spec)) >= len(set(map(str, triton_spec)))
+
+
+def test_the_scalars_looked_up_get_their_own_spec() -> None:
+    """_scalar_specs (ints looked up once seen) is arg_spec of each scalar, bools, floats and None
+    among the ints they equal (True == 1 == 1.0 as dict keys), in either order of first sight."""
+    values = [*INTS, True, False, 0.5, 1.0, 16.0, None, 1, 0, 16]
+    for order in (values, values[::-1], values):
+        assert _scalar_specs(tuple(order)) == [arg_spec(v) for v in order]
 
 
 def test_arg_spec_refuses_unknown_types() -> None:

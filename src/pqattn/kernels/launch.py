@@ -64,6 +64,24 @@ def arg_spec(arg: object) -> object:
     raise TypeError(f"launch argument: expected a tensor, int, float, bool or None, got {type(arg).__name__}")
 
 
+_INT_SPECS: dict[int, object] = {}  # arg_spec of the ints seen (most scalars repeat across calls)
+_MAX_INT_SPECS = 1 << 16
+
+
+def _scalar_specs(scalars: tuple) -> list:
+    """[arg_spec(a) for a in scalars], the ints' looked up (a decode loop's calls differ from the
+    last in a few sizes only, and a lookup costs less than classifying every scalar again)."""
+    get = _INT_SPECS.get
+    specs = [get(a) if type(a) is int else arg_spec(a) for a in scalars]
+    if None in specs:
+        if len(_INT_SPECS) >= _MAX_INT_SPECS:
+            _INT_SPECS.clear()
+        for i, spec in enumerate(specs):
+            if spec is None:
+                specs[i] = _INT_SPECS[scalars[i]] = arg_spec(scalars[i])
+    return specs
+
+
 def _current_device() -> int:
     return driver.active.get_current_device()
 
@@ -117,7 +135,7 @@ class Launcher:
         exact = (head, scalars, *map(type, scalars))  # the types: True == 1 == 1.0 in a tuple
         entry = self.recent.get(exact)
         if entry is None:
-            key = (head, *map(arg_spec, scalars))
+            key = (head, *_scalar_specs(scalars))
             entry = self.kernels.get(key)
             if entry is None:
                 if _recording is not None:

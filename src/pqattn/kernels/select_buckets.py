@@ -704,7 +704,7 @@ def pq_select_buckets(
         raise ValueError(f"zero_programs: expected >= 0 or None, got {zero_programs}")
     n_weights = 0 if weights is None else weights.shape[2]
     chunk = config.kwargs["CHUNK"]
-    zero_span = triton.cdiv(triton.cdiv(n_weights, max(zero, 1)), chunk) * chunk  # whole chunks
+    zero_span = -(-n_weights // (max(zero, 1) * chunk)) * chunk  # whole chunks (host ints: see decode.py)
     keys = q if new_key is None else new_key.keys
     _pq_bucket_select_launch(
         (rows * (1 + zero),),
