@@ -224,8 +224,8 @@ def test_a_decode_loop_selects_from_buckets(
     appended one or several at a time, rows re-sent (the original's benchmark: the same codebook
     every call), the candidates' end moving back, and the buckets rebuilt every REINDEX_AFTER
     tokens. A write into the codebook, a re-send of more than `window` rows or other sizes count
-    them again. With a KV head per query head, a call of one new key (one or two rows re-sent)
-    is the bucket launch alone, which encodes it. Every call's outputs by the checker's rules,
+    them again. A call of one new key (one or two rows re-sent) is the bucket launch alone, which
+    encodes it. Every call's outputs by the checker's rules,
     against the reference, and the kept histogram equal to a recount."""
     from pqattn import PQIndex
 
@@ -243,7 +243,7 @@ def test_a_decode_loop_selects_from_buckets(
     codebook = out[4]
     counts = ["pq_encode", "bucket_tokens", "pq_select_buckets"]
     keeps = ["pq_encode", "pq_select_buckets"]
-    one = ["pq_select_buckets"] if Hkv == 8 else keeps  # the key encoded by the selection
+    one = ["pq_select_buckets"]  # the key encoded by the selection
     # (tokens, rows of the last codebook passed back, the launchers)
     steps = [
         (385, 0, counts),  # the first call that passes back a codebook of ours
@@ -302,7 +302,7 @@ def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.dev
     args[1], args[12] = keys, codebook
     calls = _spied(monkeypatch)
     out = indexer_next(*args)
-    assert calls == ["pq_encode", "pq_select_buckets"]
+    assert calls == ["pq_select_buckets"]  # one new key: the selection encodes it
     assert out[4].data_ptr() == codebook.data_ptr()
     check_selection(args, out[0], out[1], out[2], out[4])
     moved = list(args)

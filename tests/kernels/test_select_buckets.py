@@ -278,20 +278,25 @@ def test_large_shapes_on_gpu(device: torch.device) -> None:
         )
 
 
+@pytest.mark.parametrize("G", [1, 3], ids=["mha", "gqa"])
 @pytest.mark.parametrize("zero_programs", [0, 2], ids=lambda z: f"zero{z}")
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
-def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device: torch.device) -> None:
-    """NewKey (H == Hkv): every call writes one new key's codes over the last n_drop rows (int64
+def test_the_selection_encodes_a_new_key(
+    metric: str, zero_programs: int, G: int, device: torch.device
+) -> None:
+    """NewKey: every call writes one new key's codes per KV head over the last n_drop rows (int64
     codes in a [B, rows, Hkv, M] buffer seen transposed, as the original's entry point keeps
     them), keeps the histogram, sets the lengths in the same launch and selects from the
     resulting codes, in long and short sequences. With zero programs for the dense weights, the
-    first of each row's encodes the key, else the selection."""
-    B, H, D, M, C, cap = 3, 3, 32, 2, 8, 700
+    first of each row's encodes the key, else the selection; under GQA the last of a KV head's
+    rows writes the histogram's change (the counters left at zero)."""
+    B, Hkv, D, M, C, cap = 3, 2, 32, 2, 8, 700
+    H = Hkv * G
     sink, window, heavy, init_offset = 4, 6, 40, 4
     cand_lo, threshold = max(init_offset, sink), 20
     dsub = D // M + (metric == "ip")
-    cent = torch.randn(B, H, M, C, dsub, device=device)
-    phi = torch.rand(B, H, M, device=device) * 50 if metric == "ip" else None
+    cent = torch.randn(B, Hkv, M, C, dsub, device=device)
+    phi = torch.rand(B, Hkv, M, device=device) * 50 if metric == "ip" else None
     width = ref.selection_width(sink, window, heavy, threshold)
     pos = torch.empty(B, H, width, dtype=torch.int64, device=device)
     cnt = torch.empty(B, H, dtype=torch.int64, device=device)
@@ -299,14 +304,14 @@ def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device
     workspace = torch.zeros(workspace_numel(B * H, M, C, heavy), dtype=torch.int32, device=device)
     # 600: bucketed and recent candidates; 45: fewer candidates than heavy; 15: short
     for start, drops in ((600, (0, 1, 2, 0, 1, 0, 2, 1)), (45, (1, 0, 2)), (15, (2, 0, 1))):
-        buf = torch.randint(0, C, (B, cap, H, M), device=device)
+        buf = torch.randint(0, C, (B, cap, Hkv, M), device=device)
         codes = buf.transpose(1, 2)  # [B, Hkv, cap, M]
         lengths = torch.full((B,), start, device=device)
         hist = _histogram(codes, lengths, C, window, cand_lo)
         buckets = _buckets(codes, (lengths - 30).clamp(min=0), C, window, cand_lo)  # later ones scanned
         for n_drop in drops:
             q = torch.randn(B, H, D, device=device)
-            keys = torch.randn(B, H, 1, D, device=device)
+            keys = torch.randn(B, Hkv, 1, D, device=device)
             want = codes.clone()
             row = int(lengths[0]) - n_drop
             want[:, :, row] = ref.encode(keys, cent, phi, metric)[:, :, 0]
@@ -365,7 +370,7 @@ def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device
     bad = [
         (dict(new_key=NewKey(keys, phi, 20, window)), "n_drop"),
         (dict(new_key=NewKey(keys, phi, 20, 0), after_encode=True), "after_encode"),
-        (dict(new_key=NewKey(keys.expand(B, H, 2, D), phi, 20, 0)), r"new_key.keys"),
+        (dict(new_key=NewKey(keys.expand(B, Hkv, 2, D), phi, 20, 0)), r"new_key.keys"),
         (dict(new_key=NewKey(keys, phi, cap + 1, 0)), r"new_key.length"),
         (dict(new_key=NewKey(keys, phi, 0, 0)), r"new_key.length"),
         (dict(new_key=NewKey(keys, None if metric == "ip" else cent[:, :, :, 0, 0], 20, 0)), "phi"),
@@ -373,9 +378,6 @@ def test_the_selection_encodes_a_new_key(metric: str, zero_programs: int, device
     for extra, match in bad:
         with pytest.raises(ValueError, match=match):
             pq_select_buckets(q, cent, codes, lengths, **args, **extra)
-    with pytest.raises(ValueError, match="H == Hkv"):
-        q2 = torch.randn(B, 2 * H, D, device=device)
-        pq_select_buckets(q2, cent, codes, lengths, **args, new_key=NewKey(keys, phi, 20, 0))
 
 
 def test_routing_and_validation() -> None:

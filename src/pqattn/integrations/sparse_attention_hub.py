@@ -4,8 +4,8 @@ A sparse-attention-hub PQCache user swaps this function in for the original's: s
 same outputs (sparse_list int64 [B, H, L] as sink, heavy, window positions; sparse_len int64;
 dense weight_list; the codebook with the keys since the last call appended), the original's
 short-sequence rule n <= heavy + init_offset + 1 + C. On CUDA tensors it is one encode launch
-and one selection launch, with no host sync (one launch in a decode loop whose query heads each
-have a KV head of their own: see _select_from_buckets).
+and one selection launch, with no host sync (one launch for a decode loop's call of one new key:
+see _select_from_buckets).
 
 The returned codebook is a view of a buffer of ours, [B, init_offset + capacity, Hkv, M] int64,
 so that its rows sit at their tokens' positions and later rows have room: passing it back on the
@@ -393,8 +393,8 @@ def _select_from_buckets(
 ) -> None:
     """The kernel path of a call that passed back a codebook of ours: the new keys' codes (and the
     histogram, and the lengths on the device) in one launch, the bucket selection in another
-    (launched early behind it). A decode loop's call with H == Hkv (one new key, at most two rows
-    re-sent, no rebuild due) is one launch: the bucket selection encodes the key itself
+    (launched early behind it). A decode loop's call (one new key, at most two rows re-sent, no
+    rebuild due) is one launch: the bucket selection encodes the key itself
     (select_buckets.NewKey). When the state does not describe the codebook it was given (see the
     module's docstring), the codes are written first and the histogram and buckets counted from
     them. sizes: the selection's sink, window, heavy, cand_lo and short_threshold."""
@@ -402,7 +402,7 @@ def _select_from_buckets(
     from pqattn.kernels.select_buckets import NewKey, pq_select_buckets
 
     B, H, _ = q.shape
-    Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
+    M, C = centroids.shape[2], centroids.shape[3]
     window, cand_lo = sizes["window"], sizes["cand_lo"]
     codes = buf.transpose(1, 2)  # [B, Hkv, init_offset + capacity, M]: token p at row p
     layout = (window, cand_lo, C, M)
@@ -410,9 +410,8 @@ def _select_from_buckets(
     steady = state.layout == layout and state.version == buf._version and 0 <= n_drop <= window
     rebuild = max(N - window, cand_lo) < state.frozen_at or N - state.bucketed_at >= PQIndex.REINDEX_AFTER
     new_key = None
-    if steady and not rebuild and Hkv == H and new_keys.shape[2] == 1 and n_drop <= min(2, window - 1):
-        # a decode loop's call, each query head with a KV head of its own: one launch
-        new_key = NewKey(new_keys, phi, N, n_drop)
+    if steady and not rebuild and new_keys.shape[2] == 1 and n_drop <= min(2, window - 1):
+        new_key = NewKey(new_keys, phi, N, n_drop)  # a decode loop's call: one launch
     elif steady:
         pq_encode(
             new_keys,

@@ -27,8 +27,8 @@ selection is then:
      the row each), and whichever of a row's programs arrives last at its counter writes the
      ones; else the row's program writes the zeros first (under PDL while the encode launch
      ahead runs).
-With NewKey (H == Hkv) the launch also does the encode launch's work for one new key per
-sequence and KV head: its codes, the histogram's change and the lengths (see NewKey).
+With NewKey the launch also does the encode launch's work for one new key per sequence and KV
+head: its codes, the histogram's change and the lengths (see NewKey).
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
 codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
@@ -105,9 +105,11 @@ class NewKey(NamedTuple):
     has one N), the histogram kept, and the lengths set to `length`. The length is a launch
     argument rather than read from the device: no program's work waits for that load, and
     nothing needs to know when every program has read it. phi [B, Hkv, M] (contiguous) for the
-    ip metric, else None. Needs H == Hkv (each program owns its KV head's histogram) and
-    n_drop < window (the new key is in the window: the selection does not read its code),
-    n_drop <= 2 (at most one position changes candidacy)."""
+    ip metric, else None. Needs n_drop < window (the new key is in the window: the selection
+    does not read its code) and n_drop <= 2 (at most one position changes candidacy). Under GQA
+    the G query rows of a KV head each encode its key (the same codes, stored by each) and
+    apply the histogram's change to their own copy; the last of them to have read the histogram
+    writes the change back (an arrival counter in the workspace)."""
 
     keys: torch.Tensor
     phi: torch.Tensor | None
@@ -126,13 +128,14 @@ def zero_programs_for(rows: int, device: torch.device) -> int:
 
 
 def workspace_layout(rows: int, M: int, C: int, heavy: int) -> tuple[int, int, int, int]:
-    """int32-word offsets of the LUTs, of the marks (int64, `heavy` per row) and of the rows'
-    arrival counters (the dense weights' zero programs), and the total."""
+    """int32-word offsets of the LUTs, of the marks (int64, `heavy` per row) and of the arrival
+    counters: per row (the dense weights' zero programs), then per (sequence, KV head) (NewKey's
+    histogram change under GQA; rows of them, as there are at most as many), and the total."""
     luts = 0
     marks = luts + rows * M * C
     marks += marks % 2  # 8-byte aligned
     done = marks + 2 * rows * heavy
-    return luts, marks, done, done + rows
+    return luts, marks, done, done + 2 * rows
 
 
 def workspace_numel(rows: int, M: int, C: int, heavy: int) -> int:
@@ -221,6 +224,18 @@ def _new_codes(
             tl.store(lut_row + m * C + tl.arange(0, C), q_dot)
         code = tl.argmin(dist, axis=0, tie_break_left=True)
         tl.store(code_out + m * stride_om, code.to(code_out.dtype.element_ty))
+
+
+@triton.jit
+def _arrive(counter, ARRIVALS, CHUNK: tl.constexpr):
+    """Count this program at `counter` (once every thread has read what the last one changes): a
+    [CHUNK] mask, true at one lane if this program is the last of ARRIVALS. From one lane of a
+    block: a scalar atomic's result is broadcast through a barrier right away, this one's is
+    waited for only where that lane uses it."""
+    lane = tl.arange(0, CHUNK)
+    first = lane == 0
+    arrived = tl.atomic_add(counter + lane * 0, first.to(tl.int32), mask=first, sem="acq_rel")
+    return first & (arrived == ARRIVALS - 1)
 
 
 @triton.jit
@@ -345,13 +360,14 @@ def _pq_bucket_select_kernel(
             _write_ones(pos_row, count, first, w_row, CHUNK)
             tl.store(ws_ptr + done_off + row, 0)
         if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
-            if part == 0:  # the row's new key (H == Hkv): see the selection's ENCODE below
+            if part == 0:  # the new key of the row's KV head: see the selection's ENCODE below
+                kvh = h // G
                 _new_codes(
-                    x_ptr + b * stride_xb + h * stride_xk,
+                    x_ptr + b * stride_xb + kvh * stride_xk,
                     stride_xd,
-                    cent_ptr + b * stride_cb + h * stride_ck,
-                    phi_ptr + row * M,
-                    codes_ptr + b * stride_kb + h * stride_kk + row0 * stride_kn,
+                    cent_ptr + b * stride_cb + kvh * stride_ck,
+                    phi_ptr + (b * Hkv + kvh) * M,
+                    codes_ptr + b * stride_kb + kvh * stride_kk + row0 * stride_kn,
                     stride_km,
                     stride_cm,
                     stride_cc,
@@ -385,18 +401,22 @@ def _pq_bucket_select_kernel(
         elif HAS_W and ZERO_PROGS == 0:  # the ones overwrite them after a barrier
             _zero_row(w_row, 0, n_weights, CHUNK)
         if ENCODE:
-            # The new key of this row's KV head (H == Hkv: no other program counts that head's
-            # histogram), as the encode launch writes it (pqattn.kernels.encode, T = 1 over
-            # n_drop rows). Its own row is in the window (window >= 1): no program of the launch
-            # reads its code, which the row's first zero program writes, off this program's path
-            # (without zero programs, this one, with the LUT). The candidacy change is applied to
-            # this program's copy of the histogram and written back at the end, once every thread
-            # has read the histogram. The row is row0 (NewKey.length - 1): the programs of the
-            # launch read no length, so the first of each sequence's stores the new one.
+            # The new key of this row's KV head, as the encode launch writes it
+            # (pqattn.kernels.encode, T = 1 over n_drop rows). Its own row is in the window
+            # (window >= 1): no program of the launch reads its code, which the row's first zero
+            # program writes, off this program's path (without zero programs, this one, with the
+            # LUT); under GQA the head's G rows store the same codes. The candidacy change is
+            # applied to this program's copy of the histogram; with H == Hkv this program writes it
+            # back at the end, once every thread has read the histogram, else the last of the
+            # head's G rows to have read it (_arrive). The row is row0 (NewKey.length - 1): the
+            # programs of the launch read no length, so the first of each sequence's stores the
+            # new one.
             x_row = x_ptr + b * stride_xb + kvh * stride_xk
             _, old_combo, old_change = _candidacy_changes(
                 codes_row, stride_kn, stride_km, True, 0, 1, row0, n_drop, window, cand_lo, M, C
             )
+            hist_done = ws_ptr + done_off + rows + grp
+            last = lane == 0
             n = row0 + 1
             if h == 0:
                 tl.store(len_ptr + b, n.to(len_ptr.dtype.element_ty))
@@ -428,6 +448,9 @@ def _pq_bucket_select_kernel(
             count = n
             if HAS_W and ZERO_PROGS > 0:
                 fast = n < 0  # (the ones after the positions)
+            if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
+                if G > 1:
+                    last = _arrive(hist_done, G, CHUNK)
         else:
             hi, need = _need(n, heavy, window, cand_lo)
             n_sink = tl.minimum(sink, n)
@@ -452,6 +475,9 @@ def _pq_bucket_select_kernel(
             if not PDL and not (ENCODE and ZERO_PROGS == 0):  # (loads in flight with the ones above)
                 _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
             tl.debug_barrier()  # the other threads' LUT stores are visible after it
+            if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
+                if G > 1:  # every thread has read the histogram (w) before the barrier
+                    last = _arrive(hist_done, G, CHUNK)
             if HAS_W and ZERO_PROGS > 0:
                 # Whether the row's zero programs are done (from one lane, reduced after the cut):
                 # then the ones go out with the positions below, else after them.
@@ -579,8 +605,14 @@ def _pq_bucket_select_kernel(
         tl.store(cnt_ptr + row, count)
         if ENCODE:
             tl.debug_barrier()  # every thread has read the histogram
-            if old_change != 0:
-                tl.atomic_add(hist_ptr + grp.to(tl.int64) * P + old_combo, old_change, sem="relaxed")
+            tl.atomic_add(
+                hist_ptr + grp.to(tl.int64) * P + old_combo + lane * 0,
+                old_change + lane * 0,
+                mask=last & (lane * 0 + old_change != 0),  # (block & block: see `at_cut`)
+                sem="relaxed",
+            )
+            if G > 1:
+                tl.store(hist_done + lane * 0, lane * 0, mask=last)  # (left at zero)
         if HAS_W and ZERO_PROGS == 0:
             tl.debug_barrier()  # the positions every thread has written
             _write_ones(pos_row, count, tl.load(pos_row + lane, mask=lane < count, other=0), w_row, CHUNK)
@@ -774,13 +806,9 @@ def _check_new_key(
     window: int,
     after_encode: bool,
 ) -> None:
-    B, H, D = q.shape
+    B, _, D = q.shape
     capacity = codes.shape[2]
     Hkv, M = centroids.shape[1], centroids.shape[2]
-    if Hkv != H:
-        raise ValueError(
-            f"new_key: one program per KV head encodes its key; expected H == Hkv, got {H} and {Hkv}"
-        )
     if after_encode:
         raise ValueError("new_key: the selection encodes the key itself; expected after_encode=False")
     if tuple(new_key.keys.shape) != (B, Hkv, 1, D) or new_key.keys.stride(-1) != 1:
