@@ -136,15 +136,23 @@ def run_demo(
     }
 
 
+# Steps per captured graph. A graph of one step, replayed between CUDA events, also timed the
+# host's graph launch whenever the GPU waited for it: two runs of the same tree on the H200 gave
+# dense SDPA 26.5 and 30.4 us, pq 21.9 and 30.3 us (the host slower in the second). The bench's
+# graphs hold at least 500 us of work for the same reason.
+_GRAPH_CALLS = 20
+
+
 def _graph_us(fn, device: torch.device, repeats: int) -> float | None:
-    """GPU time of fn replayed in a CUDA graph (None on a CPU, or when fn cannot be captured)."""
+    """GPU time per call of fn replayed in a CUDA graph of _GRAPH_CALLS calls (None on a CPU, or
+    when fn cannot be captured)."""
     if device.type != "cuda":
         return None
     try:
-        graph = capture([fn], device, calls=1)
+        graph = capture([fn], device, calls=_GRAPH_CALLS)
     except RuntimeError:
         return None
-    return time_graph(graph, device, repeats=max(repeats, 20), calls=1)["median_us"]
+    return time_graph(graph, device, repeats=max(repeats, 20), calls=_GRAPH_CALLS)["median_us"]
 
 
 def _step_times(eager: float, gpu: float | None, dense: float, dense_gpu: float | None) -> dict:
