@@ -78,7 +78,8 @@ def test_table_and_plot(tiny_doc, tmp_path) -> None:
 def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
     meta = torch.device("meta")
     full = {c.name for c in suites.select_suite("full", meta)}
-    assert "original" in full and len(full) == 1 + 27
+    llm = {"llm-B1-N16K-heavy256", "llm-B1-N32K-heavy128", "llm-B1-N128K-heavy1024"}
+    assert "original" in full and llm <= full and len(full) == 1 + len(llm) + 27
     orig = suites.select_suite("full", meta)[0].params
     assert (orig["B"], orig["H"], orig["Hkv"], orig["N"], orig["heavy"]) == (1, 32, 32, 32000, 128)
     decode = [c.name for c in suites.decode_suite("full", meta)]
@@ -140,7 +141,12 @@ def test_plain_torch_kmeans_centres_are_member_means() -> None:
 def test_cli_bench_writes_valid_json(tmp_path, capsys) -> None:
     path = tmp_path / "r.json"
     assert (
-        main(["bench", "select", "--tiny", "--device", "cpu", "--impl", "torch.topk", "--json", str(path)])
+        main(
+            [
+                *("bench", "select", "--tiny", "--device", "cpu"),
+                *("--case", "tiny$", "--impl", "torch.topk", "--json", str(path)),
+            ]
+        )
         == 0
     )
     doc = validate(json.loads(path.read_text()))

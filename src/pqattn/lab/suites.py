@@ -20,6 +20,7 @@ from pqattn import ops
 from pqattn.index import PQConfig, PQIndex
 from pqattn.integrations.sparse_attention_hub import _codebook_buffer, indexer_next
 from pqattn.lab import baselines
+from pqattn.lab.workload import WorkloadSpec, make_workload
 
 SIZES = ("full", "quick", "tiny")
 KiB = 1024
@@ -174,10 +175,15 @@ def _select_case(
     heavy: int = 128,
     q_dtype: torch.dtype = torch.bfloat16,
     compat: bool = False,
+    llm: bool = False,
 ) -> Case:
+    """llm: the query, centroids and codes from the demo's LLM-like cache (pqattn.lab.workload,
+    the index built by k-means as PQIndex.build does) instead of random ones: its scores are far
+    from the random codes' near-normal ones, and the selection's searches take other paths."""
     C, dsub, L = 2**bits, D // M, sink + heavy + window
     params = dict(B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, sink=sink, window=window, heavy=heavy)
     params["q_dtype"] = str(q_dtype).removeprefix("torch.")
+    params["inputs"] = "llm-like cache" if llm else "random"
     opts = dict(sink=sink, window=window, heavy=heavy, init_offset=sink)
 
     def make_inputs(seed: int) -> dict:
@@ -189,6 +195,13 @@ def _select_case(
             "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
             "scores": torch.randn(B * H, N, device=device, generator=g),
         }
+        if llm:
+            spec = WorkloadSpec(tokens=N, kv_heads=Hkv, group=H // Hkv, head_dim=D, batch=B, seed=seed)
+            work = make_workload(spec).to(device, q_dtype)
+            config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy, seed=seed)
+            built = PQIndex.build(work.keys[:, :, :N], config=config)
+            x["q"] = work.queries[-1].contiguous()
+            x["centroids"], x["codes"] = built.centroids, built.codes[:, :, :N]
         x["out"], x["workspace"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
         x["index"] = _index(x, M, bits, sink, window, heavy)
         x["index_aged"] = (
@@ -320,14 +333,18 @@ def _select_case(
 
 def select_suite(size: str, device: torch.device) -> list[Case]:
     if size == "tiny":
+        tiny = dict(B=2, H=4, Hkv=2, N=300, D=32, bits=4, sink=8, window=8, heavy=16)
         return [
-            _select_case(
-                device, "tiny", B=2, H=4, Hkv=2, N=300, D=32, bits=4, sink=8, window=8, heavy=16, compat=True
-            )
+            _select_case(device, "tiny", **tiny, compat=True),
+            _select_case(device, "tiny-llm", **tiny, llm=True),
         ]
     cases = [
         _select_case(device, "original", B=1, H=32, Hkv=32, N=32000, q_dtype=torch.float32, compat=True),
     ]
+    for n, h in ((16, 256), (32, 128), (128, 1024)):  # the demo's LLM-like cache (random: below)
+        cases.append(
+            _select_case(device, f"llm-B1-N{n}K-heavy{h}", B=1, H=32, Hkv=8, N=n * KiB, heavy=h, llm=True)
+        )
     grid = (
         [(1, 32, 128), (8, 128, 1024)]
         if size == "quick"
