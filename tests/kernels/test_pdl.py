@@ -79,7 +79,7 @@ scan_types = dict(codes_ptr=u8, len_ptr=i32, hist_ptr=i32, ws_ptr=i32, pos_ptr=i
 scan_types["w_ptr"] = "*fp16"
 bucket_types = dict(q_ptr="*fp32", cent_ptr="*fp32", codes_ptr="*i64", len_ptr="*i64", hist_ptr=i32,
                     order_ptr=i32, starts_ptr=i32, frozen_ptr=i32, ws_ptr=i32, pos_ptr="*i64",
-                    cnt_ptr="*i64", w_ptr="*fp32", x_ptr="*fp32", phi_ptr="*fp32", arrive_ptr=i32)
+                    cnt_ptr="*i64", w_ptr="*fp32", x_ptr="*fp32", phi_ptr="*fp32")
 encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="*i64", out_ptr="*i64",
                     hist_ptr=i32, kc_ptr="*fp32", vc_ptr="*fp32", vn_ptr="*fp32", arrive_ptr=i32)
 kernels = {

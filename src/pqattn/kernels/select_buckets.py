@@ -505,7 +505,10 @@ def _pq_bucket_select_kernel(
             # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
             # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
             # combination order, up to the quota) first. Both runs' offsets come from one scan of
-            # (run at the cut << 32) + run above the cut.
+            # (run at the cut << 32) + run above the cut. (An int32 scan of 16-bit halves, the ties'
+            # saturating, was exact but slower: its custom combine against cumsum's, H200, same
+            # process: B=1 N=32K heavy 128 13.1 -> 13.2 us, B=8 N=128K heavy 1024 18.2 -> 18.8,
+            # B=32 N=32K heavy 128 57.9 -> 63.6.)
             above = tl.where((w > 0) & (key > cut), run_len, 0)
             # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
             at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
