@@ -32,10 +32,10 @@ head: its codes, the histogram's change and the lengths (see NewKey).
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
 codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
-no allocation: the marks and the rows' counters are reset after use, so the workspace stays as
-the owner zero-filled it and the launch can be replayed from a CUDA graph. The buckets must describe
-the codes and lengths: PQIndex rebuilds them (in place) with `bucket_tokens`; recent tokens cost
-a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
+no allocation: the marks and the arrival counters are reset after use, so the workspace stays
+as the owner zero-filled it and the launch can be replayed from a CUDA graph. The buckets must
+describe the codes and lengths: PQIndex rebuilds them (in place) with `bucket_tokens`; recent
+tokens cost a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
 """
 
 from __future__ import annotations

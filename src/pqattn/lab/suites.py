@@ -188,20 +188,21 @@ def _select_case(
 
     def make_inputs(seed: int) -> dict:
         g = _gen(seed, device)
-        x = {
-            "q": torch.randn(B, H, D, device=device, generator=g).to(q_dtype),
-            "centroids": torch.randn(B, Hkv, M, C, dsub, device=device, generator=g),
-            "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
-            "lengths": torch.full((B,), N, device=device, dtype=torch.int32),
-            "scores": torch.randn(B * H, N, device=device, generator=g),
-        }
         if llm:
             spec = WorkloadSpec(tokens=N, kv_heads=Hkv, group=H // Hkv, head_dim=D, batch=B, seed=seed)
             work = make_workload(spec).to(device, q_dtype)
             config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy, seed=seed)
             built = PQIndex.build(work.keys[:, :, :N], config=config)
-            x["q"] = work.queries[-1].contiguous()
-            x["centroids"], x["codes"] = built.centroids, built.codes[:, :, :N]
+            x = {"q": work.queries[-1].contiguous(), "centroids": built.centroids}
+            x["codes"] = built.codes[:, :, :N]
+        else:
+            x = {
+                "q": torch.randn(B, H, D, device=device, generator=g).to(q_dtype),
+                "centroids": torch.randn(B, Hkv, M, C, dsub, device=device, generator=g),
+                "codes": torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8),
+            }
+        x["lengths"] = torch.full((B,), N, device=device, dtype=torch.int32)
+        x["scores"] = torch.randn(B * H, N, device=device, generator=g)
         x["out"], x["workspace"] = _selection_buffers(B, H, L, M, C, N, heavy, device)
         x["index"] = _index(x, M, bits, sink, window, heavy)
         x["index_aged"] = (
