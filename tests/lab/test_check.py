@@ -95,3 +95,21 @@ def test_registered_kernels_pass(large: bool, device: torch.device) -> None:
     rows = run_checks(check_mod.registered(), device=device, large=large, cases=2, seed=seed)
     failed = [r for r in rows if r["failures"]]
     assert not failed, (f"run_checks seed={seed} large={large}", failed)
+
+
+def test_the_build_check_catches_an_objective_off_by_more_than_rounding() -> None:
+    """kmeans_build's rule that the last objective is the sum of the squared distances to the
+    returned centres: the float64 reference passes it, for both metrics (ip with its augmented
+    coordinate's float32 allowance), and 1% off fails it."""
+    from pqattn.lab import kernel_checks as kc
+
+    for seed in range(40):
+        case = kc._draw_build(torch.Generator().manual_seed(seed), torch.device("cpu"), False)
+        want = kc._reference_index_build(case)
+        assert kc._compare_build(case, want, want) is None, case["desc"]
+        if float(want.objective[-1].min()) > 1.0:  # (not a group of as many centres as points)
+            wrong = want._replace(
+                objective=want.objective
+                * torch.tensor([1.0] * (len(want.objective) - 1) + [1.01]).view(-1, 1, 1, 1)
+            )
+            assert "last objective" in (kc._compare_build(case, wrong, want) or ""), case["desc"]
