@@ -23,9 +23,9 @@ skipped): the point loop, not the combine. N=8K, M=2, C=64: 21.5 us a launch, 19
 combine's loads, 7.2 with no point either. The step is bound by latency at low occupancy: 162
 registers a thread at 8 warps (one program per SM), 253-255 at 4 warps for C = 256 (two), issue
 slots 24-43% busy, the integer pipe the busiest (the argmin's index and the one-hot compares).
-Tried, slower or even: loading the partials several at a time in the combine (2.5x slower at N=8K),
-twice the programs per group, (64, 8) and (32, 8) configs, and an argmin as a min then the
-first index at it (2% faster at C = 256, kept out for its NaN behaviour).
+Tried, slower or even: loading the partials several at a time in the combine (1.7-2.4x slower
+at N=8K), twice the programs per group, (64, 8) and (32, 8) configs, and an argmin as a min then
+the first index at it (2% faster at C = 256, kept out for its NaN behaviour).
 
 Precision: x.c must be float32-accurate. Plain tf32 rounds the centres to 10 mantissa bits, which
 on the demo's LLM-like keys (a few large channels) cut the selection's attention mass from 0.54 to
@@ -33,7 +33,7 @@ on the demo's LLM-like keys (a few large channels) cut the selection's attention
 so the centres are split into 3 bf16 (or 2 fp16) parts whose products with x sum, in float32
 accumulation, to x.c at float32 accuracy: three bf16 products cost half of tf32x3's three tf32
 ones and read half the bytes (two parts, 16 bits of the centres, were 3-6% faster on the H200 and
-changed 1-3% of the codes of the build suite's shapes). float32 keys use tf32x3. The one-hot
+changed 1-3% of the codes at N = 8K and 32K). float32 keys use tf32x3. The one-hot
 sums are exact products (0/1 times a key) accumulated in float32. The ip metric's augmented
 coordinate sqrt(phi - |x|^2) is computed per point in float32 and its product with the centres'
 last coordinate is added outside the tensor-core product.
