@@ -42,9 +42,9 @@ def _set_block_shapes(nargs: dict) -> None:
 # The autotune space; every config is exercised by the tests (interpreter and GPU) and the
 # config chosen per shape is recorded in each bench row (`autotuned`). TMA configs need
 # descriptor-compatible tensors (16-byte aligned base and strides); they are pruned otherwise.
-# A sweep of 30 configs at fp16, D=64, S=512, full (H200, graph replay, SDPA in the same run:
+# A sweep of 33 configs at fp16, D=64, S=512, full (H200, graph replay, SDPA in the same run:
 # blocks 32-256 x 32-128, 2-16 warps, 2-4 stages, TMA or not, register caps of 80-128) found
-# none as fast as SDPA at B=16: the best, 128 x 64 at 8 warps and 64 x 64 at 4, ran 0.91-0.98x
+# none as fast as SDPA at B=16: the best, 128 x 64 at 8 warps and 64 x 64 at 4, ran 0.89-0.98x
 # of it, changing places from run to run; the caps spilled and ran slower.
 ATTENTION_CONFIGS = [
     triton.Config(

@@ -76,8 +76,8 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     against 62-75 uncapped in the same run, and the scaling table at N = 32K 59-74 against 62-79.
     (Pairs of int32 instead of int64 in the slot scan spilled half as much under the cap and ran
     another 5-6 us faster there, but need 16-bit counts that a tie at the cut can overflow.)
-    16 warps at B = 1 ran slower: 14-16% with 2048-slot chunks (the original's shape 13.3 -> 15.3
-    us), 27-30% with 4096: fewer keys a thread do not pay for a reduction over 16 warps."""
+    16 warps at B = 1 ran slower: 14-18% with 2048-slot chunks (the original's shape 13.3 -> 15.3
+    us), 26-29% with 4096: fewer keys a thread do not pay for a reduction over 16 warps."""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
