@@ -25,8 +25,8 @@ registers a thread at 8 warps (one program per SM), 253-255 at 4 warps for C = 2
 slots 24-43% busy, the integer pipe the busiest (the argmin's index and the one-hot compares).
 Tried, slower or even: loading the partials several at a time in the combine (1.7-2.4x slower
 at N=8K), twice the programs per group, (64, 8) and (32, 8) configs, and an argmin as a min then
-the first index at it (2% faster at C = 256, kept out for its NaN behaviour). Also slower, the
-three levers on the C = 256 programs' registers (10-iteration builds, N = 8K and 32K):
+the first index at it (2% faster at C = 256, kept out for its NaN behaviour). Also slower
+(10-iteration builds, N = 8K and 32K), three levers on the step's registers and layouts:
   - the nearest-centre search over chunks of 64 or 128 centres, a [block, chunk] score tile with
     a running minimum, each chunk's centres loaded and split in the loop: 1.2-2.4x slower (M=4:
     3.8 -> 8.1 ms at N = 32K), and 1.3x at C = 64 where there is one chunk (the loads and splits
