@@ -45,7 +45,8 @@ def _set_block_shapes(nargs: dict) -> None:
 # A sweep of 33 configs at fp16, D=64, S=512, full (H200, graph replay, SDPA in the same run:
 # blocks 32-256 x 32-128, 2-16 warps, 2-4 stages, TMA or not, register caps of 80-128) found
 # none as fast as SDPA at B=16: the best, 128 x 64 at 8 warps and 64 x 64 at 4, ran 0.89-0.98x
-# of it, changing places from run to run; the caps below 128 spilled, and no cap ran faster.
+# of it, changing places from run to run. A cap of 128 changed neither (126 and 128 registers
+# uncapped); caps of 96 and 80 on 64 x 64 spilled and ran slower.
 ATTENTION_CONFIGS = [
     triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes

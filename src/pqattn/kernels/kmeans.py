@@ -34,8 +34,8 @@ the first index at it (2% faster at C = 256, kept out for its NaN behaviour). Al
   - the one-hot matrix built transposed ([C, block], in the product's operand layout): 2-43%
     slower at C = 256, even at C = 64 (M = 8: 5% faster);
   - a register cap for more programs an SM: 128 a thread at C = 64 (two, 8 warps) 1.1-1.5x
-    slower, 168 at C = 256 (three) 1.3-1.5x, both spilling; at 128 the 4-warp C = 256 step
-    does not compile.
+    slower, 168 at C = 256 (three) 1.3-1.5x, against the 162 and 253-255 the steps take
+    uncapped; at 128 the 4-warp C = 256 step does not compile.
 
 Precision: x.c must be float32-accurate. Plain tf32 rounds the centres to 10 mantissa bits, which
 on the demo's LLM-like keys (a few large channels) cut the selection's attention mass from 0.54 to

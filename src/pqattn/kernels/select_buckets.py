@@ -77,7 +77,7 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     (Pairs of int32 instead of int64 in the slot scan spilled half as much under the cap and ran
     another 5-6 us faster there, but need 16-bit counts that a tie at the cut can overflow.)
     16 warps at B = 1 ran slower: 14-18% with 2048-slot chunks (the original's shape 13.3 -> 15.3
-    us), 26-29% with 4096: fewer keys a thread do not pay for a reduction over 16 warps."""
+    us), 26-29% with 4096: half the keys a thread, but each step's reduction spans 16 warps."""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
