@@ -46,7 +46,23 @@ def _set_block_shapes(nargs: dict) -> None:
 # blocks 32-256 x 32-128, 2-16 warps, 2-4 stages, TMA or not, register caps of 80-128) found
 # none as fast as SDPA at B=16: the best, 128 x 64 at 8 warps and 64 x 64 at 4, ran 0.89-0.98x
 # of it, changing places from run to run. A cap of 128 changed neither (126 and 128 registers
-# uncapped); caps of 96 and 80 on 64 x 64 spilled and ran slower.
+# uncapped); caps of 96 and 80 on 64 x 64 spilled and ran slower. Three restructurings of the
+# loop, same shape and setup, each against its own unchanged form (no masks, S a multiple of the
+# blocks; 64-128 x 64-128 blocks, 4-8 warps, 2-4 stages), were not faster at B=16:
+#   - the next block's q.k^T issued before this block's softmax, so that the exponentials could
+#     run under the tensor-core product: 160-255 registers against 106-200; even (128 x 128, 8
+#     warps, 2 stages) to 1.6x slower (128 x 64, 8 warps, 3 stages: B16 H8 27.2 -> 36.7 us;
+#     64 x 64: 26.6 -> 29.3), up to 6% faster at B=1;
+#   - q pre-scaled by scale * log2 e in its own dtype: q still staged in shared memory, 5-24%
+#     slower (12-42% at B=1);
+#   - Triton 3.6's warp specialisation (tl.range(warp_specialize=True)): on the H200 it splits
+#     only 4-warp loops reading through in-kernel tensor descriptors (12 warps after the split);
+#     with 4-D descriptors it does not compile at 128-row blocks, at 3 stages its output held
+#     NaN (7 of 8 runs: B=1 and B16 H8, 4 configs), and at B=16 it ran 1.1-2.5x slower than
+#     the same kernel unsplit (128 x 128, 2 stages: B16 H8 37.1 -> 41.0 us; 64 x 64: 34.7 ->
+#     84.0), itself slower than the pointer kernel (every program makes its descriptors). At
+#     B=1 the split ran 128-row blocks 0.74-0.9x the time of the unsplit, 10.4 us at best
+#     against 6.5 for the pointer kernel.
 ATTENTION_CONFIGS = [
     triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes
