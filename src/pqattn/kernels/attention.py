@@ -64,8 +64,8 @@ def _set_block_shapes(nargs: dict) -> None:
 #     B=1 the split ran 128-row blocks 0.74-0.9x the time of the unsplit, 10.4 us at best
 #     against 6.5 for the pointer kernel.
 # Persistent programs (1-5 per SM, each looping over (query block, row) tiles) ran 0.91-0.97x of
-# SDPA at B=16 at best (128 x 64 at 8 warps, two per SM: B16 H32 104 us against 106 for the
-# launch above and 95-97 for SDPA), 3% slower at B=1; with the tile and key loops flattened
+# SDPA at B=16 at best (128 x 64 at 8 warps, two per SM: B16 H32 104 us against 106 for this
+# kernel's 128 x 64 config and 95-97 for SDPA), 3% slower at B=1; with the tile and key loops flattened
 # (tl.range(flatten=True)), so that the next tile's loads run under this tile's epilogue,
 # Triton 3.6 returned wrong outputs in 18 of the 26 runs at B=16 (errors of 0.4-0.9).
 ATTENTION_CONFIGS = [
