@@ -39,14 +39,14 @@ the first index at it (2% faster at C = 256, kept out for its NaN behaviour). Al
 
 A floor under the scaling target (a 10-iteration build under 10% of SDPA's causal prefill at
 H = 32): at N = 8K with C = 256 the target is below what the distance products alone take.
-Float32-accurate x.c needs at least two bf16 parts of the centres (below), and Lloyd's assignment
-scores every point against every centre, so an iteration is at least 2 * N * C * 2 * dsub FLOP
-per group: 8.6 GFLOP at M = 4 (32 groups) and at M = 16 (128 groups of 8-wide sub-vectors, the
-two parts packed into one 16-deep product). Ten iterations take 113-115 us at the 745-762
-TFLOP/s the bench measured for a large bf16 matmul on the H200, against a budget of 101-102 us
-(SDPA: 1014-1020 us). Only at the data-sheet peak (989 TFLOP/s, which no measured product reached)
-would the products alone fit, at 87 us, leaving 14 us for the argmin, the centre sums, the
-norms and the launches.
+Float32-accurate x.c needs at least two bf16 parts of the centres (16 bits; the kernel uses
+three, below), and Lloyd's assignment scores every point against every centre, so an iteration
+is at least 2 * N * C * 2 * dsub FLOP per group: 8.6 GFLOP at M = 4 (32 groups) and at M = 16
+(128 groups of 8-wide sub-vectors, the two parts packed into one 16-deep product). Ten
+iterations take 113-115 us at the 745-762 TFLOP/s the bench measured for a large bf16 matmul on
+the H200, against a budget of 101-102 us (SDPA: 1014-1020 us). Only at the data-sheet peak (989
+TFLOP/s, which no measured product reached) would the products alone fit, at 87 us, leaving 14
+us for the argmin, the centre sums, the norms and the launches.
 
 Precision: x.c must be float32-accurate. Plain tf32 rounds the centres to 10 mantissa bits, which
 on the demo's LLM-like keys (a few large channels) cut the selection's attention mass from 0.54 to
