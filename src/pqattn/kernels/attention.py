@@ -57,8 +57,8 @@ def _set_block_shapes(nargs: dict) -> None:
 #     slower (12-42% at B=1);
 #   - Triton 3.6's warp specialisation (tl.range(warp_specialize=True)): on the H200 it split
 #     only 4-warp loops reading through in-kernel tensor descriptors (12 warps after the split;
-#     4-warp pointer loads did not compile, 8-warp loops came out unsplit); with 4-D
-#     descriptors it does not compile at 128-row blocks, at 3 stages its output held
+#     a 4-warp 64 x 64 loop of pointer loads did not compile, 8-warp loops came out unsplit);
+#     with 4-D descriptors it did not compile at 128-row blocks, at 3 stages its output held
 #     NaN (7 of 8 runs: B=1 and B16 H8, 4 configs), and at B=16 it ran 1.1-2.5x slower than
 #     the same kernel unsplit (128 x 128, 2 stages: B16 H8 37.1 -> 41.0 us; 64 x 64: 34.7 ->
 #     84.0), itself slower than the pointer kernel (every program makes its descriptors). At
