@@ -232,6 +232,17 @@ def _weighted_cut(key, w, need):
     were slower on the H200: `PQIndex.select` B=1 N=32K heavy 128 13.5 -> 17.1 us, on the LLM-like
     cache 16.9 -> 18.8, B=8 N=128K heavy 1024 20.3 -> 23.3. A step's per-thread work over the P
     keys, not the reduction's depth, sets its cost (a four-probe step about 2.5 one-probe steps).
+
+    A finish after fewer steps was slower too: each reduction also counting the combinations in
+    the bracket, the search stopped at CAP or fewer, which a cumsum compacted into the workspace
+    for an all-pairs count (every key's tokens at or above it, [2048 / CAP, CAP] tiles) and one
+    reduction to the cut. Simulated over the scaling table's rows, CAP = 64 took the most steps
+    of a row from 9-13 to 4-7 (random) and from 12-21 to 5-15 (LLM-like). `PQIndex.select` on
+    the H200, graph replay, no finish against CAP = 32 / 64 / 128: the original's shape 13.5 ->
+    14.8 / 14.4 / 14.9 us, B=1 N=512K heavy 1024 12.6 -> 13.3 / 12.9 / 13.5, B=8 N=128K heavy
+    1024 20.5 -> 26.3 / 25.8 / 27.7, B=32 N=32K heavy 128 60.1 -> 72.6 / 69.3 / 109 (the
+    counts packed with the tokens into int64 instead: 15.1 us at CAP = 64 and 25.6 at 256 at the
+    original's shape, 408 us at B=32: twice the registers for the [P] counts).
     """
     valid = w > 0
     total, lo, top = _sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
