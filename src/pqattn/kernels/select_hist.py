@@ -240,9 +240,10 @@ def _weighted_cut(key, w, need):
     of a row from 9-13 to 4-7 (random) and from 12-21 to 5-15 (LLM-like). `PQIndex.select` on
     the H200, graph replay, no finish against CAP = 32 / 64 / 128: the original's shape 13.5 ->
     14.8 / 14.4 / 14.9 us, B=1 N=512K heavy 1024 12.6 -> 13.3 / 12.9 / 13.5, B=8 N=128K heavy
-    1024 20.5 -> 26.3 / 25.8 / 27.7, B=32 N=32K heavy 128 60.1 -> 72.6 / 69.3 / 109 (the
-    counts packed with the tokens into int64 instead: 15.1 us at CAP = 64 and 25.6 at 256 at the
-    original's shape, 408 us at B=32: twice the registers for the [P] counts).
+    1024 20.5 -> 26.3 / 25.8 / 27.7, B=32 N=32K heavy 128 60.1 -> 72.6 / 69.3 / 109. A first
+    version packed the combinations with the tokens into int64 counts (twice their registers
+    over the [P] keys) and took [32, CAP] tiles: at CAP = 64 / 256 the original's shape 15.1 /
+    25.6 us, B=32 N=32K heavy 128 81 / 408 us.
     """
     valid = w > 0
     total, lo, top = _sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
