@@ -77,7 +77,13 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     (Pairs of int32 instead of int64 in the slot scan spilled half as much under the cap and ran
     another 5-6 us faster there, but need 16-bit counts that a tie at the cut can overflow.)
     16 warps at B = 1 ran slower: 14-18% with 2048-slot chunks (the original's shape 13.3 -> 15.3
-    us), 26-29% with 4096: half the keys a thread, but each step's reduction spans 16 warps."""
+    us), 26-29% with 4096: half the keys a thread, but each step's reduction spans 16 warps.
+    Other caps, forced for every row count (one run each, against these configs in the same
+    machine session; B = 32 at N = 32K-512K): 8 warps at 128 registers (two per SM) at B = 8,
+    N = 32K-128K, heavy 1024-2048 21.7-22.1 us against 20.0-22.5 (faster only at N = 128K,
+    heavy 2048: 21.7 against 22.5) and at B = 32 70.6-74.9 against 60.1-72.1; 4 warps at 128
+    (four per SM) at B = 32 60.4-73.8 against 60.1-72.1; 8 warps at 80 (three per SM) 25.7-26.1
+    at B = 8 and 75.1-81.8 at B = 32."""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
