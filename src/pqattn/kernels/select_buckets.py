@@ -50,7 +50,7 @@ import triton.language as tl
 from pqattn.kernels.encode import _candidacy_changes, _sub_distances
 from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, wait_prior
-from pqattn.kernels.select import _load_codes, _lut_base, _order_key, _write_lut
+from pqattn.kernels.select import _SEPARATE_REDUCTIONS, _load_codes, _lut_base, _order_key, _write_lut
 from pqattn.kernels.select_hist import HIST_TILE, _combo, _need, _weighted_cut, count_combos
 
 # Warps per row program (and slots or tokens per step of its loops), where the runs' bounds are
@@ -153,6 +153,20 @@ def workspace_numel(rows: int, M: int, C: int, heavy: int) -> int:
 @triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum3_combine(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _sum3(a, b, c):
+    """The sums of three tiles, in one reduction when compiled (see select._SEPARATE_REDUCTIONS)."""
+    if _SEPARATE_REDUCTIONS:
+        return tl.sum(a), tl.sum(b), tl.sum(c)
+    else:
+        return tl.reduce((a, b, c), 0, _sum3_combine)
 
 
 @triton.jit
@@ -512,23 +526,25 @@ def _pq_bucket_select_kernel(
 
             # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
             # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
-            # combination order, up to the quota) first. Both runs' offsets come from one scan of
-            # (run at the cut << 32) + run above the cut. (An int32 scan of 16-bit halves, the ties'
-            # saturating, was exact but slower: its custom combine against cumsum's, H200, same
-            # process: B=1 N=32K heavy 128 13.1 -> 13.2 us, B=8 N=128K heavy 1024 18.2 -> 18.8,
-            # B=32 N=32K heavy 128 57.9 -> 63.6.)
+            # combination order, up to the quota) first. The runs above the cut take their offsets
+            # from an int32 cumsum; the ties' runs only need one when several combinations score
+            # exactly the cut (equal float sums), else the one run at it starts at the first tie
+            # slot. (One int64 scan of (run at the cut << 32) + run above it was slower; an int32
+            # scan of 16-bit halves, the ties' saturating, slower still: its custom combine against
+            # cumsum's, H200, same process: B=1 N=32K heavy 128 13.1 -> 13.2 us, B=8 N=128K heavy
+            # 1024 18.2 -> 18.8, B=32 N=32K heavy 128 57.9 -> 63.6.)
             above = tl.where((w > 0) & (key > cut), run_len, 0)
             # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
             at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
-            runs = (at_cut.to(tl.int64) << 32) + above
-            before = tl.cumsum(runs, 0) - runs
-            totals = tl.sum(runs, 0)
-            n_above = (totals - ((totals >> 32) << 32)).to(tl.int32)
-            n_tie = tl.minimum(totals >> 32, quota).to(tl.int32)
+            before = tl.cumsum(above, 0) - above
+            n_above, n_at, cut_runs = _sum3(above, at_cut, (at_cut > 0).to(tl.int32))
+            n_tie = tl.minimum(n_at, quota)
             tie_lo = k - quota
-            tie_before = (before >> 32).to(tl.int32)
+            tie_before = tl.zeros([P], tl.int32)
+            if cut_runs > 1:
+                tie_before = tl.cumsum(at_cut, 0) - at_cut
             tie_run = (at_cut > 0) & (tie_before < quota)
-            first = tl.where(tie_run, tie_lo + tie_before, (before - ((before >> 32) << 32)).to(tl.int32))
+            first = tl.where(tie_run, tie_lo + tie_before, before)
             marked = (above > 0) | tie_run
             # A mark with low word 0 (no run's: those are >= 2^31 - heavy) stops the runs at the slots
             # the recent tokens above the cut fill, [n_above, tie_lo).
