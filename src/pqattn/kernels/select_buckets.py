@@ -83,7 +83,9 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     N = 32K-128K, heavy 1024-2048 21.7-22.1 us against 20.0-22.5 (faster only at N = 128K,
     heavy 2048: 21.7 against 22.5) and at B = 32 70.6-74.9 against 60.1-72.1; 4 warps at 128
     (four per SM) at B = 32 60.4-73.8 against 60.1-72.1; 8 warps at 80 (three per SM) 25.7-26.1
-    at B = 8 and 75.1-81.8 at B = 32."""
+    at B = 8 and 75.1-81.8 at B = 32. Again after the run offsets' int32 scan (two runs each): 4
+    warps at 128 at B = 32 55.3-68.3 against 56.2-66.9 (faster only at N = 32K, heavy 128), at
+    144 (three per SM) 59.1-72.4; 8 warps at 128 at B = 8 21.3-21.6 against 19.5-22.0."""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
