@@ -87,7 +87,7 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     warps at 128 at B = 32 55.3-68.3 against 56.2-66.9 (faster only at N = 32K, heavy 128), at
     144 (three per SM) 59.1-72.4; 8 warps at 128 at B = 8 21.3-21.6 against 19.5-22.0. The
     runs' bounds loaded after the search without a cap: the same at B = 1 (8 warps, 12.3-13.5
-    us), 0.2-0.5 us slower at B = 8 (4 warps, N = 32K-128K, heavy 1024-2048)."""
+    us), 0.2-0.6 us slower at B = 8 (4 warps, N = 32K-128K, heavy 1024-2048)."""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
