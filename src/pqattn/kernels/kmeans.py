@@ -54,10 +54,14 @@ on the demo's LLM-like keys (a few large channels) cut the selection's attention
 so the centres are split into 3 bf16 (or 2 fp16) parts whose products with x sum, in float32
 accumulation, to x.c at float32 accuracy: three bf16 products cost half of tf32x3's three tf32
 ones and read half the bytes (two parts, 16 bits of the centres, were 3-6% faster on the H200 and
-changed 1-3% of the codes at N = 8K and 32K). float32 keys use tf32x3. The one-hot
-sums are exact products (0/1 times a key) accumulated in float32. The ip metric's augmented
-coordinate sqrt(phi - |x|^2) is computed per point in float32 and its product with the centres'
-last coordinate is added outside the tensor-core product.
+changed 1-3% of the codes at N = 8K and 32K). float32 keys use tf32x3 for x.c. The one-hot
+sums are exact products (0/1 times a key, or times each of a float32 key's three tf32 parts)
+accumulated in float32, so a cluster of one point has that point as its centre, bit for bit
+(tf32x3 for these products, which rounds the key's second part, was also slower: float32 keys,
+10-iteration builds on the H200, Hkv = 8, N = 32K, M = 2, C = 64 3.98 -> 3.65 ms, the ip metric
+8.29 -> 3.95, N = 8K, M = 16, C = 256 10.4 -> 4.86, N = 32K, M = 4, C = 256 17.3 -> 9.6).
+The ip metric's augmented coordinate sqrt(phi - |x|^2) is computed per point in float32 and its
+product with the centres' last coordinate is added outside the tensor-core product.
 """
 
 from __future__ import annotations
@@ -341,10 +345,17 @@ def _lloyd_step_kernel(
                 if FOLD:
                     x = tl.where(dd[None, :] < d, x, _extra_columns(a, dd - d, IP, SPLITS, dt))
                 if SPLITS == 0:
-                    sums += tl.dot(tl.trans(onehot), x, input_precision="tf32x3")
+                    # Three tf32 parts, each product exact: tf32x3 rounds the key's second part
+                    # to tf32, so a cluster of one point came out an ulp off that point, unequal to
+                    # a reseed to it (the reference's two equal centres, a tie to the lower index).
+                    onehot = tl.trans(onehot)
+                    x1, x2, x3 = _tf32_parts(x)
+                    sums = tl.dot(onehot, x1, sums, input_precision="tf32")
+                    sums = tl.dot(onehot, x2, sums, input_precision="tf32")
+                    sums = tl.dot(onehot, x3, sums, input_precision="tf32")
                     if not FOLD:
                         e = _extra_columns(a, col, IP, SPLITS, dt)
-                        ext += tl.dot(tl.trans(onehot), e, input_precision="tf32x3")
+                        ext = tl.dot(onehot, e, ext, input_precision="tf32")
                 else:
                     onehot = tl.trans(onehot.to(dt))
                     sums = tl.dot(onehot, x, sums)
@@ -415,12 +426,15 @@ def _lloyd_step_kernel(
 
 @triton.jit
 def _extra_columns(a, col, IP: tl.constexpr, SPLITS: tl.constexpr, dt: tl.constexpr):
-    """[BLOCK_N, len(col)] in the product's dtype: 1 at col == 0, the ip coordinate a at col 1
-    (tf32x3: one column) or its parts in dt at col 1..3, 0 elsewhere."""
+    """[BLOCK_N, len(col)] in the product's dtype: 1 at col == 0, the ip coordinate a's parts at
+    col 1..3 (in tf32, or in dt), 0 elsewhere."""
     e = tl.broadcast_to(tl.where(col[None, :] == 0, 1.0, 0.0), (a.shape[0], col.shape[0]))
     if IP:
         if SPLITS == 0:
-            e = tl.where(col[None, :] == 1, a[:, None], e)
+            a1, a2, a3 = _tf32_parts(a)
+            e = tl.where(col[None, :] == 1, a1[:, None], e)
+            e = tl.where(col[None, :] == 2, a2[:, None], e)
+            e = tl.where(col[None, :] == 3, a3[:, None], e)
         else:
             a1 = a.to(dt)
             a_rest = a - a1.to(tl.float32)
@@ -430,6 +444,16 @@ def _extra_columns(a, col, IP: tl.constexpr, SPLITS: tl.constexpr, dt: tl.conste
             e = tl.where(col[None, :] == 2, a2.to(tl.float32)[:, None], e)
             e = tl.where(col[None, :] == 3, a3.to(tl.float32)[:, None], e)
     return e.to(dt)
+
+
+@triton.jit
+def _tf32_parts(x):
+    """(p1, p2, p3) with p1 + p2 + p3 == x exactly and each part exact in tf32 (its low 13
+    mantissa bits zero): p1 the top 11 significant bits, p2 the next 11, p3 the last 2."""
+    p1 = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    r = x - p1
+    p2 = (r.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return p1, p2, r - p2
 
 
 @triton.jit
