@@ -237,8 +237,9 @@ def test_a_cluster_of_one_point_equals_a_reseed_to_that_point(metric: str, dtype
     """In every group one far point j is the only point of centre 1 and the farthest of all, so the
     first update gives centre 1 the mean of j and reseeds the empty centre 2 with j: two equal
     centres, and j goes to the lower index. float32 keys' tf32x3 sums took the mean an ulp off j,
-    and j went to centre 2 in about half the groups (on the GPU; the interpreter's products are
-    exact): 5% of the GPU runs of the test above failed, at the ip metric."""
+    and j could go to centre 2: this test failed on the H200 for float32 keys at both metrics
+    (the interpreter's products are exact), and so did 5% of the runs of the test above at the ip
+    metric."""
     B, Hkv, M, N, dsub, j = 2, 2, 2, 64, 16, 37
     keys = torch.randn(B, Hkv, N, M * dsub, device=device)
     keys[:, :, j] += 8.0
@@ -256,7 +257,8 @@ def test_a_cluster_of_one_point_equals_a_reseed_to_that_point(metric: str, dtype
         init = torch.cat([init, extra], -1)
     kw = dict(subvectors=M, bits=2, metric=metric, iters=1, tol=0.0, seed=0)
     want = ref_pq.build_pq(keys.double(), lengths, **kw, init=init)
-    assert (want.codes[:, :, j] == 1).all(), "the case must tie centres 1 and 2 at j"
+    tie = torch.equal(want.centroids[:, :, :, 1], want.centroids[:, :, :, 2])
+    assert tie and (want.codes[:, :, j] == 1).all(), "the case must tie centres 1 and 2 at j"
     got = build_pq(keys, lengths, **kw, init=init.float())
     assert torch.equal(got.centroids[:, :, :, 1], got.centroids[:, :, :, 2]), "the mean of one point"
     assert (got.codes[:, :, j] == 1).all(), f"codes at j: {got.codes[:, :, j].flatten().tolist()}"
