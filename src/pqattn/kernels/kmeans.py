@@ -58,8 +58,9 @@ changed 1-3% of the codes at N = 8K and 32K). float32 keys use tf32x3 for x.c. T
 sums are exact products (0/1 times a key, or times each of a float32 key's three tf32 parts)
 accumulated in float32, so a cluster of one point has that point as its centre, bit for bit
 (tf32x3 for these products, which rounds the key's second part, was also slower: float32 keys,
-10-iteration builds on the H200, Hkv = 8, N = 32K, M = 2, C = 64 3.98 -> 3.65 ms, the ip metric
-8.29 -> 3.95, N = 8K, M = 16, C = 256 10.4 -> 4.86, N = 32K, M = 4, C = 256 17.3 -> 9.6).
+10-iteration builds on the H200, two rounds, Hkv = 8, N = 32K, M = 2, C = 64 3.98-4.01 ->
+3.63-3.68 ms, the ip metric 8.28-8.29 -> 3.85-4.04, N = 8K, M = 16, C = 256 10.3-10.4 ->
+4.77-4.95, N = 32K, M = 4, C = 256 17.2-17.5 -> 9.55-9.65).
 The ip metric's augmented coordinate sqrt(phi - |x|^2) is computed per point in float32 and its
 product with the centres' last coordinate is added outside the tensor-core product.
 """
