@@ -301,10 +301,198 @@ def _run_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(text: str, name: str) -> tuple[tuple[int, float], ...]:
+    """'2048:0.5,16384:0.5' -> ((2048, 0.5), (16384, 0.5))."""
+    try:
+        out = tuple((int(a), float(b)) for a, b in (item.split(":") for item in text.split(",")))
+    except ValueError:
+        raise ValueError(f"{name}: expected CONTEXT:SHARE[,CONTEXT:SHARE...], got {text!r}") from None
+    return out
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from pqattn.lab.train import ModelSpec, TrainSpec
+
+    m, t = ModelSpec(), TrainSpec()
+    p = sub.add_parser(
+        "train",
+        help="train the byte-level long-context Llama that the task metrics use as ground truth",
+        description="Train transformers' LlamaForCausalLM on the Python sources of the installed packages "
+        "(pqattn.lab.corpus), byte tokens, phases of growing context; write bf16 safetensors, config.json "
+        "and training.json. Progress is printed while it trains.",
+    )
+    p.add_argument("--out", required=True, help="output folder of the model")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument(
+        "--seed", type=int, default=t.seed, help="seeds the weights, the data order and the plants"
+    )
+    p.add_argument(
+        "--phases",
+        default=",".join(f"{c}:{f:g}" for c, f in t.phases),
+        help="context:share of the steps, per phase in order",
+    )
+    p.add_argument("--tokens-per-step", type=int, default=t.tokens_per_step, help="tokens per optimizer step")
+    p.add_argument("--lr", type=float, default=t.lr, help="peak learning rate (AdamW, cosine decay)")
+    p.add_argument("--warmup-steps", type=int, default=t.warmup_steps, help="linear warm-up steps")
+    p.add_argument(
+        "--plant-rate", type=float, default=t.plant_rate, help="share of windows with passkey pairs"
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=t.budget_s, help="seconds of training the steps are sized to"
+    )
+    p.add_argument("--steps", type=int, help="total steps (replays a run; default: sized to --budget-s)")
+    p.add_argument("--deadline-s", type=float, help="stop early once training has run this long (recorded)")
+    p.add_argument("--log-every", type=int, default=t.log_every, help="steps between progress lines")
+    p.add_argument("--layers", type=int, default=m.layers, help="decoder layers")
+    p.add_argument("--hidden", type=int, default=m.hidden, help="hidden size")
+    p.add_argument("--intermediate", type=int, default=m.intermediate, help="MLP size")
+    p.add_argument("--heads", type=int, default=m.heads, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=m.kv_heads, help="key/value heads")
+    p.add_argument("--head-dim", type=int, default=m.head_dim, help="head dimension")
+    p.add_argument("--max-positions", type=int, default=m.max_positions, help="max_position_embeddings")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from pqattn.lab import corpus, train
+    from pqattn.lab.env import resolve_device
+
+    model_spec = train.ModelSpec(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate=args.intermediate,
+        max_positions=args.max_positions,
+    )
+    spec = train.TrainSpec(
+        seed=args.seed,
+        phases=_pairs(args.phases, "phases"),
+        tokens_per_step=args.tokens_per_step,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        plant_rate=args.plant_rate,
+        budget_s=args.budget_s,
+        steps=args.steps,
+        deadline_s=args.deadline_s,
+        log_every=args.log_every,
+    )
+    device = resolve_device(args.device)
+    model, record = train.train(model_spec, spec, device=device, corpus=corpus.find_corpus(), log=_log)
+    train.save(model, record, args.out)
+    print(f"model written to {args.out}")
+    return 0
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _add_tasks(sub: argparse._SubParsersAction) -> None:
+    from pqattn.lab.tasks import TaskSettings
+
+    t = TaskSettings()
+    p = sub.add_parser(
+        "tasks",
+        help="task quality of sparse decoding on a local causal LM: bits/byte and passkey per policy",
+        description="On held-out documents of the corpus: dense bits/byte by position bucket, bits/byte of "
+        "each document's last bytes under every policy (dense, oracle, streaming, PQ at several code "
+        "resolutions, Quest-style pages) at each density, and passkey retrieval accuracy by depth.",
+    )
+    p.add_argument("--model", required=True, help="a local transformers causal LM folder (no download)")
+    p.add_argument("--parts", default="positions,tail,passkey", help="any of positions, tail, passkey")
+    p.add_argument("--contexts", default=_ints_text(t.contexts), help="contexts of the position buckets")
+    p.add_argument("--position-docs", type=int, default=t.position_docs, help="documents per context")
+    p.add_argument(
+        "--tail-contexts", default=_ints_text(t.tail_contexts), help="contexts of the tail bits/byte"
+    )
+    p.add_argument("--tail-docs", type=int, default=t.tail_docs, help="documents per tail context")
+    p.add_argument("--tail-rows", type=int, default=t.tail_rows, help="decoded bytes at each document's end")
+    p.add_argument("--passkey-context", type=int, default=t.passkey_context, help="passkey document length")
+    p.add_argument("--passkey-buckets", type=int, default=t.passkey_buckets, help="depth buckets")
+    p.add_argument("--passkey-trials", type=int, default=t.passkey_trials, help="trials per depth bucket")
+    p.add_argument(
+        "--densities", default=",".join(f"{d:g}" for d in t.densities), help="heavy / prefill length"
+    )
+    p.add_argument(
+        "--pq",
+        default=",".join(f"{m}x{b}" for m, b in t.pq_configs),
+        help="PQ configs as MxBITS, comma-separated",
+    )
+    p.add_argument("--page", type=int, default=t.page, help="tokens per page of the page policy")
+    p.add_argument("--sink", type=int, default=t.sink, help="always-kept first tokens")
+    p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
+    p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
+    p.add_argument(
+        "--batch-tokens", type=int, default=t.batch_tokens, help="tokens per forward (documents batched)"
+    )
+    p.add_argument("--seed", type=int, default=t.seed, help="seeds the passkey trials and the PQ builds")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--json", metavar="PATH", help="write the results document here")
+    p.set_defaults(func=_run_tasks)
+
+
+def _ints_text(values: Sequence[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _run_tasks(args: argparse.Namespace) -> int:
+    from pqattn.lab import tasks
+    from pqattn.lab.env import resolve_device
+
+    try:
+        pq = tuple(tuple(int(x) for x in item.split("x")) for item in args.pq.split(",") if item)
+    except ValueError:
+        raise ValueError(f"pq: expected MxBITS[,MxBITS...], got {args.pq!r}") from None
+    settings = tasks.TaskSettings(
+        contexts=_ints(args.contexts),
+        position_docs=args.position_docs,
+        tail_contexts=_ints(args.tail_contexts),
+        tail_docs=args.tail_docs,
+        tail_rows=args.tail_rows,
+        passkey_context=args.passkey_context,
+        passkey_buckets=args.passkey_buckets,
+        passkey_trials=args.passkey_trials,
+        densities=tuple(float(d) for d in args.densities.split(",")),
+        pq_configs=pq,
+        page=args.page,
+        sink=args.sink,
+        window=args.window,
+        iters=args.iters,
+        seed=args.seed,
+        batch_tokens=args.batch_tokens,
+    )
+    parts = [x for x in args.parts.split(",") if x]
+    unknown = set(parts) - {"positions", "tail", "passkey"}
+    if unknown:
+        raise ValueError(f"parts: expected some of positions, tail, passkey, got {sorted(unknown)}")
+    doc = tasks.run_tasks(args.model, settings, device=resolve_device(args.device), parts=parts, log=_log)
+    print(tasks.format_tables(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pqattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo, _add_bench, _add_compare, _add_check, _add_report, _add_quality):
+    for add in (
+        _add_demo,
+        _add_bench,
+        _add_compare,
+        _add_check,
+        _add_report,
+        _add_quality,
+        _add_tasks,
+        _add_train,
+    ):
         add(sub)
     args = parser.parse_args(argv)
     try:

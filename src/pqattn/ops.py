@@ -461,6 +461,35 @@ def select_oracle(
     return ref.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
 
 
+def select_pages(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    page: int = 16,
+    init_offset: int = 0,
+) -> Selection:
+    """Quest-style page selection (SPEC §7), a peer baseline: pages of `page` tokens ranked by
+    sum_d max(q_d * kmin_d, q_d * kmax_d) over their per-channel key minima and maxima, taken until
+    `heavy` candidate tokens are covered; sink, window, candidates and the short rule as `select_topk`.
+
+    q: [B, H, D]; keys: [B, Hkv, N, D]; lengths: [B]. Same output as `select_topk`. The PyTorch
+    reference on every device: pqattn has no kernel for it.
+    """
+    _check_keys("keys", keys)
+    B, Hkv, _, D = keys.shape
+    _check_query(q, B, Hkv, D, keys.device)
+    _check_lengths(lengths, B, keys.device)
+    _check_sizes(sink, window, heavy, init_offset)
+    check.positive_int("page", page)
+    return ref.select_pages(
+        q, keys, lengths, sink=sink, window=window, heavy=heavy, page=page, init_offset=init_offset
+    )
+
+
 def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window: int) -> Selection:
     """Sink + window only (StreamingLLM). lengths: [B] -> Selection with positions [B, H, sink + window]."""
     check.tensor("lengths", lengths, shape=(None,), dims="[B]", dtypes=check.INT_DTYPES)

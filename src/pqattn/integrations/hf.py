@@ -149,6 +149,15 @@ def _last_row_sees_all(mask: torch.Tensor) -> torch.Tensor:
     return last.all() if last.dtype == torch.bool else (last == 0).all()
 
 
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """The keyword under which this transformers version's model.forward takes a KV cache:
+    {"cache": cache} where forward names it so, else {"past_key_values": cache}."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def register() -> None:
     """Register "pqattn" with transformers' attention (and mask) interfaces; idempotent."""
     from transformers import AttentionInterface

@@ -1,4 +1,4 @@
-"""Decode-time token selection (SPEC §2): PQ top-k, streaming, and the exact-score oracle.
+"""Decode-time token selection (SPEC §2, §7): PQ top-k, streaming, the exact-score oracle, pages.
 
 A selection for sequence b and query head h is a set of token positions. It is stored as
 positions [B, H, L] (int32; entries at index >= count are -1) with counts [B, H] (int32).
@@ -122,6 +122,72 @@ def select_oracle(
     return select_from_scores(
         exact_scores(q, keys), lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset
     )
+
+
+def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel minima and maxima of each page of `page` consecutive tokens (Quest's metadata).
+
+    keys [B, Hkv, N, D], lengths [B] -> (kmin, kmax), each [B, Hkv, ceil(N / page), D] in float32
+    (float64 keys stay float64), over the tokens of the page below lengths[b]; a page with none
+    gets +inf / -inf.
+    """
+    B, Hkv, N, D = keys.shape
+    pages = -(-N // page)
+    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    k = torch.nn.functional.pad(keys.to(dt), (0, 0, 0, pages * page - N))
+    live = torch.arange(pages * page, device=keys.device) < lengths.to(keys.device)[:, None]  # [B, P*page]
+    live = live[:, None, :, None]
+    kmin = k.masked_fill(~live, float("inf")).reshape(B, Hkv, pages, page, D).amin(3)
+    kmax = k.masked_fill(~live, float("-inf")).reshape(B, Hkv, pages, page, D).amax(3)
+    return kmin, kmax
+
+
+def page_scores(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page: int, n_tokens: int
+) -> torch.Tensor:
+    """Each token's score is its page's upper bound on <q, k>: sum_d max(q_d * kmin_d, q_d * kmax_d).
+
+    q [B, H, D] (or [B, H, R, D] for R query rows), kmin/kmax [B, Hkv, pages, D] -> [B, H, n_tokens]
+    (or [B, H, R, n_tokens]). Pages with no token score -inf.
+    """
+    rows = q.dim() == 4
+    qr = q if rows else q[:, :, None]
+    B, H, R, D = qr.shape
+    Hkv = kmin.shape[1]
+    qg = qr.to(kmin.dtype).reshape(B, Hkv, H // Hkv, R, D)
+    pos, neg = qg.clamp(min=0), qg.clamp(max=0)
+    # an empty page has kmax = -inf and kmin = +inf: its bound is -inf whatever the query's signs
+    empty = torch.isinf(kmax).all(-1)[:, :, None, None]  # [B, Hkv, 1, 1, pages]
+    kmax_f = torch.nan_to_num(kmax, neginf=0.0)
+    kmin_f = torch.nan_to_num(kmin, posinf=0.0)
+    bound = torch.einsum("bkgrd,bkpd->bkgrp", pos, kmax_f) + torch.einsum("bkgrd,bkpd->bkgrp", neg, kmin_f)
+    bound = bound.masked_fill(empty, float("-inf"))
+    scores = bound.repeat_interleave(page, dim=-1)[..., :n_tokens].reshape(B, H, R, n_tokens)
+    return scores if rows else scores[:, :, 0]
+
+
+def select_pages(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    sink: int,
+    window: int,
+    heavy: int,
+    page: int = 16,
+    init_offset: int = 0,
+) -> Selection:
+    """Quest-style page selection (SPEC §7): pages of `page` tokens ranked by their bound on <q, k>,
+    taken in that order until `heavy` candidate tokens are covered (the last page partly, ties
+    any), plus sink and window; the same candidates and short-sequence rule as `select_pq`.
+
+    q [B, H, D], keys [B, Hkv, N, D], lengths [B]. Every candidate token of a page carries the
+    page's bound as its score, so the top-`heavy` candidates by score are whole pages in bound
+    order.
+    """
+    kmin, kmax = page_bounds(keys, lengths, page)
+    scores = page_scores(q, kmin, kmax, page, keys.shape[2])
+    return select_from_scores(scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
 
 
 def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window: int) -> Selection:

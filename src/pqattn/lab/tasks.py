@@ -1,0 +1,548 @@
+"""Task-level quality of sparse decoding on a local causal LM (`pqattn tasks --model PATH`).
+
+Three measurements, on held-out documents of `pqattn.lab.corpus` (byte-level models: one token
+per byte, so bits per token are bits per byte):
+
+* positions: dense bits/byte by position bucket at each context (does the model use context?);
+* tail: bits/byte of the last `tail_rows` bytes of each document under every selection policy,
+  and its gap to dense attention on the same bytes;
+* passkey: a line `NAME = VALUE` planted at a random depth of a document that ends with
+  `NAME = `; a trial is right when the model's greedy bytes are VALUE.
+
+Protocol ("teacher-forced decoding"): the first P tokens of a document are prefilled with dense
+attention; the last E tokens then go through the model as one chunk in which every query row at
+position p attends only to what its policy selects among [0, p] (`Policy`: the exact top-k oracle,
+streaming, PQ, pages). PQ indexes each layer's prefill keys and encodes the chunk's keys with
+those centroids, as decoding appends them. Each layer's chunk keys and values come from the
+sparse layers below, so one chunk computes exactly E decode steps with the true bytes fed back,
+and a passkey trial is right under teacher forcing exactly when greedy decoding writes VALUE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pqattn import ops
+from pqattn import reference as ref
+from pqattn.lab import corpus as corpus_mod
+from pqattn.lab.env import environment
+from pqattn.lab.train import passkey_line, random_name, random_value
+
+NAME = "pqattn_task"
+LOG2 = math.log(2.0)
+POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
+PQ_GRID = ((2, 6), (2, 8), (8, 6), (8, 8), (16, 6), (16, 8))
+DEFAULT_PQ = (2, 6)  # PQConfig()'s subvectors and bits
+KINDS = ("dense", "oracle", "streaming", "pq", "pages")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A selection policy at a density: heavy = round(density * prefill length) tokens beyond
+    sink and window (streaming spends them on a wider window, so every policy keeps as many)."""
+
+    kind: str
+    density: float = 0.0
+    subvectors: int = 2
+    bits: int = 6
+    page: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+        if self.kind != "dense" and not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density: expected a value in (0, 1], got {self.density}")
+
+    @property
+    def family(self) -> str:
+        """The policy without its density: dense, oracle, streaming, pq-M2-b6, pages-16."""
+        if self.kind == "pq":
+            return f"pq-M{self.subvectors}-b{self.bits}"
+        if self.kind == "pages":
+            return f"pages-{self.page}"
+        return self.kind
+
+    @property
+    def name(self) -> str:
+        return self.family if self.kind == "dense" else f"{self.family}@{self.density:g}"
+
+    def heavy(self, n_tokens: int) -> int:
+        return max(1, round(self.density * n_tokens))
+
+
+def policy_grid(
+    densities: Sequence[float], pq_configs: Sequence[tuple[int, int]] = PQ_GRID, page: int = 16
+) -> list[Policy]:
+    """dense, then per density: oracle, streaming, PQ at each (M, bits), pages."""
+    out = [Policy("dense")]
+    for d in densities:
+        out += [Policy("oracle", d), Policy("streaming", d)]
+        out += [Policy("pq", d, subvectors=m, bits=b) for m, b in pq_configs]
+        out.append(Policy("pages", d, page=page))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSettings:
+    contexts: tuple[int, ...] = (8192, 16384, 32768)
+    position_docs: int = 32
+    tail_contexts: tuple[int, ...] = (8192, 16384, 32768)
+    tail_docs: int = 32
+    tail_rows: int = 256
+    passkey_context: int = 16384
+    passkey_buckets: int = 5
+    passkey_trials: int = 100  # per depth bucket
+    densities: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1)
+    pq_configs: tuple[tuple[int, int], ...] = PQ_GRID
+    page: int = 16
+    sink: int = 64
+    window: int = 64
+    metric: str = "euclidean"
+    iters: int = 10
+    seed: int = 0
+    batch_tokens: int = 131072  # documents per forward: batch_tokens // context (at least 1)
+
+    def __post_init__(self) -> None:
+        if self.window < self.page:
+            # page bounds are taken over whole pages of the cache: a page holding a token past a
+            # query row must lie in that row's window (see PolicyEvaluator)
+            raise ValueError(f"window: expected >= page={self.page}, got {self.window}")
+
+    def policies(self) -> list[Policy]:
+        return policy_grid(self.densities, self.pq_configs, self.page)
+
+    def batch(self, context: int) -> int:
+        return max(1, self.batch_tokens // context)
+
+
+class _Prefilled:
+    """Per document batch: each layer's prefill keys and values, and its PQ codebooks of the
+    prefill keys per (M, bits)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.books: dict[tuple[int, int, int], ops.PQCodebook] = {}
+
+
+class PolicyEvaluator:
+    """Runs a model's prefill densely and its chunks under a `Policy` (see the module docstring).
+
+    Registers the attention implementation "pqattn_task" with transformers; any call that is not a
+    chunk under a sparse policy runs transformers' SDPA attention with the mask it is given.
+    """
+
+    def __init__(self, model, settings: TaskSettings) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(NAME, _policy_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+        self.model, self.settings = model, settings
+        self.policy: Policy | None = None
+        self.recording = False
+        self.prefilled = _Prefilled()
+        self.mass_sum = 0.0
+        self.mass_count = 0
+        for module in model.modules():
+            if getattr(module, "layer_idx", None) is not None and hasattr(module, "scaling"):
+                module._pqattn_task = self
+        model.set_attn_implementation(NAME)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dense logits [B, T, V] (float32) of ids [B, T]."""
+        self.policy = None
+        with torch.no_grad():
+            return self.model(ids, use_cache=False).logits.float()
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Dense prefill of ids [B, P]: keeps every layer's keys and values for the chunks that
+        follow, and forgets the previous batch's indexes."""
+        self.policy = None
+        self.prefilled = _Prefilled()
+        self.recording = True
+        try:
+            with torch.no_grad():
+                self.model(ids, use_cache=False)
+        finally:
+            self.recording = False
+
+    def chunk(self, ids: torch.Tensor, policy: Policy) -> tuple[torch.Tensor, float]:
+        """Logits [B, E, V] (float32) of the chunk ids [B, E] after the last prefill, under
+        `policy`, and the mean share of the dense attention mass its selections kept (1.0 for
+        dense). The prefill's keys and values are left as they were."""
+        import transformers
+
+        from pqattn.integrations.hf import cache_kwargs
+
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer, (k, v) in sorted(self.prefilled.kv.items()):
+            cache.update(k, v, layer)
+        self.policy = policy
+        self.mass_sum, self.mass_count = 0.0, 0
+        try:
+            with torch.no_grad():
+                logits = self.model(ids, use_cache=True, **cache_kwargs(self.model, cache)).logits.float()
+        finally:
+            self.policy = None
+        mass = 1.0 if self.mass_count == 0 else self.mass_sum / self.mass_count
+        return logits, mass
+
+    def _codebook(self, layer: int, keys: torch.Tensor, prefill: int, policy: Policy) -> ops.PQCodebook:
+        s = self.settings
+        key = (layer, policy.subvectors, policy.bits)
+        book = self.prefilled.books.get(key)
+        if book is None:
+            book = ops.build_index(
+                keys[:, :, :prefill],
+                subvectors=policy.subvectors,
+                bits=policy.bits,
+                metric=s.metric,
+                init_offset=s.sink,
+                iters=s.iters,
+                seed=s.seed,
+            )
+            self.prefilled.books[key] = book
+        return book
+
+    def pq_keys(self, layer: int, keys: torch.Tensor, prefill: int, policy: Policy) -> torch.Tensor:
+        """The keys as their PQ reconstruction [B, Hkv, T, D] (float32): <q, k_hat_j> is SPEC §2's
+        score s_j. Prefill keys carry the build's codes, later keys are encoded (appended)."""
+        book = self._codebook(layer, keys, prefill, policy)
+        new = ops.encode_keys(keys[:, :, prefill:], book.centroids, book.phi, metric=self.settings.metric)
+        codes = torch.cat([book.codes, new], dim=2)  # [B, Hkv, T, M]
+        B, Hkv, T, M = codes.shape
+        dsub = keys.shape[-1] // M
+        cents = book.centroids[..., :dsub].float()  # [B, Hkv, M, C, dsub]
+        idx = codes.long().permute(0, 1, 3, 2)[..., None].expand(B, Hkv, M, T, dsub)
+        return cents.gather(3, idx).permute(0, 1, 3, 2, 4).reshape(B, Hkv, T, M * dsub)
+
+    def sparse_rows(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of the chunk's query rows q [B, H, E, D] over k/v [B, Hkv, T, D] under the
+        current policy; returns [B, E, H, D] in q's dtype."""
+        s, pol = self.settings, self.policy
+        B, H, E, D = q.shape
+        Hkv, T = k.shape[1], k.shape[2]
+        g, prefill = H // Hkv, T - E
+        heavy = pol.heavy(prefill)
+        kf, vf = k.float(), v.float()
+        if pol.kind == "pq":
+            approx = self.pq_keys(layer, k, prefill, pol)
+        elif pol.kind == "pages":
+            # whole pages of the cache: a page holding a token past row p also holds tokens of p's
+            # window (window >= page), so it has no candidate of p and its bound is never used
+            kmin, kmax = ref.page_bounds(k, torch.full((B,), T, device=k.device), pol.page)
+        out = torch.empty(B, E, H, D, dtype=q.dtype, device=q.device)
+        rows = max(1, (1 << 26) // max(1, B * H * T))
+        pos = torch.arange(T, device=q.device)
+        for r0 in range(0, E, rows):
+            R = min(rows, E - r0)
+            qr = q[:, :, r0 : r0 + R].float().reshape(B, Hkv, g, R, D)
+            exact = torch.einsum("bkgrd,bktd->bkgrt", qr, kf).reshape(B, H, R, T)
+            n = prefill + r0 + 1 + torch.arange(R, device=q.device)  # tokens row r sees
+            lengths = n.repeat(B)  # rows flattened as (b, r)
+            if pol.kind == "streaming":
+                sel = ref.select_streaming(lengths, H, sink=s.sink, window=s.window + heavy)
+            else:
+                if pol.kind == "oracle":
+                    scores = exact
+                elif pol.kind == "pq":
+                    scores = torch.einsum("bkgrd,bktd->bkgrt", qr, approx).reshape(B, H, R, T)
+                else:
+                    scores = ref.page_scores(q[:, :, r0 : r0 + R].float(), kmin, kmax, pol.page, T)
+                flat = scores.permute(0, 2, 1, 3).reshape(B * R, H, T)
+                sel = ref.select_from_scores(
+                    flat, lengths, sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink
+                )
+            keep = ref.dense_weights(sel, T).reshape(B, R, H, T).permute(0, 2, 1, 3) > 0
+            logits = exact * scale
+            causal = pos[None, :] < n[:, None]  # [R, T]
+            dense_p = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+            self.mass_sum += float((dense_p * keep).sum(-1).sum())
+            self.mass_count += B * H * R
+            p = logits.masked_fill(~keep, float("-inf")).softmax(-1).reshape(B, Hkv, g, R, T)
+            o = torch.einsum("bkgrt,bktd->bkgrd", p, vf).reshape(B, H, R, D)
+            out[:, r0 : r0 + R] = o.transpose(1, 2).to(q.dtype)
+        return out
+
+
+def _policy_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ev: PolicyEvaluator | None = getattr(module, "_pqattn_task", None)
+    if ev is not None and ev.recording:
+        ev.prefilled.kv[module.layer_idx] = (key, value)
+    if ev is None or ev.policy is None or ev.policy.kind == "dense":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+    return ev.sparse_rows(module.layer_idx, query, key, value, scale), None
+
+
+# ---- measurements ------------------------------------------------------------------------------
+
+
+def _ids(docs: Sequence[bytes], device: torch.device) -> torch.Tensor:
+    return torch.stack([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in docs]).long().to(device)
+
+
+def _nll_bits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Bits per target byte, [B, T] from logits [B, T, V] and targets [B, T]."""
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return nll.reshape(targets.shape) / LOG2
+
+
+def position_bpb(ev: PolicyEvaluator, docs: Sequence[bytes], batch: int) -> list[dict]:
+    """Dense bits/byte by position bucket over documents of T + 1 bytes: byte t (1 <= t <= T) is
+    predicted from bytes [0, t) and counts in the bucket [lo, hi) of POSITION_EDGES holding t."""
+    T = len(docs[0]) - 1
+    edges = [e for e in POSITION_EDGES if e < T] + [T]
+    sums = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    counts = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    t = torch.arange(1, T + 1)
+    bucket = torch.bucketize(t, torch.tensor(edges[1:-1]), right=True)
+    for i in range(0, len(docs), batch):
+        ids = _ids(docs[i : i + batch], ev.device)
+        bits = _nll_bits(ev.logits(ids[:, :-1]), ids[:, 1:]).double().cpu()
+        sums.index_add_(0, bucket, bits.sum(0))
+        counts.index_add_(0, bucket, torch.full((T,), float(ids.shape[0]), dtype=torch.float64))
+    return [
+        {
+            "context": T,
+            "lo": edges[j],
+            "hi": edges[j + 1],
+            "bpb": float(sums[j] / counts[j]),
+            "bytes": int(counts[j]),
+        }
+        for j in range(len(edges) - 1)
+    ]
+
+
+def tail_bpb(
+    ev: PolicyEvaluator, docs: Sequence[bytes], policies: Sequence[Policy], rows: int, batch: int
+) -> list[dict]:
+    """Bits/byte of the last `rows` bytes of documents of T + 1 bytes, per policy (the first T - rows
+    bytes prefilled densely), with the gap to dense on the same bytes and the attention mass kept."""
+    T = len(docs[0]) - 1
+    bits = {p.name: 0.0 for p in policies}
+    mass = {p.name: 0.0 for p in policies}
+    dense_bits = 0.0
+    n_docs = 0
+    for i in range(0, len(docs), batch):
+        ids = _ids(docs[i : i + batch], ev.device)
+        ev.prefill(ids[:, : T - rows])
+        chunk, targets = ids[:, T - rows : T], ids[:, T - rows + 1 :]
+        dense_logits, _ = ev.chunk(chunk, Policy("dense"))
+        dense_bits += float(_nll_bits(dense_logits, targets).double().sum())
+        for p in policies:
+            logits, kept = (dense_logits, 1.0) if p.kind == "dense" else ev.chunk(chunk, p)
+            bits[p.name] += float(_nll_bits(logits, targets).double().sum())
+            mass[p.name] += kept * ids.shape[0]
+        n_docs += ids.shape[0]
+    dense = dense_bits / (n_docs * rows)
+    return [
+        _policy_row(p)
+        | {
+            "context": T,
+            "rows": rows,
+            "docs": n_docs,
+            "heavy": 0 if p.kind == "dense" else p.heavy(T - rows),
+            "bpb": bits[p.name] / (n_docs * rows),
+            "gap": bits[p.name] / (n_docs * rows) - dense,
+            "gap_rel": (bits[p.name] / (n_docs * rows) - dense) / dense,
+            "mass": mass[p.name] / n_docs,
+        }
+        for p in policies
+    ]
+
+
+def _policy_row(p: Policy) -> dict:
+    return {
+        "policy": p.name,
+        "family": p.family,
+        "kind": p.kind,
+        "density": p.density,
+        "subvectors": p.subvectors if p.kind == "pq" else None,
+        "bits": p.bits if p.kind == "pq" else None,
+    }
+
+
+def passkey_document(filler: bytes, length: int, depth: float, gen: torch.Generator) -> tuple[bytes, int]:
+    """A document of `length` bytes: `filler` with the line `NAME = VALUE` planted at the line
+    start nearest below `depth` (a share of the document), ending in `NAME = VALUE`; returns it and
+    len(VALUE)."""
+    name, value = random_name(gen), random_value(gen)
+    line = passkey_line(name, value)
+    query = b"\n" + name + b" = "
+    body_len = length - len(line) - len(query) - len(value)
+    if len(filler) < body_len:
+        raise ValueError(f"filler: expected at least {body_len} bytes, got {len(filler)}")
+    body = filler[:body_len]
+    cut = body.rfind(b"\n", 0, max(1, int(depth * body_len))) + 1
+    return body[:cut] + line + body[cut:] + query + value, len(value)
+
+
+def passkey(
+    ev: PolicyEvaluator,
+    fillers: Sequence[bytes],
+    policies: Sequence[Policy],
+    *,
+    length: int,
+    buckets: int,
+    trials: int,
+    batch: int,
+    seed: int,
+) -> list[dict]:
+    """Passkey accuracy per policy and depth bucket (`trials` per bucket); the planted line's depth
+    is uniform within its bucket, the filler documents are used in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for b in range(buckets):
+        for _ in range(trials):
+            depth = (b + float(torch.rand((), generator=gen))) / buckets
+            filler = fillers[len(cases) % len(fillers)]
+            doc, answer = passkey_document(filler, length, depth, gen)
+            cases.append((b, doc, answer))
+    answer = cases[0][2]  # every value has 5 digits
+    right = {p.name: torch.zeros(buckets) for p in policies}
+    for i in range(0, len(cases), batch):
+        part = cases[i : i + batch]
+        ids = _ids([c[1] for c in part], ev.device)
+        where = torch.tensor([c[0] for c in part])
+        ev.prefill(ids[:, : length - answer - 1])
+        chunk, targets = ids[:, length - answer - 1 : length - 1], ids[:, length - answer :]
+        for p in policies:
+            logits, _ = ev.chunk(chunk, p)
+            ok = (logits.argmax(-1) == targets).all(-1).cpu().float()
+            right[p.name].index_add_(0, where, ok)
+    rows = []
+    for p in policies:
+        for b in range(buckets):
+            rows.append(
+                _policy_row(p)
+                | {
+                    "context": length,
+                    "depth_lo": b / buckets,
+                    "depth_hi": (b + 1) / buckets,
+                    "trials": trials,
+                    "accuracy": float(right[p.name][b]) / trials,
+                }
+            )
+        rows.append(
+            _policy_row(p)
+            | {
+                "context": length,
+                "depth_lo": 0.0,
+                "depth_hi": 1.0,
+                "trials": trials * buckets,
+                "accuracy": float(right[p.name].sum()) / (trials * buckets),
+            }
+        )
+    return rows
+
+
+def load_model(path: str, device: torch.device):
+    """A local causal LM in eval mode: bf16 on CUDA, float32 on the CPU."""
+    import transformers
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
+
+
+def run_tasks(
+    model_path: str,
+    settings: TaskSettings,
+    *,
+    device: torch.device,
+    corpus: corpus_mod.Corpus | None = None,
+    parts: Sequence[str] = ("positions", "tail", "passkey"),
+    log: Callable[[str], None] = print,
+) -> dict:
+    """The three measurements on held-out documents; returns the JSON-ready results document."""
+    import transformers
+
+    s = settings
+    corpus = corpus or corpus_mod.find_corpus()
+    model = load_model(model_path, device)
+    ev = PolicyEvaluator(model, s)
+    policies = s.policies()
+    doc: dict = {
+        "model": model_path,
+        "settings": dataclasses.asdict(s),
+        "corpus": corpus.summary(),
+        "environment": environment(device) | {"transformers": transformers.__version__},
+    }
+    if "positions" in parts:
+        doc["positions"] = []
+        for T in s.contexts:
+            docs = corpus_mod.documents(corpus.held_out, T + 1, s.position_docs)
+            if not docs:
+                log(f"positions: no held-out document of {T + 1} bytes")
+                continue
+            doc["positions"] += position_bpb(ev, docs, s.batch(T))
+            log(f"positions at {T}: {len(docs)} documents")
+    if "tail" in parts:
+        doc["tail"] = []
+        for T in s.tail_contexts:
+            docs = corpus_mod.documents(corpus.held_out, T + 1, s.tail_docs)
+            if not docs:
+                log(f"tail: no held-out document of {T + 1} bytes")
+                continue
+            doc["tail"] += tail_bpb(ev, docs, policies, s.tail_rows, s.batch(T))
+            log(f"tail at {T}: {len(docs)} documents, {len(policies)} policies")
+    if "passkey" in parts:
+        fillers = corpus_mod.documents(
+            corpus.held_out, s.passkey_context, s.passkey_buckets * s.passkey_trials
+        )
+        if not fillers:
+            raise ValueError(
+                f"corpus: no held-out document of {s.passkey_context} bytes for the passkey task"
+            )
+        doc["passkey"] = passkey(
+            ev,
+            fillers,
+            policies,
+            length=s.passkey_context,
+            buckets=s.passkey_buckets,
+            trials=s.passkey_trials,
+            batch=s.batch(s.passkey_context),
+            seed=s.seed,
+        )
+        log(f"passkey at {s.passkey_context}: {s.passkey_buckets * s.passkey_trials} trials")
+    return doc
+
+
+def format_tables(doc: dict) -> str:
+    """Position buckets, then tail gap / passkey accuracy / mass per policy."""
+    lines = []
+    if doc.get("positions"):
+        lines.append(f"{'context':>8} {'positions':>13} {'bits/byte':>10}")
+        for r in doc["positions"]:
+            lines.append(f"{r['context']:>8} {r['lo']:>6}-{r['hi']:<6} {r['bpb']:>10.3f}")
+    tail = {(r["context"], r["policy"]): r for r in doc.get("tail", [])}
+    keys = {r["policy"]: r for r in doc.get("passkey", []) if r["depth_lo"] == 0.0 and r["depth_hi"] == 1.0}
+    contexts = sorted({c for c, _ in tail})
+    names = list(dict.fromkeys([p for _, p in tail] + list(keys)))
+    if names:
+        head = f"{'policy':<22}" + "".join(f" {'gap@' + str(c):>11} {'mass@' + str(c):>11}" for c in contexts)
+        lines.append(head + f" {'passkey':>8}")
+        for name in names:
+            cells = "".join(
+                f" {tail[(c, name)]['gap']:>11.4f} {tail[(c, name)]['mass']:>11.3f}"
+                if (c, name) in tail
+                else " " * 24
+                for c in contexts
+            )
+            acc = f" {keys[name]['accuracy']:>8.3f}" if name in keys else ""
+            lines.append(f"{name:<22}{cells}{acc}")
+    return "\n".join(lines)
