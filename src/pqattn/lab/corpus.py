@@ -30,7 +30,7 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class CorpusSpec:
-    min_bytes: int = 2048
+    min_bytes: int = 8192
     max_bytes: int = 1 << 20
     holdout_every: int = 16
 
@@ -134,17 +134,13 @@ def read_bytes(files: Sequence[SourceFile]) -> torch.Tensor:
 
 
 def documents(files: Sequence[SourceFile], length: int, count: int) -> list[bytes]:
-    """Up to `count` documents of exactly `length` bytes: held-out files taken in name order and
-    joined while shorter than `length` (so a document is one file when the file is long enough,
-    else neighbouring files of one package), then cut to `length`. Files are used once."""
-    docs: list[bytes] = []
-    buf = b""
-    for f in files:
-        with open(f.path, "rb") as fh:
-            buf += fh.read()
-        if len(buf) >= length:
-            docs.append(buf[:length])
-            buf = b""
-            if len(docs) == count:
-                break
-    return docs
+    """`count` documents of `length` bytes: windows of the files' concatenated bytes (name order)
+    whose starts are spread evenly over it, so they start mid-file at arbitrary points, as the
+    training windows do, and cover every package; fewer when the files hold fewer disjoint windows."""
+    stream = read_bytes(files)
+    total = stream.numel()
+    count = min(count, total // length)
+    if count <= 0:
+        return []
+    stride = (total - length) // max(1, count - 1) if count > 1 else 0
+    return [bytes(stream[i * stride : i * stride + length].numpy()) for i in range(count)]

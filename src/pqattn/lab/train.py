@@ -6,9 +6,10 @@ sparse attention must keep is trained here, in minutes, on the corpus of `pqattn
 * Model: transformers' `LlamaForCausalLM` (RoPE, SwiGLU, RMSNorm), vocabulary of the 256 byte
   values, GQA with 4 query heads per KV head (`ModelSpec`).
 * Data: random windows of the concatenated training files (name order); a share of the windows
-  (`plant_rate`) gets one to three passkey pairs planted: a line `NAME = VALUE` and, later in
-  the window, the same line again, so that retrieving a value across the whole context is a
-  skill the text teaches (the passkey task of `pqattn.lab.tasks` asks for it in this form).
+  (`plant_rate`) gets one to three passkey pairs planted: a line `NAME = VALUE` and, a distance
+  uniform over the window's room later, the same line again, so that retrieving a value across
+  the whole context is a skill the text teaches (the passkey task of `pqattn.lab.tasks` asks for
+  it in this form).
 * Schedule: phases of growing context (`phases`: context and share of the steps), a constant
   number of tokens per step, AdamW with linear warm-up and cosine decay, bf16 autocast.
 * Budget: with `steps` unset, the number of steps is fixed before training from a timed trial of
@@ -70,7 +71,7 @@ class ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
     seed: int = 0
-    phases: tuple[tuple[int, float], ...] = ((2048, 0.6), (16384, 0.3), (32768, 0.1))
+    phases: tuple[tuple[int, float], ...] = ((2048, 0.35), (16384, 0.45), (32768, 0.2))
     tokens_per_step: int = 131072
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -110,8 +111,10 @@ def plant_pairs(windows: torch.Tensor, gen: torch.Generator, rate: float) -> Non
             n = len(line)
             if 4 * n > L:  # too short a window to hold the pair
                 continue
-            first = int(torch.randint(0, L - 2 * n, (), generator=gen))
-            second = int(torch.randint(first + n, L - n + 1, (), generator=gen))
+            # the distance uniform over what the window allows, so that long ones are as common
+            distance = int(torch.randint(n, L - n + 1, (), generator=gen))
+            first = int(torch.randint(0, L - n - distance + 1, (), generator=gen))
+            second = first + distance
             for start in (first, second):
                 flat_idx.append(b * L + torch.arange(start, start + n))
                 flat_val.append(torch.frombuffer(bytearray(line), dtype=torch.uint8))
