@@ -401,7 +401,9 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
         "resolutions, Quest-style pages) at each density, and passkey retrieval accuracy by depth.",
     )
     p.add_argument("--model", required=True, help="a local transformers causal LM folder (no download)")
-    p.add_argument("--parts", default="positions,tail,passkey", help="any of positions, tail, passkey")
+    p.add_argument(
+        "--parts", default="positions,passkey,tail", help="any of positions, passkey, tail, run in that order"
+    )
     p.add_argument("--contexts", default=_ints_text(t.contexts), help="contexts of the position buckets")
     p.add_argument("--position-docs", type=int, default=t.position_docs, help="documents per context")
     p.add_argument(
@@ -445,10 +447,6 @@ def _run_tasks(args: argparse.Namespace) -> int:
     from pqattn.lab import tasks
     from pqattn.lab.env import resolve_device
 
-    try:
-        pq = tuple(tuple(int(x) for x in item.split("x")) for item in args.pq.split(",") if item)
-    except ValueError:
-        raise ValueError(f"pq: expected MxBITS[,MxBITS...], got {args.pq!r}") from None
     settings = tasks.TaskSettings(
         contexts=_ints(args.contexts),
         position_docs=args.position_docs,
@@ -459,7 +457,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
         passkey_buckets=args.passkey_buckets,
         passkey_trials=args.passkey_trials,
         densities=tuple(float(d) for d in args.densities.split(",")),
-        pq_configs=pq,
+        pq_configs=_pq_configs(args.pq),
         page=args.page,
         sink=args.sink,
         window=args.window,
@@ -471,12 +469,93 @@ def _run_tasks(args: argparse.Namespace) -> int:
     unknown = set(parts) - {"positions", "tail", "passkey"}
     if unknown:
         raise ValueError(f"parts: expected some of positions, tail, passkey, got {sorted(unknown)}")
-    doc = tasks.run_tasks(args.model, settings, device=resolve_device(args.device), parts=parts, log=_log)
+
+    def save(doc: dict) -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+
+    doc = tasks.run_tasks(
+        args.model, settings, device=resolve_device(args.device), parts=parts, log=_log, on_part=save
+    )
+    save(doc)
     print(tasks.format_tables(doc))
+    if args.json:
+        print(f"results written to {args.json}")
+    return 0
+
+
+def _add_pareto(sub: argparse._SubParsersAction) -> None:
+    from pqattn.lab.tasks import TaskSettings
+
+    t = TaskSettings()
+    p = sub.add_parser(
+        "pareto",
+        help="quality against measured decode-step time for every policy and density (JSON and a plot)",
+        description="Times one decode step of each policy with a kernel (selection + sparse attention) and "
+        "dense SDPA in the same run (CUDA-graph replay on a GPU), measures every policy's attention mass on "
+        "both synthetic generators, and joins the task figures of a `pqattn tasks` document.",
+    )
+    p.add_argument("--tasks", metavar="JSON", help="a `pqattn tasks` results document to join")
+    p.add_argument("--tokens", type=int, default=32768, help="cache length N of the timing and generators")
+    p.add_argument("--densities", default=",".join(f"{d:g}" for d in t.densities), help="heavy / N")
+    p.add_argument(
+        "--pq",
+        default=",".join(f"{m}x{b}" for m, b in t.pq_configs),
+        help="PQ configs as MxBITS, comma-separated",
+    )
+    p.add_argument("--page", type=int, default=t.page, help="tokens per page of the page policy")
+    p.add_argument("--sink", type=int, default=t.sink, help="always-kept first tokens")
+    p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
+    p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
+    p.add_argument("--repeats", type=int, default=30, help="timed samples per policy")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--json", metavar="PATH", help="write the joined rows and the timings here")
+    p.add_argument("--plot", metavar="PNG", help="write the Pareto plot here (needs matplotlib)")
+    p.set_defaults(func=_run_pareto)
+
+
+def _pq_configs(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        return tuple((int(m), int(b)) for m, b in (item.split("x") for item in text.split(",") if item))
+    except ValueError:
+        raise ValueError(f"pq: expected MxBITS[,MxBITS...], got {text!r}") from None
+
+
+def _run_pareto(args: argparse.Namespace) -> int:
+    from pqattn.lab import pareto
+    from pqattn.lab.env import resolve_device
+    from pqattn.lab.policies import policy_grid
+
+    device = resolve_device(args.device)
+    policies = policy_grid(
+        tuple(float(d) for d in args.densities.split(",")), _pq_configs(args.pq), args.page
+    )
+    tasks_doc = None
+    if args.tasks:
+        with open(args.tasks) as f:
+            tasks_doc = json.load(f)
+    common = dict(tokens=args.tokens, sink=args.sink, window=args.window, device=device, iters=args.iters)
+    times = pareto.step_times(policies, repeats=args.repeats, **common)
+    _log(f"step times at N={args.tokens}: {len(times['rows'])} rows")
+    generators = pareto.generator_quality(policies, **common)
+    _log(f"generator quality at N={args.tokens}: {len(generators)} rows")
+    rows = pareto.combine(policies, times, generators, tasks_doc)
+    print(pareto.format_table(rows))
+    doc = {"rows": rows, "times": times, "generators": generators, "tasks": args.tasks}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"results written to {args.json}")
+    if args.plot:
+        env = times["environment"]
+        title = (
+            f"pqattn policies: quality vs decode-step time at N={args.tokens} "
+            f"(B1 H32 Hkv8 D128 bf16, {env['device_name']}); "
+            f"sink {args.sink} + window {args.window}, labels: density"
+        )
+        pareto.plot(rows, args.plot, title)
+        print(f"plot written to {args.plot}")
     return 0
 
 
@@ -492,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _add_quality,
         _add_tasks,
         _add_train,
+        _add_pareto,
     ):
         add(sub)
     args = parser.parse_args(argv)

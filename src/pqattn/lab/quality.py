@@ -16,6 +16,9 @@ import torch
 
 from pqattn import ops
 from pqattn.lab import metrics
+from pqattn.lab import policies as policies_mod
+from pqattn.lab.policies import Policy
+from pqattn.reference import Selection
 
 METHODS = ("pq", "streaming", "oracle")
 
@@ -47,60 +50,96 @@ def workload_problem(tokens: int = 16384, device: str | torch.device = "cpu") ->
     return Problem("workload", work.keys, work.values, work.queries)
 
 
-def sweep(problem: Problem, settings: QualitySettings) -> list[dict]:
-    """One row per (density, method): heavy, tokens, mass, recall, rel_err (means over queries)."""
-    s = settings
+def needles_problem(tokens: int = 16384, device: str | torch.device = "cpu") -> Problem:
+    """The second generator's cache (`pqattn.lab.needles`: single-token needles, no sink)."""
+    from pqattn.lab.needles import NeedleSpec, make_needles
+
+    work = make_needles(NeedleSpec(tokens=tokens)).to(device, torch.float32)
+    return Problem("needles", work.keys, work.values, work.queries)
+
+
+GENERATORS = {"workload": workload_problem, "needles": needles_problem}
+
+
+def policy_sweep(
+    problem: Problem,
+    policies: Sequence[Policy],
+    *,
+    sink: int,
+    window: int,
+    metric: str = "euclidean",
+    iters: int = 10,
+) -> list[dict]:
+    """One row per non-dense policy: tokens, mass, recall (of the oracle's heavy tokens at the
+    policy's density), rel_err (means over the problem's queries). Every query sees all N tokens;
+    PQ indexes the cache from `sink` on (one build per M and bits)."""
     B, _, N, _ = problem.keys.shape
     H = problem.queries.shape[2]
     lengths = torch.full((B,), N, device=problem.keys.device)
-    book = ops.build_index(
-        problem.keys,
-        lengths,
-        subvectors=s.subvectors,
-        bits=s.bits,
-        metric=s.metric,
-        init_offset=s.sink,
-        iters=s.iters,
-    )
+    books = {
+        (p.subvectors, p.bits): ops.build_index(
+            problem.keys,
+            lengths,
+            subvectors=p.subvectors,
+            bits=p.bits,
+            metric=metric,
+            init_offset=sink,
+            iters=iters,
+        )
+        for p in policies
+        if p.kind == "pq"
+    }
     keys, values = problem.keys.float(), problem.values.float()
-    kept = ops.select_streaming(lengths, H, sink=s.sink, window=s.window)
-    rows = []
-    for density in s.densities:
-        heavy = max(1, round(density * N))
-        acc = {m: {"mass": 0.0, "recall": 0.0, "rel_err": 0.0, "tokens": 0.0} for m in METHODS}
-        for q in problem.queries:
-            qf = q.float()
-            probs = metrics.attention_probs(qf, keys)
-            dense = ops.dense_attention(qf[:, :, None], keys, values)[:, :, 0]
-            sels = {
-                "pq": ops.select_topk(
-                    q,
-                    book.centroids,
-                    book.codes,
-                    lengths,
-                    sink=s.sink,
-                    window=s.window,
-                    heavy=heavy,
-                    init_offset=s.sink,
-                ),
-                "streaming": ops.select_streaming(lengths, H, sink=s.sink, window=s.window + heavy),
-                "oracle": ops.select_oracle(
-                    qf, keys, lengths, sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink
-                ),
-            }
-            for m, sel in sels.items():
-                out = ops.sparse_decode(qf, keys, values, sel.positions, sel.counts)
-                acc[m]["mass"] += float(metrics.captured_mass(probs, sel).mean())
-                acc[m]["recall"] += float(metrics.oracle_recall(sel, sels["oracle"], kept, N).mean())
-                acc[m]["rel_err"] += metrics.relative_error(out, dense)
-                acc[m]["tokens"] += float(sel.counts.float().mean())
-        T = len(problem.queries)
-        for m in METHODS:
-            rows.append(
-                {"problem": problem.name, "density": density, "heavy": heavy, "method": m}
-                | {k: v / T for k, v in acc[m].items()}
+    kept = ops.select_streaming(lengths, H, sink=sink, window=window)
+    sums = {p.name: {"mass": 0.0, "recall": 0.0, "rel_err": 0.0, "tokens": 0.0} for p in policies}
+    for q in problem.queries:
+        qf = q.float()
+        probs = metrics.attention_probs(qf, keys)
+        dense = ops.dense_attention(qf[:, :, None], keys, values)[:, :, 0]
+        oracles: dict[float, Selection] = {}
+        for p in policies:
+            book = books.get((p.subvectors, p.bits)) if p.kind == "pq" else None
+            sel = policies_mod.select(
+                p, q, problem.keys, lengths, sink=sink, window=window, n_tokens=N, book=book
             )
-    return rows
+            if p.density not in oracles:
+                oracles[p.density] = policies_mod.select(
+                    Policy("oracle", p.density), qf, keys, lengths, sink=sink, window=window, n_tokens=N
+                )
+            out = ops.sparse_decode(qf, keys, values, sel.positions, sel.counts)
+            acc = sums[p.name]
+            acc["mass"] += float(metrics.captured_mass(probs, sel).mean())
+            acc["recall"] += float(metrics.oracle_recall(sel, oracles[p.density], kept, N).mean())
+            acc["rel_err"] += metrics.relative_error(out, dense)
+            acc["tokens"] += float(sel.counts.float().mean())
+    T = len(problem.queries)
+    return [
+        {"problem": problem.name, "policy": p.name, "family": p.family, "kind": p.kind, "density": p.density}
+        | {"heavy": p.heavy(N)}
+        | {k: v / T for k, v in sums[p.name].items()}
+        for p in policies
+    ]
+
+
+def sweep(problem: Problem, settings: QualitySettings) -> list[dict]:
+    """One row per (density, method) of METHODS: heavy, tokens, mass, recall, rel_err (means over
+    queries); pq at the settings' M and bits."""
+    s = settings
+    policies = [
+        p
+        for d in s.densities
+        for p in (
+            Policy("pq", d, subvectors=s.subvectors, bits=s.bits),
+            Policy("streaming", d),
+            Policy("oracle", d),
+        )
+    ]
+    rows = policy_sweep(problem, policies, sink=s.sink, window=s.window, metric=s.metric, iters=s.iters)
+    return [
+        {"problem": r["problem"], "density": r["density"], "heavy": r["heavy"], "method": r["kind"]}
+        | {k: r[k] for k in ("mass", "recall", "rel_err", "tokens")}
+        for r in rows
+    ]
 
 
 def model_problems(

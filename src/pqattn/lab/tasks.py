@@ -31,60 +31,12 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
+from pqattn.lab.policies import PQ_GRID, Policy, policy_grid
 from pqattn.lab.train import passkey_line, random_name, random_value
 
 NAME = "pqattn_task"
 LOG2 = math.log(2.0)
 POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
-PQ_GRID = ((2, 6), (2, 8), (8, 6), (8, 8), (16, 6), (16, 8))
-DEFAULT_PQ = (2, 6)  # PQConfig()'s subvectors and bits
-KINDS = ("dense", "oracle", "streaming", "pq", "pages")
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """A selection policy at a density: heavy = round(density * prefill length) tokens beyond
-    sink and window (streaming spends them on a wider window, so every policy keeps as many)."""
-
-    kind: str
-    density: float = 0.0
-    subvectors: int = 2
-    bits: int = 6
-    page: int = 16
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
-        if self.kind != "dense" and not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density: expected a value in (0, 1], got {self.density}")
-
-    @property
-    def family(self) -> str:
-        """The policy without its density: dense, oracle, streaming, pq-M2-b6, pages-16."""
-        if self.kind == "pq":
-            return f"pq-M{self.subvectors}-b{self.bits}"
-        if self.kind == "pages":
-            return f"pages-{self.page}"
-        return self.kind
-
-    @property
-    def name(self) -> str:
-        return self.family if self.kind == "dense" else f"{self.family}@{self.density:g}"
-
-    def heavy(self, n_tokens: int) -> int:
-        return max(1, round(self.density * n_tokens))
-
-
-def policy_grid(
-    densities: Sequence[float], pq_configs: Sequence[tuple[int, int]] = PQ_GRID, page: int = 16
-) -> list[Policy]:
-    """dense, then per density: oracle, streaming, PQ at each (M, bits), pages."""
-    out = [Policy("dense")]
-    for d in densities:
-        out += [Policy("oracle", d), Policy("streaming", d)]
-        out += [Policy("pq", d, subvectors=m, bits=b) for m, b in pq_configs]
-        out.append(Policy("pages", d, page=page))
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +44,8 @@ class TaskSettings:
     contexts: tuple[int, ...] = (8192, 16384, 32768)
     position_docs: int = 32
     tail_contexts: tuple[int, ...] = (8192, 16384, 32768)
-    tail_docs: int = 32
-    tail_rows: int = 256
+    tail_docs: int = 16
+    tail_rows: int = 128
     passkey_context: int = 16384
     passkey_buckets: int = 5
     passkey_trials: int = 100  # per depth bucket
@@ -202,7 +154,7 @@ class PolicyEvaluator:
         book = self.prefilled.books.get(key)
         if book is None:
             book = ops.build_index(
-                keys[:, :, :prefill],
+                keys[:, :, :prefill].contiguous(),
                 subvectors=policy.subvectors,
                 bits=policy.bits,
                 metric=s.metric,
@@ -465,10 +417,12 @@ def run_tasks(
     *,
     device: torch.device,
     corpus: corpus_mod.Corpus | None = None,
-    parts: Sequence[str] = ("positions", "tail", "passkey"),
+    parts: Sequence[str] = ("positions", "passkey", "tail"),
     log: Callable[[str], None] = print,
+    on_part: Callable[[dict], None] | None = None,
 ) -> dict:
-    """The three measurements on held-out documents; returns the JSON-ready results document."""
+    """The measurements of `parts`, in that order, on held-out documents; returns the JSON-ready
+    results document (also handed to `on_part` as parts finish, e.g. to save what is done)."""
     import transformers
 
     s = settings
@@ -482,43 +436,47 @@ def run_tasks(
         "corpus": corpus.summary(),
         "environment": environment(device) | {"transformers": transformers.__version__},
     }
-    if "positions" in parts:
-        doc["positions"] = []
-        for T in s.contexts:
-            docs = corpus_mod.documents(corpus.held_out, T + 1, s.position_docs)
-            if not docs:
-                log(f"positions: no held-out document of {T + 1} bytes")
-                continue
-            doc["positions"] += position_bpb(ev, docs, s.batch(T))
-            log(f"positions at {T}: {len(docs)} documents")
-    if "tail" in parts:
-        doc["tail"] = []
-        for T in s.tail_contexts:
-            docs = corpus_mod.documents(corpus.held_out, T + 1, s.tail_docs)
-            if not docs:
-                log(f"tail: no held-out document of {T + 1} bytes")
-                continue
-            doc["tail"] += tail_bpb(ev, docs, policies, s.tail_rows, s.batch(T))
-            log(f"tail at {T}: {len(docs)} documents, {len(policies)} policies")
-    if "passkey" in parts:
-        fillers = corpus_mod.documents(
-            corpus.held_out, s.passkey_context, s.passkey_buckets * s.passkey_trials
-        )
-        if not fillers:
-            raise ValueError(
-                f"corpus: no held-out document of {s.passkey_context} bytes for the passkey task"
+    for part in parts:
+        if part == "positions":
+            doc["positions"] = []
+            for T in s.contexts:
+                docs = corpus_mod.documents(corpus.held_out, T + 1, s.position_docs)
+                if not docs:
+                    log(f"positions: no held-out document of {T + 1} bytes")
+                    continue
+                doc["positions"] += position_bpb(ev, docs, s.batch(T))
+                log(f"positions at {T}: {len(docs)} documents")
+        elif part == "tail":
+            doc["tail"] = []
+            for T in s.tail_contexts:
+                docs = corpus_mod.documents(corpus.held_out, T + 1, s.tail_docs)
+                if not docs:
+                    log(f"tail: no held-out document of {T + 1} bytes")
+                    continue
+                doc["tail"] += tail_bpb(ev, docs, policies, s.tail_rows, s.batch(T))
+                log(f"tail at {T}: {len(docs)} documents, {len(policies)} policies")
+                if on_part:
+                    on_part(doc)
+        elif part == "passkey":
+            T = s.passkey_context
+            fillers = corpus_mod.documents(corpus.held_out, T, s.passkey_buckets * s.passkey_trials)
+            if not fillers:
+                raise ValueError(f"corpus: no held-out document of {T} bytes for the passkey task")
+            doc["passkey"] = passkey(
+                ev,
+                fillers,
+                policies,
+                length=T,
+                buckets=s.passkey_buckets,
+                trials=s.passkey_trials,
+                batch=s.batch(T),
+                seed=s.seed,
             )
-        doc["passkey"] = passkey(
-            ev,
-            fillers,
-            policies,
-            length=s.passkey_context,
-            buckets=s.passkey_buckets,
-            trials=s.passkey_trials,
-            batch=s.batch(s.passkey_context),
-            seed=s.seed,
-        )
-        log(f"passkey at {s.passkey_context}: {s.passkey_buckets * s.passkey_trials} trials")
+            log(f"passkey at {T}: {s.passkey_buckets * s.passkey_trials} trials")
+        else:
+            raise ValueError(f"parts: expected positions, tail or passkey, got {part!r}")
+        if on_part:
+            on_part(doc)
     return doc
 
 
