@@ -509,6 +509,8 @@ def _add_pareto(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
     p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
     p.add_argument("--repeats", type=int, default=30, help="timed samples per policy")
+    p.add_argument("--times", metavar="JSON", help="take the step times from this earlier --json output")
+    p.add_argument("--times-only", action="store_true", help="measure and write the step times only")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", metavar="PATH", help="write the joined rows and the timings here")
     p.add_argument("--plot", metavar="PNG", help="write the Pareto plot here (needs matplotlib)")
@@ -536,8 +538,17 @@ def _run_pareto(args: argparse.Namespace) -> int:
         with open(args.tasks) as f:
             tasks_doc = json.load(f)
     common = dict(tokens=args.tokens, sink=args.sink, window=args.window, device=device, iters=args.iters)
-    times = pareto.step_times(policies, repeats=args.repeats, **common)
-    _log(f"step times at N={args.tokens}: {len(times['rows'])} rows")
+    if args.times:
+        with open(args.times) as f:
+            times = json.load(f)["times"]
+    else:
+        times = pareto.step_times(policies, repeats=args.repeats, **common)
+        _log(f"step times at N={args.tokens}: {len(times['rows'])} rows")
+    if args.times_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"times": times}, f, indent=1)
+        return 0
     generators = pareto.generator_quality(policies, **common)
     _log(f"generator quality at N={args.tokens}: {len(generators)} rows")
     rows = pareto.combine(policies, times, generators, tasks_doc)
