@@ -55,7 +55,7 @@ def step_times(
 ) -> dict:
     """Decode-step times of dense SDPA and of every policy with a kernel, in one run."""
     work = make_workload(WorkloadSpec(tokens=tokens, steps=1)).to(device, dtype)
-    k, v, q = work.keys, work.values, work.queries[0]
+    k, v, q = work.keys[:, :, :tokens], work.values[:, :, :tokens], work.queries[0]
     B, Hkv, N, D = k.shape
     H = q.shape[1]
     lengths = torch.full((B,), N, device=device, dtype=torch.int64)
