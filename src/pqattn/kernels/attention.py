@@ -1,18 +1,14 @@
 """Dense flash-attention forward (SPEC §4): prefill, full or causal, GQA, any sequence length.
 
-One program per (query block, row = (b, h)): it keeps BLOCK_M query rows in registers and streams
-the key and value blocks of its kv head, BLOCK_N rows at a time, with an online softmax in float32
-(exp2 of logits pre-scaled by log2 e) and tensor-core products in the input dtype. A causal
-launch is a 1-D grid ordered in groups of `rows_per_group` rows: within a group the query blocks
-come longest first (the last block sees the most keys), so the short blocks fill the tail of
-the launch, and the group's keys and values stay in L2 while its programs run (the group is sized
-to half the L2; H200, causal S=4K, 128 x 64 blocks: 0.75x -> 0.91x of SDPA against query blocks
-in head order). Causal attention is bottom-right aligned (query i sees keys j <= i + Sk - Sq), so
-the loop stops at the last visible key block; the blocks every row of the program sees whole run
-without masks, the diagonal band and the tail are masked against Sk and the diagonal, so lengths
-need not be multiples of the block sizes. A row that sees no key is a zero row with log-sum-exp -inf.
-The exponentials stay float32: a packed half-precision exp2 (ex2.approx.f16x2 through inline PTX)
-compiles on sm_90 to two scalar MUFU.EX2 ops per pair, and ran 0.92-1.0x as fast on the H200.
+One program per (query block, row = (b, h)): BLOCK_M query rows stay in registers while the key
+and value blocks of their KV head stream past, BLOCK_N rows at a time, with an online softmax in
+float32 (exp2 of logits pre-scaled by log2 e) and tensor-core products in the input dtype. A
+causal launch is a 1-D grid ordered in groups of `rows_per_group` rows (half the L2): within a
+group the query blocks come longest first, so short blocks fill the launch's tail while the
+group's keys and values stay in L2. Causal attention is bottom-right aligned (query i sees keys
+j <= i + Sk - Sq); the blocks every row of a program sees run unmasked, the diagonal band and the
+tail are masked, so lengths need not be block multiples. A row that sees no key is a zero row
+with log-sum-exp -inf. The decisions and the variants measured: docs/kernels/attention.md.
 """
 
 from __future__ import annotations
@@ -42,33 +38,6 @@ def _set_block_shapes(nargs: dict) -> None:
 # The autotune space; every config is exercised by the tests (interpreter and GPU) and the
 # config chosen per shape is recorded in each bench row (`autotuned`). TMA configs need
 # descriptor-compatible tensors (16-byte aligned base and strides); they are pruned otherwise.
-# A sweep of 33 configs at fp16, D=64, S=512, full (H200, graph replay, SDPA in the same run:
-# blocks 32-256 x 32-128, 2-16 warps, 2-4 stages, TMA or not, register caps of 80-128) found
-# none as fast as SDPA at B=16: the best, 128 x 64 at 8 warps and 64 x 64 at 4, ran 0.89-0.98x
-# of it, changing places from run to run. A cap of 128 changed neither (126 and 128 registers
-# uncapped); caps of 96 and 80 on 64 x 64 spilled and ran slower. Three restructurings of the
-# loop, same shape and setup, each against its own unchanged form (no masks, S a multiple of the
-# blocks; 64-128 x 64-128 blocks, 4-8 warps, 2-4 stages), were not faster at B=16:
-#   - the next block's q.k^T issued before this block's softmax, so that the exponentials could
-#     run under the tensor-core product: 160-255 registers against 106-200; even (128 x 128, 8
-#     warps, 2 stages) to 1.6x slower (128 x 64, 8 warps, 3 stages: B16 H8 27.2 -> 36.7 us;
-#     64 x 64: 26.6 -> 29.3), up to 6% faster at B=1;
-#   - q pre-scaled by scale * log2 e in its own dtype: q still staged in shared memory, 5-24%
-#     slower (12-42% at B=1);
-#   - Triton 3.6's warp specialisation (tl.range(warp_specialize=True)): on the H200 it split
-#     only 4-warp loops reading through in-kernel tensor descriptors (12 warps after the split;
-#     a 4-warp 64 x 64 loop of pointer loads did not compile, 8-warp loops came out unsplit);
-#     with 4-D descriptors it did not compile at 128-row blocks, at 3 stages its output held
-#     NaN (7 of 8 runs: B=1 and B16 H8, 4 configs), and at B=16 it ran 1.1-2.5x slower than
-#     the same kernel unsplit (128 x 128, 2 stages: B16 H8 37.1 -> 41.0 us; 64 x 64: 34.7 ->
-#     84.0), itself slower than the pointer kernel (every program makes its descriptors). At
-#     B=1 the split ran 128-row blocks 0.74-0.9x the time of the unsplit, 10.4 us at best
-#     against 6.5 for the pointer kernel.
-# Persistent programs (1-5 per SM, each looping over (query block, row) tiles) ran 0.91-0.97x of
-# SDPA at B=16 at best (128 x 64 at 8 warps, two per SM: B16 H32 104 us against 106 for this
-# kernel's 128 x 64 config and 95-97 for SDPA), 3% slower at B=1; with the tile and key loops flattened
-# (tl.range(flatten=True)), so that the next tile's loads run under this tile's epilogue,
-# Triton 3.6 returned wrong outputs in 18 of the 26 runs at B=16 (errors of 0.4-0.9).
 ATTENTION_CONFIGS = [
     triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes
@@ -192,7 +161,7 @@ def _flash_forward_kernel(
         local = pid - group * rows_per_group * n_blocks
         pid_m = n_blocks - 1 - local // group_rows
         row = group * rows_per_group + local % group_rows
-    else:  # (query blocks, rows): the 1-D mapping ran 64 x 64 blocks 13% slower at S=512, D=64
+    else:  # (query blocks, rows): faster than the 1-D group mapping for full attention
         pid_m = tl.program_id(0)
         row = tl.program_id(1)
     start_m = pid_m * BLOCK_M
@@ -297,9 +266,7 @@ _flash_forward_autotuned = triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["seq_bucket", "rows_bucket", "D", "CAUSAL", "HAS_LSE", "G", "tma_ok"],
     prune_configs_by={"early_config_prune": _prune},
-    # timed by graph replay: single timed calls after an L2 flush ranked the configs differently
-    # from run to run (H200, causal S=16K: the 64 x 64 config was chosen over 128 x 64, 0.85x vs
-    # 0.91x of SDPA)
+    # timed by graph replay: single timed calls after an L2 flush ranked configs inconsistently
     do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles),
 )(_flash_forward_kernel)
 
@@ -314,9 +281,8 @@ def _l2_bytes(device: torch.device) -> int:
 def rows_per_group(k: torch.Tensor, n_heads: int, causal: bool) -> int:
     """Rows (b, h) per causal launch group: the power of two nearest to the rows
     whose keys and values fill half the L2 (rows of one kv head share them), so that the group's
-    programs read them from L2 while the longest-first order still balances the launch; a group
-    count that leaves a small last group made the tail long (H200, S=4K: 15 rows per group ran
-    25% slower than 16). Full attention launches rows in order (1)."""
+    programs read them from L2 while the longest-first order still balances the launch (a small
+    last group makes the tail long). Full attention launches rows in order (1)."""
     if not causal:
         return 1
     _, Hkv, Sk, D = k.shape
@@ -344,8 +310,8 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | N
 @dataclass(frozen=True, slots=True)
 class _Repeat:
     """The launch of a call signature whose config is known, replayed without Triton's autotuner
-    and JIT dispatch (their argument binding and specialisation cost about 60 us of host time a
-    call): the compiled kernel, the grid, the scalar arguments and constexprs, and for a TMA
+    and JIT dispatch (their argument binding and specialisation dominate a call's host time): the
+    compiled kernel, the grid, the scalar arguments and constexprs, and for a TMA
     config the block shapes of its descriptors, made per call around the call's tensors."""
 
     kernel: object  # triton.compiler.CompiledKernel

@@ -22,12 +22,8 @@ from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
 # by the tests and by `pqattn check`. One warp per program wins on bf16 D=128: many small programs
-# keep more gathers in flight per SM. H200, `pqattn bench decode` (graph replay over rotating
-# inputs, H=32, Hkv=8), with the early position load and the unrolled combine below, against
-# 4-8 warps: B=1 N=32K L=384 8.2 -> 7.1 us, B=1 N=128K L=2304 26.8 -> 16.6 us, B=8 N=32K L=1280
-# 87.1 -> 49.0 us. Four warps stay for D=256 and float32, whose rows would not fit one warp's
-# registers. Two warps were never the best and, kept, the autotuner picked them once at B=1 N=32K
-# (9.0 us instead of 7.1: for a kernel of a few microseconds its timings are that close).
+# keep more gathers in flight per SM. Four warps stay for D=256 and float32, whose rows would not
+# fit one warp's registers (docs/kernels/decode.md).
 DECODE_CONFIGS = [
     triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
     for bl, bn, w in ((32, 16, 1), (32, 32, 1), (64, 32, 1), (128, 32, 1), (128, 64, 4))

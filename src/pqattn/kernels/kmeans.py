@@ -18,51 +18,15 @@ Nothing waits on the host: iterations are launched back to back, and a group tha
 stopped skips its work (its assignment could not change). No float atomics: a seeded build gives
 the same index on every run. P fills one wave at the compiled kernel's occupancy.
 
-Where a step's time goes (H200, bf16 keys, Nsight Compute and variants with parts of the step
-skipped): the point loop, not the combine. N=8K, M=2, C=64: 21.5 us a launch, 19.8 without the
-combine's loads, 7.2 with no point either. The step is bound by latency at low occupancy: 162
-registers a thread at 8 warps (one program per SM), 253-255 at 4 warps for C = 256 (two), issue
-slots 24-43% busy, the integer pipe the busiest (the argmin's index and the one-hot compares).
-Tried, slower or even: loading the partials several at a time in the combine (1.7-2.4x slower
-at N=8K), twice the programs per group, (64, 8) and (32, 8) configs, and an argmin as a min then
-the first index at it (2% faster at C = 256, kept out for its NaN behaviour). Also slower
-(10-iteration builds, N = 8K and 32K), three levers on the step's registers and layouts:
-  - the nearest-centre search over chunks of 64 or 128 centres, a [block, chunk] score tile with
-    a running minimum, each chunk's centres loaded and split in the loop: 1.2-2.4x slower (M=4:
-    3.8 -> 8.1 ms at N = 32K), and 1.3x at C = 64 where there is one chunk (the loads and splits
-    in the loop alone);
-  - the one-hot matrix built transposed ([C, block], in the product's operand layout): 2-43%
-    slower at C = 256, even at C = 64 (M = 8: 5% faster);
-  - a register cap for more programs an SM: 128 a thread at C = 64 (two, 8 warps) 1.1-1.5x
-    slower, 168 at C = 256 (three) 1.3-1.5x, against the 162 and 253-255 the steps take
-    uncapped; at 128 the 4-warp C = 256 step does not compile.
-
-A floor under the scaling target (a 10-iteration build under 10% of SDPA's causal prefill at
-H = 32): at N = 8K with C = 256 the target is below what the distance products alone take.
-Float32-accurate x.c needs at least two bf16 parts of the centres (16 bits; the kernel uses
-three, below), and Lloyd's assignment scores every point against every centre, so an iteration
-is at least 2 * N * C * 2 * dsub FLOP per group: 8.6 GFLOP at M = 4 (32 groups) and at M = 16
-(128 groups of 8-wide sub-vectors, the two parts packed into one 16-deep product). Ten
-iterations take 113-115 us at the 745-762 TFLOP/s the bench measured for a large bf16 matmul on
-the H200, against a budget of 101-102 us (SDPA: 1014-1020 us). Only at the data-sheet peak (989
-TFLOP/s, which no measured product reached) would the products alone fit, at 87 us, leaving 14
-us for the argmin, the centre sums, the norms and the launches.
-
-Precision: x.c must be float32-accurate. Plain tf32 rounds the centres to 10 mantissa bits, which
-on the demo's LLM-like keys (a few large channels) cut the selection's attention mass from 0.54 to
-0.36 (measured on the H200). Keys in bf16/fp16 are exact operands of their own tensor-core dtype,
-so the centres are split into 3 bf16 (or 2 fp16) parts whose products with x sum, in float32
-accumulation, to x.c at float32 accuracy: three bf16 products cost half of tf32x3's three tf32
-ones and read half the bytes (two parts, 16 bits of the centres, were 3-6% faster on the H200 and
-changed 1-3% of the codes at N = 8K and 32K). float32 keys use tf32x3 for x.c. The one-hot
-sums are exact products (0/1 times a key, or times each of a float32 key's three tf32 parts)
-accumulated in float32, so a cluster of one point has that point as its centre, bit for bit
-(tf32x3 for these products, which rounds the key's second part, was also slower: float32 keys,
-10-iteration builds on the H200, two rounds, Hkv = 8, N = 32K, M = 2, C = 64 3.98-4.01 ->
-3.63-3.68 ms, the ip metric 8.28-8.29 -> 3.85-4.04, N = 8K, M = 16, C = 256 10.3-10.4 ->
-4.77-4.95, N = 32K, M = 4, C = 256 17.2-17.5 -> 9.55-9.65).
+Precision: x.c must be float32-accurate (tf32 alone cost the selection much of its attention
+mass). Keys in bf16/fp16 are exact operands of their own tensor-core dtype, so the centres are
+split into 3 bf16 (or 2 fp16) parts whose products with x sum, in float32 accumulation, to x.c at
+float32 accuracy; float32 keys use tf32x3 for x.c. The one-hot sums are exact products (0/1 times
+a key, or times each of a float32 key's three exact tf32 parts) accumulated in float32, so a
+cluster of one point has that point as its centre, bit for bit, as in the reference.
 The ip metric's augmented coordinate sqrt(phi - |x|^2) is computed per point in float32 and its
-product with the centres' last coordinate is added outside the tensor-core product.
+product with the centres' last coordinate is added outside the tensor-core product. Where a
+step's time goes, the decisions' figures and the variants measured: docs/kernels/kmeans.md.
 """
 
 from __future__ import annotations
@@ -79,13 +43,10 @@ from pqattn.kernels.launch import Launcher, interpreted
 from pqattn.reference import pq as ref
 
 # The tuning space: points per step, warps, pipeline depth of the point loads. Every config is
-# exercised by the tests. `default_config` picks by sub-vector width (H200, 10-iteration builds,
-# N = 32K unless said): d >= 64 runs 8 warps (M=2, C=64: 762 us against 822 at 4 warps, N=8K 277
-# against 413; M=2, C=256: 5.1 ms against 12.1; M=2, C=128: 1.27 ms against 1.39), narrower
-# sub-vectors 4 warps (M=4, C=256: 3.79 ms against 3.83, 14.3 against 14.7 at N=128K; M=8, C=64:
-# 1.44 ms against 1.54; M=16, C=256: 10.1 ms against 11.3). float32 keys take twice the shared
-# memory per stage (tf32x3 operands): they run unpipelined, as three stages of [128, 64] float32
-# points exceed the 227 KB of an H100/H200 SM.
+# exercised by the tests. `default_config` picks by sub-vector width: d >= 64 runs 8 warps,
+# narrower sub-vectors 4 warps. float32 keys take twice the shared memory per stage (tf32x3
+# operands): they run unpipelined, as three stages of [128, 64] float32 points exceed the 227 KB
+# of an H100/H200 SM.
 KMEANS_CONFIGS = [
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=3) for bn, w in ((128, 8), (128, 4), (64, 4))
 ]
@@ -501,9 +462,8 @@ def _point_blocks(cap: int, CP: int, BD: int, warps: int) -> tuple[int, int]:
 
     A program holds the [block, CP] distances in registers, and in the update launches the
     [CP, BD] centre sums too: at C = 256 a fixed 128-point step spills. The update launches take
-    the larger of 8192 / CP points and what fits 5120 elements a warp of both tiles (4 warps: M=16,
-    C=256: 64 points, 1.12 ms a step against 1.37 ms at 32; M=4, C=256: 32, 364 us against 442
-    at 64), the last launch 16384 / CP (M=4, C=256: 149 us against 215 at 32). H200.
+    the larger of 8192 / CP points and what fits 5120 elements a warp of both tiles, the last
+    launch 16384 / CP (docs/kernels/kmeans.md).
     """
     fits = max(1, (5120 * warps - CP * BD) // CP)
     block = min(cap, max(16, 8192 // CP, 1 << (fits.bit_length() - 1)))
@@ -543,8 +503,8 @@ def _fit(
 
     On a GPU the config's own values are taken when both step kernels fit the device's shared
     memory; else the first that fits of: one stage, then halved blocks (to 16 points), then the
-    other warp count. None when none fits, which build_pq routes to the reference (H200: float32
-    keys with d = 128, C = 256 or d = 256, C >= 128; 16-bit keys with d = 256, C = 256).
+    other warp count. None when none fits, which build_pq routes to the reference (on an H100 or
+    H200: float32 keys with d = 128, C = 256 or d = 256, C >= 128; 16-bit keys with d = 256, C = 256).
     """
     warps, stages = config.num_warps, meta["num_stages"]
     if dev.type != "cuda":
@@ -690,7 +650,7 @@ def build_pq(
             aug[:, :C] = c0[..., d]
         ctl.zero_()
         ctl[1:3].fill_(1)  # active, centres changed
-    # Triton's dispatch costs ~50 us of host time a launch: the Launcher relaunches the compiled kernel.
+    # The Launcher relaunches the compiled kernel: Triton's dispatch would dominate the host time.
     for it in range(iters):
         _lloyd_step_launch((P, G), tensors, (*args[len(tensors) :], it, tol), {"UPDATE": True, **meta})
     _lloyd_step_kernel[(P, G)](*args, iters, tol, UPDATE=False, **{**meta, "BLOCK_N": last_block})

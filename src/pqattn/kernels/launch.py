@@ -149,10 +149,8 @@ class Launcher:
             _recording.add(self, grid, tensors, scalars, kwargs, (device, entry))
         kernel, constants = entry
         grid = (*grid, 1, 1)
-        # The tensors themselves, for Triton's check that each address is device memory: passing
-        # their addresses, as a Plan does, saved 0.3 us a launch of 14 tensors (H200 host, medians of
-        # 5 rounds of 300 calls back to back: 15.1 -> 14.8 us) and 103 -> 99 us a compat call,
-        # inside the spread between rounds (89-140 us).
+        # The tensors themselves, for Triton's check that each address is device memory (passing
+        # their addresses, as a Plan does, saved too little to matter: docs/kernels/launch.md).
         kernel.run(
             grid[0],
             grid[1],

@@ -25,17 +25,8 @@ The contract of a kernel compiled with the `PDL` constexpr:
   the encode (the original's entry point, `pq_select_buckets(after_encode=True)`) writes its
   row's LUT and the zeros of its dense weights before it waits, while the encode runs.
 
-The scan is launched early behind the cut. Measured on the H200 (graph replay, with and without PDL in the
-same run): `PQIndex.select` at the original's shape (B=1, N=32000, H=Hkv=32), 14.7-15.1 ->
-14.0 us; the decode suite's step (select + attention) 20.3 -> 20.1, 42.8 -> 41.8 and 99.1 ->
-97.5 us at its three shapes. Launching the cut early as well made a loop of selections slower,
-19.7 us (with only the scan -> next cut edge early it was 14.4); launching the attention and the
-encoding early moved no timing by more than 0.4 us either way, so they are launched as before.
-The bucket selection behind the encode (the original's entry point at its shape, graph replay,
-two runs): 18.6 -> 18.05 us, the encode launch alone being 3.4 us; its LUT and zeros overlap
-the encode, but the 128 KB of zeros per program still cost about 2 us of store bandwidth. That
-call is one launch now (select_buckets.NewKey: 14.0 us, 14.7 with GQA), with the zeros written
-by other programs of the launch; the two launches remain for calls of several keys.
+The scan is launched early behind the cut, and the bucket selection behind the encode; the cut,
+the attention and the encoding are not (measured: docs/kernels/launch.md).
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ inside the same launch:
      threshold (below) dropped; then at most K_PAD keys that hold the tile's top k (k = heavy, or
      fewer when the tile has fewer candidates): all of them when they fit, else found by a search
      over key values that keeps a bracket of two existing keys and probes inside it, each probe
-     one compare and one block reduction (see _top_k; tl.histogram measured 1.4 ns per token per
-     pass on an H200: far slower);
+     one compare and one block reduction (see _top_k);
   2. those (key, position) pairs go to the leaf's slot in the workspace, and an atomic counter of
      the parent node says which child arrived last: that program loads its FAN = TILE / K_PAD
      siblings' slots as one tile and selects again, up to the root (no second launch, no spin);
@@ -46,7 +45,7 @@ from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 # least four children of K_PAD = k_pad(heavy, n_tokens) candidates (which bounds the tree's depth and its
 # workspace); only when no config does (heavy > 4096) the largest tile merges two.
 # maxnreg: capped at 128 registers the smaller tiles run without spills and four (2048) or two
-# (4096, 8192) programs fit on an SM instead of three or one (H200: 34 -> 28 us at B1 H32 N32K).
+# (4096, 8192) programs fit on an SM instead of three or one (docs/kernels/select.md).
 SELECT_CONFIGS = [
     triton.Config({"TILE": tile}, num_warps=warps, maxnreg=maxnreg)
     for tile, warps, maxnreg in ((2048, 4, 128), (4096, 8, 128), (8192, 8, 128), (16384, 16, None))
@@ -54,22 +53,15 @@ SELECT_CONFIGS = [
 MAX_HEAVY = 8192
 # The LUTs get a launch of their own when a row has many leaves (each would re-read the
 # centroids) or the launch runs in many waves; at one wave the leaves' own LUTs overlap the codes
-# load. H200, graph replay: B=8 / 32, H=32, N=32K, heavy 128: 76 -> 69 / 272 -> 241 us with the
-# LUT launch; B=1 at the original's shape: 22.4 -> 23.7 us.
+# load.
 LUT_KERNEL_ABOVE = 65536  # tokens per row
 LUT_KERNEL_ABOVE_ROW_TOKENS = 1 << 21  # rows x tokens
 
 
 # Up to these sizes a node's slot holds twice the power of two above heavy. A node may then pass
 # on anything between its top `need` and twice as many keys, so its search stops after a few
-# probes (4-8 on PQ-like scores instead of 11-15 for exactly `need`, numpy simulation of
-# 2048-token leaves); the merges get more keys, and the thresholds that nodes publish are lower.
-# H200, graph replay, best config each, H=32, Hkv=8, speedup over slots of the power of two:
-#   heavy 128-256, B=1, N=4K-128K: 1.00-1.21x; B=8, N=32K, heavy 256: 1.07x
-#   heavy 512: B=1 1.01-1.17x up to N=64K, 0.99x at 128K; B=8, N=32K / 128K: 0.95x / 0.96x
-#   heavy 1024: B=1 0.66-0.96x except N=32K (1.14x); B=8, N=32K: 1.14x (not taken)
-#   N=512K, heavy 128 / 1024: 0.90-0.95x (many waves, whose later leaves filter by the published
-#   thresholds); heavy 2048 at N=128K: 0.76x (the 16K-token tile it needs).
+# probes; the merges get more keys, and the thresholds that nodes publish are lower. The sizes
+# where this pays were measured (docs/kernels/select.md).
 SLACK_HEAVY_MAX = 512
 SLACK_TOKENS_MAX = 1 << 17
 
@@ -496,8 +488,7 @@ _pq_select_autotuned = triton.autotune(
     configs=SELECT_CONFIGS,
     key=["n_bucket", "H", "M", "C", "HAS_W", "K_PAD", "LUT_READY"],
     prune_configs_by={"early_config_prune": _prune},
-    # timed by graph replay: single timed calls after an L2 flush picked TILE 2048 at 4 warps over
-    # 4096 at 8 in one of two runs at the original's shape (H200: 24.3 against 21.2 us)
+    # timed by graph replay: single timed calls after an L2 flush ranked configs inconsistently
     do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles),
 )(_pq_select_kernel)
 _pq_select_tuned = TunedLauncher(_pq_select_autotuned)

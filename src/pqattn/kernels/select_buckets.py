@@ -69,25 +69,8 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     """By how many programs the SMs hold at once (a row's latency is the time while they hold all):
     8 warps while the rows fit one program per SM; 4 warps (255 registers a thread at P = 4096:
     two programs per SM) while they fit two; beyond that 4 warps capped at 168 registers (three
-    per SM; some spill) with the runs' bounds loaded after the search.
-    H200, graph replay, H = 32: B = 1, N = 32K-512K, heavy 2048: 8 warps 13.3-15.9 us against 4
-    warps 15.1-17.6; B = 8: 4 warps 17.5-19 us against 8 warps 25-31 (the capped config: N = 128K,
-    heavy 2048, 20.9 against 19.2); B = 32, N = 128K-512K, heavy 1024-2048: capped 60-71 us
-    against 62-75 uncapped in the same run, and the scaling table at N = 32K 59-74 against 62-79.
-    (Pairs of int32 instead of int64 in the slot scan spilled half as much under the cap and ran
-    another 5-6 us faster there, but need 16-bit counts that a tie at the cut can overflow.)
-    16 warps at B = 1 ran slower: 14-18% with 2048-slot chunks (the original's shape 13.3 -> 15.3
-    us), 26-29% with 4096: half the keys a thread, but each step's reduction spans 16 warps.
-    Other caps, forced for every row count (one run each, against these configs in the same
-    machine session; B = 32 at N = 32K-512K): 8 warps at 128 registers (two per SM) at B = 8,
-    N = 32K-128K, heavy 1024-2048 21.7-22.1 us against 20.0-22.5 (faster only at N = 128K,
-    heavy 2048: 21.7 against 22.5) and at B = 32 70.6-74.9 against 60.1-72.1; 4 warps at 128
-    (four per SM) at B = 32 60.4-73.8 against 60.1-72.1; 8 warps at 80 (three per SM) 25.7-26.1
-    at B = 8 and 75.1-81.8 at B = 32. Again after the run offsets' int32 scan (two runs each): 4
-    warps at 128 at B = 32 55.3-68.3 against 56.2-66.9 (faster only at N = 32K, heavy 128), at
-    144 (three per SM) 59.1-72.4; 8 warps at 128 at B = 8 21.3-21.6 against 19.5-22.0. The
-    runs' bounds loaded after the search without a cap: the same at B = 1 (8 warps, 12.3-13.5
-    us), 0.2-0.6 us slower at B = 8 (4 warps, N = 32K-128K, heavy 1024-2048)."""
+    per SM; some spill) with the runs' bounds loaded after the search. The figures, and the
+    warps and caps measured slower: docs/kernels/select.md."""
     if device.type == "cuda":
         sms = _sm_count(device)
         if rows <= sms:
@@ -131,9 +114,8 @@ class NewKey(NamedTuple):
 
 def zero_programs_for(rows: int, device: torch.device) -> int:
     """Programs per row that write a row of dense weights' zeros beside its selection: as many as
-    the SMs the row programs leave idle hold (at most 8), none once the rows fill the SMs. A row
-    of the original's weights is 128 KB at N = 32K; written by the row's own program it cost about
-    2 us of that SM's store bandwidth."""
+    the SMs the row programs leave idle hold (at most 8), none once the rows fill the SMs: a row
+    of the original's weights is 128 KB at N = 32K, a burden on one SM's store bandwidth."""
     if device.type != "cuda":
         return 0
     return min(8, max(0, _sm_count(device) // rows - 1))
@@ -511,9 +493,8 @@ def _pq_bucket_select_kernel(
                     ws_ptr + done_off + row + lane * 0, lane * 0, mask=lane == 0, sem="acquire"
                 )
             # Each combination's score gathered from the LUT in memory, added in the order the recent
-            # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors.
-            # (The cut launch's outer sums in registers, reshaped to [P], gave wrong rows here once
-            # scans consumed them: H200, P = 4096, H = 4, every run; that launch only reduces them.)
+            # tokens' scores are (bit for bit the same sums), in the layout of the other [P] vectors
+            # (sums in registers reshaped to [P] gave wrong rows here: docs/kernels/select.md).
             score = tl.zeros([P], tl.float32)
             for m in tl.static_range(M):
                 digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
@@ -533,10 +514,7 @@ def _pq_bucket_select_kernel(
             # combination order, up to the quota) first. The runs above the cut take their offsets
             # from an int32 cumsum; the ties' runs only need one when several combinations score
             # exactly the cut (equal float sums), else the one run at it starts at the first tie
-            # slot. (One int64 scan of (run at the cut << 32) + run above it was slower; an int32
-            # scan of 16-bit halves, the ties' saturating, slower still: its custom combine against
-            # cumsum's, H200, same process: B=1 N=32K heavy 128 13.1 -> 13.2 us, B=8 N=128K heavy
-            # 1024 18.2 -> 18.8, B=32 N=32K heavy 128 57.9 -> 63.6.)
+            # slot.
             above = tl.where((w > 0) & (key > cut), run_len, 0)
             # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
             at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)

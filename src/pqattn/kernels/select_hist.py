@@ -51,13 +51,9 @@ _ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)
 # many tokens are in flight. With G = 1 a program needs about 40 registers per thread and the
 # limit of 32 programs per SM binds: 256 tokens and 2 warps. With G >= 2 a program holds G rows
 # ([GP, TILE] tiles, about 90 registers per thread) and registers bind: one-warp programs of 128
-# tokens keep as many tokens in flight and their rank scans and sums stay inside a warp.
-# Measured on the H200 (graph replay, scan under PDL), 128/1 against 256/2: `PQIndex.select`
-# B=8 N=512K 466 vs 519 us, B=1 N=512K 67.7 vs 73.6, B=1 N=32K 13.9 vs 14.0, the decode step
-# B=8 N=32K 93.5 vs 97.2, B=1 N=128K 42.9 vs 41.6 (the one shape where it lost); at the
-# original's shape (G = 1) 17.2 vs 13.7. 512/4 and 1024/4 were slower everywhere (original: 14.4
-# and 14.8). The scan is not autotuned: the autotuner timed it alone, after zeroing its counters
-# and without the cut whose run its code loads overlap, and picked 1024/4 at the original's shape.
+# tokens keep as many tokens in flight and their rank scans and sums stay inside a warp. Not
+# autotuned: timed alone, without the cut whose run its loads overlap, the scan ranks configs
+# wrongly (docs/kernels/select.md).
 SCAN_CONFIGS = [
     triton.Config({"TILE": tile}, num_warps=warps)
     for tile, warps in ((256, 2), (128, 1), (512, 4), (1024, 4))
@@ -163,10 +159,8 @@ def _upper_probit(c, total):
 _SPREAD: tl.constexpr = tl.constexpr(1.5)
 _NORMAL_FROM: tl.constexpr = tl.constexpr(128)
 # Rows of fewer combinations compile without the normal probes: few keys leave few steps to save,
-# and at P = 16 under 4 warps (a [P] vector replicated across threads) the bucket kernel with them
-# wrote its marks out of bounds in one GPU test case (compute-sanitizer, H200, Triton 3.6: 144 MB
-# below the workspace, so the cut's counts were wrong), while the same cut in a kernel of its own
-# passes its test at P = 16. The cause was not found.
+# and at P = 16 under 4 warps the bucket kernel with them wrote out of bounds once (cause not
+# found; docs/kernels/select.md).
 _NORMAL_MIN_COMBOS: tl.constexpr = tl.constexpr(1024)
 
 
@@ -188,10 +182,9 @@ def _normal_probes(key, w, k, total):
     largest of `total` tokens would have if the tokens' scores (keys [P], w tokens each, 0 < k <
     total) were normally distributed with their weighted mean and variance."""
     valid = w > 0
-    # The scores decoded from the keys (kept beside them, they held 32 more registers a thread
-    # through the search in the bucket kernel's 4-warp config); a key of 0 decodes to NaN. The
-    # moments in a reduction of their own: carried by the first one, they made every selection
-    # slower, 0.3-0.45 us at B=1, heavy 128.
+    # The scores decoded from the keys (cheaper in registers than keeping them); a key of 0
+    # decodes to NaN. The moments take a reduction of their own (carried by the search's first
+    # one, every selection was slower).
     score = tl.where(valid, _key_score(key), 0.0)
     moment = w.to(tl.float32) * score
     if _SEPARATE_REDUCTIONS:
@@ -219,31 +212,8 @@ def _weighted_cut(key, w, need):
     When a row has at least _NORMAL_MIN_COMBOS combinations and k is at least 1/128 of its
     tokens, the first step probes two values in one reduction: where a normal distribution of the
     scores (the tokens' weighted mean and variance) puts the (k / 1.5)-th and the (1.5 k)-th
-    largest, and the bracket usually holds few keys after it. In simulations over LLM-like and
-    random PQ indexes (N = 32K-128K, C = 64, M = 2, rows of 4096 combinations) this took the
-    average number of steps at heavy 1024-2048 from 8.9-13.1 to 5.4-6.9. H200, `PQIndex.select`
-    by graph replay, against interpolation from the first step: B=1 N=128K heavy 2048 15.9 ->
-    13.4 us, B=8 N=32K heavy 1024 20.7 -> 17.6 us. Further out in the tail it saved no step on
-    the slowest of 32 rows and cost a longer first one (B=1, N=32000, heavy 128: 13.0 -> 13.6 us),
-    hence the 1/128.
-
-    Four probes a step (the interpolated one and the bracket's quarter points, one reduction of
-    twelve values) cut the most steps of a row from 9-21 to 6-9 in a simulation of these rows, and
-    were slower on the H200: `PQIndex.select` B=1 N=32K heavy 128 13.5 -> 17.1 us, on the LLM-like
-    cache 16.9 -> 18.8, B=8 N=128K heavy 1024 20.3 -> 23.3. A step's per-thread work over the P
-    keys, not the reduction's depth, sets its cost (a four-probe step about 2.5 one-probe steps).
-
-    A finish after fewer steps was slower too: each reduction also counting the combinations in
-    the bracket, the search stopped at CAP or fewer, which a cumsum compacted into the workspace
-    for an all-pairs count (every key's tokens at or above it, [2048 / CAP, CAP] tiles) and one
-    reduction to the cut. Simulated over the scaling table's rows, CAP = 64 took the most steps
-    of a row from 9-13 to 4-7 (random) and from 12-21 to 5-15 (LLM-like). `PQIndex.select` on
-    the H200, graph replay, no finish against CAP = 32 / 64 / 128: the original's shape 13.5 ->
-    14.8 / 14.4 / 14.9 us, B=1 N=512K heavy 1024 12.6 -> 13.3 / 12.9 / 13.5, B=8 N=128K heavy
-    1024 20.5 -> 26.3 / 25.8 / 27.7, B=32 N=32K heavy 128 60.1 -> 72.6 / 69.3 / 109. A first
-    version packed the combinations with the tokens into int64 counts (twice their registers
-    over the [P] keys) and took [32, CAP] tiles: at CAP = 64 / 256 the original's shape 15.1 /
-    25.6 us, B=32 N=32K heavy 128 81 / 408 us.
+    largest, and the bracket usually holds few keys after it. Why these numbers, and the searches
+    measured slower (four probes a step, a compacted finish): docs/kernels/select.md.
     """
     valid = w > 0
     total, lo, top = _sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
