@@ -3,6 +3,9 @@
 A PQ index of the keys picks, per decode query, the few hundred or thousand tokens that matter;
 attention then runs over those only. `pqattn.ops` holds the functional API, `PQIndex` the
 per-layer decode state, `pqattn.reference` the PyTorch semantics every kernel is tested against.
+"SPEC §n" in the code is a section of docs/SPEC.md; "the original" is the system pqattn grew
+from, the PQCache backend of sparse-attention-hub, whose entry point `indexer_next` pqattn keeps
+(SPEC §5, `pqattn.integrations.sparse_attention_hub`).
 """
 
 from pqattn.index import PQConfig, PQIndex

@@ -1,7 +1,7 @@
 """The `KernelCheck` of every Triton kernel family, fuzzed by `pqattn check` and by the tests.
 
 A family's check lands together with its kernel in `pqattn/kernels/`. The comparison functions
-are the acceptance rules of SPEC.md in code: selections as sets (sink/window exactly, the heavy
+are the acceptance rules of docs/SPEC.md in code: selections as sets (sink/window exactly, the heavy
 part as a multiset of float64 reference scores, ties broken any way), codes by distance.
 """
 

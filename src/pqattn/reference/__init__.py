@@ -1,4 +1,4 @@
-"""Pure-PyTorch references: the semantics of SPEC.md in code. Any device, float64-capable.
+"""Pure-PyTorch references: the semantics of docs/SPEC.md in code. Any device, float64-capable.
 
 Kernels are tested against these; the public API in `pqattn.ops` routes here where no kernel
 exists for a case.
