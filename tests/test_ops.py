@@ -142,6 +142,79 @@ class TestValidation:
         with _raises(TypeError, "lengths", "int32/int64"):
             pqattn.select_streaming(torch.tensor([4.0]), 2, sink=1, window=1)
 
+    def test_pages(self) -> None:
+        q, k, _ = _inputs(torch.device("cpu"))
+        lens = torch.tensor([96, 96])
+        with _raises(ValueError, "page", "positive", "0"):
+            pqattn.select_pages(q, k, lens, sink=1, window=1, heavy=4, page=0)
+        with _raises(ValueError, "q", r"\[B, H, D\]", r"\[2, 8, 8\]"):
+            pqattn.select_pages(q[..., :8], k, lens, sink=1, window=1, heavy=4)
+        with _raises(ValueError, "heavy", "-2"):
+            pqattn.select_pages(q, k, lens, sink=1, window=1, heavy=-2)
+        sel = pqattn.select_pages(q, k, lens, sink=1, window=1, heavy=4)
+        want = pqattn.reference.select_pages(q, k, lens, sink=1, window=1, heavy=4)
+        assert torch.equal(sel.positions, want.positions) and torch.equal(sel.counts, want.counts)
+
+    def test_empty_batch(self) -> None:
+        q, k, v = _inputs(torch.device("cpu"), B=0)
+        with _raises(ValueError, "keys", "B >= 1", r"\[0, 2, 96, 16\]"):
+            pqattn.build_index(k)
+        with _raises(ValueError, "keys", "B >= 1"):
+            pqattn.PQIndex.build(k)
+        with _raises(ValueError, "k", "B >= 1"):
+            pqattn.sparse_decode(
+                q, k, v, torch.zeros(0, 8, 4, dtype=torch.int32), torch.zeros(0, 8, dtype=torch.int32)
+            )
+        with _raises(ValueError, "keys", "B >= 1"):
+            pqattn.select_oracle(q, k, torch.zeros(0, dtype=torch.int64), sink=1, window=1, heavy=2)
+
+    def test_selection_values(self) -> None:
+        q, k, v = _inputs(torch.device("cpu"))
+        pos = torch.randint(0, 96, (2, 8, 5), dtype=torch.int32)
+        cnt = torch.full((2, 8), 5, dtype=torch.int32)
+        bad = pos.clone()
+        bad[1, 3, 2] = 96
+        with _raises(ValueError, "positions", r"\[0, 96\)", "got 96", r"\(1, 3, 2\)"):
+            pqattn.sparse_decode(q, k, v, bad, cnt)
+        bad[1, 3, 2] = -1
+        with _raises(ValueError, "positions", "got -1"):
+            pqattn.sparse_decode(q, k, v, bad, cnt)
+        few = cnt.clone()
+        few[1, 3] = 2  # entries past a row's count are never read: -1 padding there is fine
+        want = ref.sparse_decode(q, k, v, bad, few)
+        assert_close(pqattn.sparse_decode(q, k, v, bad, few), want, atol=0, rtol=0)
+        for value in (6, -1):
+            few[0, 0] = value
+            with _raises(ValueError, "counts", r"\[0, 5\]", f"got {value}"):
+                pqattn.sparse_decode(q, k, v, pos, few)
+        book = pqattn.build_index(k, bits=2, iters=1)
+        for lens in ([97, 5], [5, -2]):
+            with _raises(ValueError, "lengths", r"\[0, 96\]", str(lens[0] if lens[0] > 96 else lens[1])):
+                pqattn.select_topk(
+                    q, book.centroids, book.codes, torch.tensor(lens), sink=1, window=1, heavy=2
+                )
+
+    def test_dtypes_of_q_and_the_cache(self) -> None:
+        """sparse_decode: q in any floating dtype, k and v of one; dense_attention: one dtype for all."""
+        q, k, v = _inputs(torch.device("cpu"))
+        pos = torch.randint(0, 96, (2, 8, 5), dtype=torch.int32)
+        cnt = torch.full((2, 8), 5, dtype=torch.int32)
+        mixed = pqattn.sparse_decode(q.double(), k, v, pos, cnt)
+        assert mixed.dtype == torch.float64
+        assert_close(
+            mixed, ref.sparse_decode(q.double(), k.double(), v.double(), pos, cnt), atol=1e-5, rtol=1e-5
+        )
+        with _raises(TypeError, "v", "dtype", "float64"):
+            pqattn.sparse_decode(q, k, v.double(), pos, cnt)
+        with _raises(TypeError, "q", "k's dtype torch.float32", "float64"):
+            pqattn.dense_attention(q[:, :, None].double(), k, v)
+
+    def test_index_select_names_the_query(self) -> None:
+        _, k, _ = _inputs(torch.device("cpu"))
+        index = pqattn.PQIndex.build(k, config=pqattn.PQConfig(bits=2, sink=2, window=2, heavy=4, iters=1))
+        with _raises(ValueError, "q", r"\[B, H, D\]", r"\[2, \*, 16\]", r"\[2, 8, 8\]"):
+            index.select(torch.randn(2, 8, 8))
+
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
     def test_device_mismatch(self) -> None:
         q, k, v = _inputs(torch.device("cpu"))

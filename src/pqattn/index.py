@@ -90,10 +90,8 @@ class PQIndex:
     """
 
     # Appended tokens after which the buckets are rebuilt. A rebuild is two passes over the codes
-    # (count, place) and the recent tokens cost every selection a scan of their codes. H200,
-    # graph replay, select suite: buckets 2048 tokens old add 2.5-17 us a selection; a rebuild
-    # takes 72 us at the original's shape, 333 us at B8 N128K, 8.9 ms at B32 N512K (0.04-4.4 us
-    # a step over 2048 steps).
+    # (count, place) and the recent tokens cost every selection a scan of their codes; this
+    # balances the two (docs/kernels/launch.md).
     REINDEX_AFTER = 2048
 
     def __init__(
@@ -390,6 +388,9 @@ class PQIndex:
         if plan is not None:
             plan(q)
             return self._selection
+        check.tensor(
+            "q", q, shape=(self.batch, None, self.head_dim), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES
+        )
         c = self.config
         kernel = ops.kernel_path(q, self.centroids, c.heavy)
         if not kernel:

@@ -9,9 +9,17 @@ kernels in `pqattn.kernels` where one covers the case; everything else (CPU tens
 sub-vector width that is not a power of two) runs the PyTorch reference in `pqattn.reference`,
 which computes the same answer. `kernel_path` says which one a call takes.
 
-Decode-path functions (`pq_scores`, `select_topk`, `select_streaming`, `sparse_decode`) never read
-tensor values on the host, so they never synchronize: `lengths` must hold values <= N, which the
-caller (or `PQIndex`, which tracks lengths on the host) guarantees.
+Values are checked too on a validating call: `lengths` in [0, N] (`select_topk`), and the
+first counts[b, h] positions of each row in [0, N) with counts in [0, L] (`sparse_decode`). On a
+GPU that reads them on the host (one sync), so it is skipped while a CUDA graph is captured, and a
+call that replays a plan (below) checks nothing: the decode loop's steady state never
+synchronizes. `PQIndex` tracks its lengths on the host and checks them without a sync.
+
+dtypes: `sparse_decode` takes q in any floating dtype and k, v of one floating dtype (they may
+differ from q's; the output is in q's dtype); `dense_attention` takes q, k and v of one dtype.
+Non-finite values propagate: NaN or inf in q, or in a key or value that a row attends to, makes
+that row's output non-finite; which tokens a selection takes from non-finite scores is
+unspecified, but a selection always holds valid positions (docs/SPEC.md §9).
 
 `select_topk` and `sparse_decode` given their `out` and `workspace` (a decode loop's buffers) keep
 their kernel launches as a `pqattn.kernels.launch.Plan` per signature of their tensors and
@@ -68,9 +76,7 @@ MAX_COMBOS = 4096  # C**M up to which selection runs through the code histogram 
 
 
 # A call with no histogram kept (select_topk, indexer_next) counts it first, one atomic per
-# candidate token: up to this heavy the merge tree costs less (H200, GPU time: 21.2 vs 31.1 us at
-# the original's shape, 21.0 vs 23.3 at B1 N32K H32/8 heavy 128, 36.1 vs 50.3 for the compatible
-# call; at B8 N128K heavy 1024 the counted histogram took 277 us and the tree 315).
+# candidate token: up to this heavy the merge tree costs less (docs/kernels/launch.md).
 STATELESS_TREE_MAX_HEAVY = 256
 
 
@@ -225,7 +231,47 @@ def _select_kernel(
 
 
 def _check_keys(name: str, keys: torch.Tensor) -> torch.Tensor:
-    return check.tensor(name, keys, shape=(None,) * 4, dims="[B, Hkv, N, D]", dtypes=check.FLOAT_DTYPES)
+    check.tensor(name, keys, shape=(None,) * 4, dims="[B, Hkv, N, D]", dtypes=check.FLOAT_DTYPES)
+    if keys.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one sequence (B >= 1), got shape {list(keys.shape)}")
+    return keys
+
+
+def _checking_values(t: torch.Tensor) -> bool:
+    """Whether a validating call reads `t`'s values to check them: always on the CPU; on a GPU (one
+    host sync) unless a CUDA graph is being captured, which cannot sync."""
+    return not t.is_cuda or not torch.cuda.is_current_stream_capturing()
+
+
+def _check_length_values(lengths: torch.Tensor, n_tokens: int) -> None:
+    if not _checking_values(lengths):
+        return
+    host = lengths.detach().cpu()
+    if bool(((host < 0) | (host > n_tokens)).any()):
+        raise ValueError(f"lengths: expected token counts in [0, {n_tokens}] (N), got {host.tolist()}")
+
+
+def _check_selection_values(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:
+    """counts in [0, L] and the first counts[b, h] positions of each row in [0, N)."""
+    if not _checking_values(positions):
+        return
+    L = positions.shape[-1]
+    cnt = counts.detach().cpu()
+    bad = (cnt < 0) | (cnt > L)
+    if bool(bad.any()):
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"counts: expected values in [0, {L}] (L, the positions' width), got {int(cnt[at])} at {at}"
+        )
+    pos = positions.detach().cpu().long()
+    live = torch.arange(L) < cnt[..., None]
+    bad = live & ((pos < 0) | (pos >= n_tokens))
+    if bool(bad.any()):
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"positions: expected the first counts[b, h] entries of each row in [0, {n_tokens}) (N), "
+            f"got {int(pos[at])} at {at}"
+        )
 
 
 def _check_centroids(centroids: torch.Tensor, codes: torch.Tensor) -> tuple[int, int, int]:
@@ -412,6 +458,7 @@ def select_topk(
     _check_score_inputs(q, centroids, codes)
     _check_lengths(lengths, q.shape[0], q.device)
     _check_sizes(sink, window, heavy, init_offset)
+    _check_length_values(lengths, codes.shape[2])
     if kernel_path(q, centroids, heavy):
         with recording() as rec:
             sel = _select_kernel(
@@ -439,6 +486,23 @@ def select_topk(
     )
 
 
+def _check_exact_inputs(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int,
+) -> None:
+    """The checks of a selection that reads the keys themselves (oracle, pages)."""
+    _check_keys("keys", keys)
+    B, Hkv, _, D = keys.shape
+    _check_query(q, B, Hkv, D, keys.device)
+    _check_lengths(lengths, B, keys.device)
+    _check_sizes(sink, window, heavy, init_offset)
+
+
 def select_oracle(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -453,11 +517,7 @@ def select_oracle(
 
     q: [B, H, D]; keys: [B, Hkv, N, D]; lengths: [B]. Same output as `select_topk`.
     """
-    _check_keys("keys", keys)
-    B, Hkv, _, D = keys.shape
-    _check_query(q, B, Hkv, D, keys.device)
-    _check_lengths(lengths, B, keys.device)
-    _check_sizes(sink, window, heavy, init_offset)
+    _check_exact_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     return ref.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
 
 
@@ -479,11 +539,7 @@ def select_pages(
     q: [B, H, D]; keys: [B, Hkv, N, D]; lengths: [B]. Same output as `select_topk`. The PyTorch
     reference on every device: pqattn has no kernel for it.
     """
-    _check_keys("keys", keys)
-    B, Hkv, _, D = keys.shape
-    _check_query(q, B, Hkv, D, keys.device)
-    _check_lengths(lengths, B, keys.device)
-    _check_sizes(sink, window, heavy, init_offset)
+    _check_exact_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     check.positive_int("page", page)
     return ref.select_pages(
         q, keys, lengths, sink=sink, window=window, heavy=heavy, page=page, init_offset=init_offset
@@ -581,6 +637,7 @@ def sparse_decode(
         check.tensor("out", out, shape=(B, H, D), dims="[B, H, D]", dtypes=(q.dtype,), device=q.device)
         if out.stride(-1) != 1:
             raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
+    _check_selection_values(positions, counts, N)
     if not decode_kernel_path(q):
         if dense_weights and weights is not None:
             weights = weights.gather(-1, positions.long().clamp(0, N - 1))
@@ -650,6 +707,8 @@ def dense_attention(
         check.tensor(
             "q", q, shape=(B, None, None, D), dims="[B, H, Sq, D]", dtypes=check.FLOAT_DTYPES, device=k.device
         )
+        if q.dtype != k.dtype:
+            raise TypeError(f"q: expected k's dtype {k.dtype} (q, k and v share one dtype), got {q.dtype}")
         check.gqa(q.shape[1], Hkv, kv_name="k")
         if len(_CHECKED_ATTENTION) >= _MAX_PLANS:
             _CHECKED_ATTENTION.clear()

@@ -184,3 +184,29 @@ def test_config_is_validated() -> None:
         pq_hf.HFConfig(prefill="flash")
     assert pq_hf.HFConfig().heavy_for(10_000) == 1024
     assert pq_hf.HFConfig(heavy_fraction=0.1).heavy_for(10_000) == 1000
+    for kwargs, name in [
+        (dict(bits=9), "bits"),
+        (dict(bits=0), "bits"),
+        (dict(subvectors=0), "subvectors"),
+        (dict(metric="cosine"), "metric"),
+        (dict(sink=-1), "sink"),
+        (dict(heavy=0), "heavy"),
+        (dict(capacity=0), "capacity"),
+        (dict(dense_layers=(1, -2)), "dense_layers"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=name):
+            pq_hf.HFConfig(**kwargs)
+
+
+def test_decoding_past_the_capacity_warns_once_and_goes_dense(device: torch.device) -> None:
+    model = _model("llama", device)
+    ids = torch.randint(0, 128, (1, 40), device=device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        dense = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=500, sink=2, window=2, bits=3, iters=2, capacity=2))
+        with pytest.warns(UserWarning, match="past HFConfig.capacity") as caught:
+            sparse = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert len([w for w in caught if "capacity" in str(w.message)]) == 1, "one warning, not one a layer"
+    assert torch.equal(sparse, dense)
+    assert all(s.sparse_steps == 2 for s in _states(model)), "the steps within the capacity stay sparse"

@@ -13,15 +13,18 @@ runs the sparse decode kernel over the cache (`pqattn.ops.sparse_decode`). Layer
 lives on each attention module.
 
 Explicitly routed to SDPA (documented, not approximated): a padding mask during decode (the
-index does not know padded positions), and layers without `layer_idx`.
+index does not know padded positions), layers without `layer_idx`, and decode steps past the
+index's capacity (prompt + `HFConfig.capacity` tokens; warned once).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
+from pqattn import _validate as check
 from pqattn import ops
 from pqattn.index import PQConfig, PQIndex
 
@@ -54,6 +57,16 @@ class HFConfig:
     prefill: str = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.heavy is not None:
+            check.positive_int("heavy", self.heavy)
+        for name in ("sink", "window", "iters"):
+            check.non_negative_int(name, getattr(self, name))
+        check.positive_int("subvectors", self.subvectors)
+        check.bits(self.bits)
+        check.metric(self.metric)
+        check.positive_int("capacity", self.capacity)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.dense_layers):
+            raise ValueError(f"dense_layers: expected non-negative layer indices, got {self.dense_layers!r}")
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill: expected one of {PREFILL}, got {self.prefill!r}")
         if self.heavy is not None and self.heavy_fraction is not None:
@@ -78,6 +91,8 @@ class _LayerState:
     config: HFConfig
     index: PQIndex | None = None
     padded: bool = False  # the prompt had padding: decode stays dense
+    # shared by the model's layers: whether decoding past the capacity has been warned about
+    warned: dict[str, bool] = dataclasses.field(default_factory=dict)
     sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
 
 
@@ -129,6 +144,14 @@ def pq_attention_forward(
         state.index = PQIndex.build(key, [S] * B, capacity=S + c.capacity, config=pq)
         return out
     index = state.index
+    if index is not None and index.capacity < S and not state.padded and not state.warned.get("capacity"):
+        state.warned["capacity"] = True
+        warnings.warn(
+            f"pqattn: decoding at {S} tokens, past HFConfig.capacity "
+            f"(prompt + {state.config.capacity}); its decode steps run dense SDPA from here on. "
+            "Raise HFConfig.capacity to keep them sparse.",
+            stacklevel=2,
+        )
     if index is None or state.padded or index.capacity < S:
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
     index.append(key[:, :, -1:])
@@ -175,10 +198,11 @@ def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
     """
     register()
     sparse = []
+    warned: dict[str, bool] = {}
     for module in model.modules():
         layer = getattr(module, "layer_idx", None)
         if layer is not None and hasattr(module, "scaling"):
-            module._pqattn_state = _LayerState(config)
+            module._pqattn_state = _LayerState(config, warned=warned)
             if layer not in config.dense_layers:
                 sparse.append(layer)
     if not sparse and not config.dense_layers:

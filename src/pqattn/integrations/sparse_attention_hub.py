@@ -464,6 +464,8 @@ def sparse_attention(
 
     query [B, H, D]; key, value [B, Hkv, N, D]; sparse_list [B, H, L] int64 (first sparse_len valid);
     sparse_len [B, H] int64; weight_list [B, H, N] (dense, by token position; 0 drops a token).
-    Returns [B, H, D] in query's dtype. No host sync (the original read the longest list on the host).
+    Returns [B, H, D] in query's dtype. The lists are checked (sparse_len in [0, L], the listed
+    positions in [0, N)) with one host read, as the original read the longest list on the host;
+    none under CUDA graph capture.
     """
     return ops.sparse_decode(query, key, value, sparse_list, sparse_len, weight_list, dense_weights=True)
