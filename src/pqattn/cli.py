@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     d, c = WorkloadSpec(), PQConfig()
-    p = sub.add_parser("demo", help="PQ vs streaming vs oracle selection on a synthetic LLM-like cache")
+    p = sub.add_parser("demo", help="PQ vs streaming vs oracle selection on two synthetic caches")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu"
@@ -38,13 +38,19 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=c.iters, help="k-means iterations")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--repeats", type=int, default=20, help="timed calls per method")
+    p.add_argument(
+        "--generators",
+        default="workload,needles",
+        help="synthetic caches, run in turn: workload (LLM-like, pqattn.lab.workload), needles "
+        "(single-token needles, no sink, pqattn.lab.needles)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
 
     p.set_defaults(func=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from pqattn.lab.demo import format_table, run_demo
+    from pqattn.lab.demo import format_table, generator_spec, run_demo
     from pqattn.lab.env import resolve_device
 
     device = resolve_device(args.device)
@@ -72,12 +78,18 @@ def _run_demo(args: argparse.Namespace) -> int:
         iters=args.iters,
         seed=args.seed,
     )
-    result = run_demo(spec, config, device=device, dtype=dtype, repeats=args.repeats)
+    runs = [
+        run_demo(generator_spec(g, spec), config, device=device, dtype=dtype, repeats=args.repeats)
+        for g in (x for x in args.generators.split(",") if x)
+    ]
+    if not runs:
+        raise ValueError("generators: expected at least one of workload, needles, got none")
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2)
         print()
         return 0
-    print(format_table(result))
+    print("\n\n".join(format_table(r) for r in runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -215,22 +227,29 @@ def _run_check(args: argparse.Namespace) -> int:
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
-        help="regenerate the README's results section from bench/results/*.json",
-        description="Rewrite the README section between the results markers from the committed JSON; "
-        "--check exits 1 when the README is out of date.",
+        help="regenerate the README's results section and the model cards from bench/results/*.json",
+        description="Rewrite the README section between the results markers, and that of every model card "
+        "under --models, from the committed JSON; --check exits 1 when one is out of date.",
     )
     p.add_argument("--results", default="bench/results", help="directory of results JSON")
-    p.add_argument("--readme", default="README.md")
-    p.add_argument("--check", action="store_true", help="do not write; exit 1 when the README is stale")
+    p.add_argument("--readme", default="README.md", help="the file whose results section is rewritten")
+    p.add_argument(
+        "--models", default="models", help="folder of model folders whose README.md (model card) has markers"
+    )
+    p.add_argument("--check", action="store_true", help="do not write; exit 1 when a file is stale")
     p.set_defaults(func=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from pqattn.lab.report import update_readme
+    from pqattn.lab.report import update_model_cards, update_readme
 
     current = update_readme(args.readme, args.results, check=args.check)
-    if args.check and not current:
-        print(f"{args.readme} is out of date: run `pqattn report`", file=sys.stderr)
+    cards = update_model_cards(args.models, args.results, check=args.check)
+    if args.check and not (current and cards):
+        stale = [
+            name for name, ok in ((args.readme, current), (f"{args.models}/*/README.md", cards)) if not ok
+        ]
+        print(f"{', '.join(stale)} out of date: run `pqattn report`", file=sys.stderr)
         return 1
     return 0
 
@@ -240,12 +259,18 @@ def _add_quality(sub: argparse._SubParsersAction) -> None:
         "quality",
         help="PQ vs streaming vs oracle selection quality over a sweep of densities",
         description="Captured attention mass, oracle recall and output error vs dense attention, on the "
-        "demo workload or on the KV cache of a local transformers model (--model PATH, no download).",
+        "two synthetic caches or on the KV cache of a local transformers model (--model PATH, no download).",
     )
     p.add_argument("--model", help="a local transformers model directory (default: the demo workload)")
     p.add_argument("--prompt-tokens", type=int, default=4096, help="random prompt length for --model")
     p.add_argument("--layers", help="comma-separated layer indices for --model (default: all)")
-    p.add_argument("--tokens", type=int, default=16384, help="workload cache length (no --model)")
+    p.add_argument("--tokens", type=int, default=16384, help="synthetic cache length (no --model)")
+    p.add_argument(
+        "--generators",
+        default="workload,needles",
+        help="synthetic caches when there is no --model: workload (pqattn.lab.workload), needles "
+        "(pqattn.lab.needles)",
+    )
     p.add_argument("--densities", default="0.005,0.01,0.02,0.05,0.1,0.2")
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--window", type=int, default=64)
@@ -280,15 +305,21 @@ def _run_quality(args: argparse.Namespace) -> int:
         )
         title = f"{args.model}: {len(problems)} layers, {args.prompt_tokens} tokens"
     else:
-        problems = [quality.workload_problem(args.tokens, device)]
-        title = f"demo workload, {args.tokens} tokens"
+        names = [g for g in args.generators.split(",") if g]
+        unknown = set(names) - set(quality.GENERATORS)
+        if unknown or not names:
+            raise ValueError(
+                f"generators: expected some of {sorted(quality.GENERATORS)}, got {args.generators!r}"
+            )
+        problems = [quality.GENERATORS[g](args.tokens, device) for g in names]
+        title = f"synthetic caches ({', '.join(names)}), {args.tokens} tokens"
     rows = [r for p in problems for r in quality.sweep(p, settings)]
-    summary = quality.average(rows)
+    summary = quality.average(rows, group=args.model)
     print(f"pqattn quality: {title}")
     print(quality.format_table(summary))
     if args.json:
         doc = {
-            "source": args.model or "workload",
+            "source": args.model or args.generators,
             "settings": dataclasses.asdict(settings),
             "environment": environment(device),
             "summary": summary,
@@ -389,6 +420,23 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
+def _add_policy_args(p: argparse.ArgumentParser, density_help: str) -> None:
+    """The policy grid's options (pqattn.lab.policies), shared by `tasks` and `pareto`."""
+    from pqattn.lab.tasks import TaskSettings
+
+    t = TaskSettings()
+    p.add_argument("--densities", default=",".join(f"{d:g}" for d in t.densities), help=density_help)
+    p.add_argument(
+        "--pq",
+        default=",".join(f"{m}x{b}" for m, b in t.pq_configs),
+        help="PQ configs as MxBITS, comma-separated",
+    )
+    p.add_argument("--page", type=int, default=t.page, help="tokens per page of the page policy")
+    p.add_argument("--sink", type=int, default=t.sink, help="always-kept first tokens")
+    p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
+    p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
+
+
 def _add_tasks(sub: argparse._SubParsersAction) -> None:
     from pqattn.lab.tasks import TaskSettings
 
@@ -414,18 +462,7 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-context", type=int, default=t.passkey_context, help="passkey document length")
     p.add_argument("--passkey-buckets", type=int, default=t.passkey_buckets, help="depth buckets")
     p.add_argument("--passkey-trials", type=int, default=t.passkey_trials, help="trials per depth bucket")
-    p.add_argument(
-        "--densities", default=",".join(f"{d:g}" for d in t.densities), help="heavy / prefill length"
-    )
-    p.add_argument(
-        "--pq",
-        default=",".join(f"{m}x{b}" for m, b in t.pq_configs),
-        help="PQ configs as MxBITS, comma-separated",
-    )
-    p.add_argument("--page", type=int, default=t.page, help="tokens per page of the page policy")
-    p.add_argument("--sink", type=int, default=t.sink, help="always-kept first tokens")
-    p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
-    p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
+    _add_policy_args(p, "heavy / prefill length")
     p.add_argument(
         "--batch-tokens", type=int, default=t.batch_tokens, help="tokens per forward (documents batched)"
     )
@@ -486,9 +523,6 @@ def _run_tasks(args: argparse.Namespace) -> int:
 
 
 def _add_pareto(sub: argparse._SubParsersAction) -> None:
-    from pqattn.lab.tasks import TaskSettings
-
-    t = TaskSettings()
     p = sub.add_parser(
         "pareto",
         help="quality against measured decode-step time for every policy and density (JSON and a plot)",
@@ -498,16 +532,7 @@ def _add_pareto(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tasks", metavar="JSON", help="a `pqattn tasks` results document to join")
     p.add_argument("--tokens", type=int, default=32768, help="cache length N of the timing and generators")
-    p.add_argument("--densities", default=",".join(f"{d:g}" for d in t.densities), help="heavy / N")
-    p.add_argument(
-        "--pq",
-        default=",".join(f"{m}x{b}" for m, b in t.pq_configs),
-        help="PQ configs as MxBITS, comma-separated",
-    )
-    p.add_argument("--page", type=int, default=t.page, help="tokens per page of the page policy")
-    p.add_argument("--sink", type=int, default=t.sink, help="always-kept first tokens")
-    p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
-    p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
+    _add_policy_args(p, "heavy / N")
     p.add_argument("--repeats", type=int, default=30, help="timed samples per policy")
     p.add_argument("--times", metavar="JSON", help="take the step times from this earlier --json output")
     p.add_argument("--times-only", action="store_true", help="measure and write the step times only")
@@ -526,7 +551,7 @@ def _pq_configs(text: str) -> tuple[tuple[int, int], ...]:
 
 def _run_pareto(args: argparse.Namespace) -> int:
     from pqattn.lab import pareto
-    from pqattn.lab.env import resolve_device
+    from pqattn.lab.env import environment, resolve_device
     from pqattn.lab.policies import policy_grid
 
     device = resolve_device(args.device)
@@ -553,7 +578,13 @@ def _run_pareto(args: argparse.Namespace) -> int:
     _log(f"generator quality at N={args.tokens}: {len(generators)} rows")
     rows = pareto.combine(policies, times, generators, tasks_doc)
     print(pareto.format_table(rows))
-    doc = {"rows": rows, "times": times, "generators": generators, "tasks": args.tasks}
+    doc = {
+        "rows": rows,
+        "times": times,
+        "generators": generators,
+        "generators_environment": environment(device),
+        "tasks": args.tasks,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -563,7 +594,7 @@ def _run_pareto(args: argparse.Namespace) -> int:
         title = (
             f"pqattn policies: quality vs decode-step time at N={args.tokens} "
             f"(B1 H32 Hkv8 D128 bf16, {env['device_name']}); "
-            f"sink {args.sink} + window {args.window}, labels: density"
+            f"sink {args.sink} + window {args.window}, labels: density; dashed: dense SDPA"
         )
         pareto.plot(rows, args.plot, title)
         print(f"plot written to {args.plot}")

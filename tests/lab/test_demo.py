@@ -73,10 +73,16 @@ def test_cli_demo_json(tmp_path, capsys) -> None:
         str(path),
     ]
     assert main(args) == 0
-    assert "oracle recall" in capsys.readouterr().out
-    data = json.loads(path.read_text())
-    assert data["environment"]["torch"] == torch.__version__
-    assert [r["method"] for r in data["results"]] == ["pq", "streaming", "oracle", "dense"]
+    out = capsys.readouterr().out
+    assert "oracle recall" in out and "lab.workload" in out and "lab.needles" in out
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["generator"] for r in runs] == ["workload", "needles"]
+    for data in runs:
+        assert data["environment"]["torch"] == torch.__version__
+        assert [r["method"] for r in data["results"]] == ["pq", "streaming", "oracle", "dense"]
+    assert main([*args, "--generators", "needles"]) == 0
+    assert json.loads(path.read_text())["generator"] == "needles"
+    assert main([*args, "--generators", "nothing"]) == 2
 
 
 def test_cli_reports_bad_arguments(capsys) -> None:

@@ -155,3 +155,50 @@ def test_dense_weights_match_selection() -> None:
     for b, row in enumerate(rows_as_sets(sel.positions, sel.counts)):
         for h, s in enumerate(row):
             assert set(w[b, h].nonzero().flatten().tolist()) == s
+
+
+def brute_page_bound(q: torch.Tensor, page_keys: torch.Tensor) -> float:
+    """sum_d max(q_d * min_d, q_d * max_d) over a page's keys [P, D], by loops."""
+    total = 0.0
+    for d in range(q.shape[0]):
+        lo, hi = float(page_keys[:, d].min()), float(page_keys[:, d].max())
+        total += max(float(q[d]) * lo, float(q[d]) * hi)
+    return total
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_page_selection_takes_whole_pages_in_bound_order(page: int) -> None:
+    """Quest-style pages (SPEC §7): each page's bound is the loop-computed one, bounds every <q, k>
+    of the page, and the heavy part is the top-heavy candidates by their page's bound."""
+    B, H, Hkv, N, D = 2, 4, 2, 150, 8
+    q = torch.randn(B, H, D, dtype=torch.float64)
+    keys = torch.randn(B, Hkv, N, D, dtype=torch.float64)
+    lengths = torch.tensor([N, 97])
+    sink, window, heavy = 3, 5, 20
+    kmin, kmax = ref.page_bounds(keys, lengths, page)
+    scores = ref.page_scores(q, kmin, kmax, page, N)
+    for b in range(B):
+        n = int(lengths[b])
+        for h in range(H):
+            kv = h // (H // Hkv)
+            for start in range(0, n, page):
+                stop = min(start + page, n)
+                want = brute_page_bound(q[b, h], keys[b, kv, start:stop])
+                assert abs(float(scores[b, h, start]) - want) < 1e-9
+                exact = (keys[b, kv, start:stop] @ q[b, h]).max()
+                assert float(exact) <= want + 1e-9, "a page bound must bound every <q, k> of the page"
+    sel = ref.select_pages(
+        q, keys, lengths, sink=sink, window=window, heavy=heavy, page=page, init_offset=sink
+    )
+    check_against_brute(sel, scores, lengths, sink, window, heavy, sink)
+
+
+def test_page_bounds_ignore_tokens_past_the_length() -> None:
+    keys = torch.randn(1, 1, 32, 4, dtype=torch.float64)
+    keys[0, 0, 20:] = 1e6  # past lengths: must not move any bound
+    _, kmax = ref.page_bounds(keys, torch.tensor([20]), 16)
+    assert torch.equal(kmax[0, 0, 1], keys[0, 0, 16:20].amax(0))
+    short = ref.page_bounds(keys, torch.tensor([16]), 16)
+    assert torch.isinf(short[1][0, 0, 1]).all() and (short[1][0, 0, 1] < 0).all()
+    scores = ref.page_scores(torch.randn(1, 1, 4, dtype=torch.float64), *short, 16, 32)
+    assert torch.isneginf(scores[0, 0, 16:]).all(), "a page with no token scores -inf"

@@ -1,4 +1,4 @@
-"""`pqattn demo`: PQ vs streaming vs oracle selection on the synthetic LLM-like workload.
+"""`pqattn demo`: PQ vs streaming vs oracle selection on the two synthetic caches.
 
 Builds the index over the prefill, runs the decode steps (append the step's key, select, attend)
 and reports per method the captured attention mass, the recall of the oracle's heavy tokens, the
@@ -19,22 +19,38 @@ from pqattn import ops
 from pqattn.index import PQConfig, PQIndex
 from pqattn.lab import metrics
 from pqattn.lab.env import environment
+from pqattn.lab.needles import NeedleSpec, make_needles
 from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 METHODS = ("pq", "streaming", "oracle")
 
 
+GENERATORS = ("workload", "needles")
+
+
+def generator_spec(name: str, spec: WorkloadSpec) -> WorkloadSpec | NeedleSpec:
+    """The spec of generator `name` at the shape (tokens, heads, head dim, steps, batch, seed) of `spec`."""
+    if name == "workload":
+        return spec
+    if name == "needles":
+        shape = ("tokens", "kv_heads", "group", "head_dim", "steps", "batch", "seed")
+        return NeedleSpec(**{k: getattr(spec, k) for k in shape})
+    raise ValueError(f"generator: expected one of {GENERATORS}, got {name!r}")
+
+
 def run_demo(
-    spec: WorkloadSpec,
+    spec: WorkloadSpec | NeedleSpec,
     config: PQConfig,
     *,
     device: torch.device,
     dtype: torch.dtype,
     repeats: int = 20,
 ) -> dict:
-    """Run the workload and return the results as a JSON-ready dict."""
-    work = make_workload(spec).to(device, dtype)
+    """Run the synthetic cache of `spec` (pqattn.lab.workload or pqattn.lab.needles) and return the
+    results as a JSON-ready dict."""
+    needles = isinstance(spec, NeedleSpec)
+    work = (make_needles(spec) if needles else make_workload(spec)).to(device, dtype)
     N, H = spec.tokens, spec.num_heads
     c = config
 
@@ -122,6 +138,7 @@ def run_demo(
         }
     )
     return {
+        "generator": "needles" if needles else "workload",
         "workload": dataclasses.asdict(spec),
         "config": dataclasses.asdict(config),
         "dtype": str(dtype).removeprefix("torch."),
@@ -136,10 +153,9 @@ def run_demo(
     }
 
 
-# Steps per captured graph. A graph of one step, replayed between CUDA events, also timed the
-# host's graph launch whenever the GPU waited for it: two runs of the same tree on the H200 gave
-# dense SDPA 26.5 and 30.4 us, pq 21.9 and 30.3 us (the host slower in the second). The bench's
-# graphs hold at least 500 us of work for the same reason.
+# Steps per captured graph. A graph of one step, replayed between CUDA events, also times the
+# host's graph launch whenever the GPU waits for it (docs/lab.md); the bench's graphs hold at
+# least 500 us of work for the same reason.
 _GRAPH_CALLS = 20
 
 
@@ -164,6 +180,12 @@ def _step_times(eager: float, gpu: float | None, dense: float, dense_gpu: float 
     }
 
 
+_DESCRIPTION = {
+    "workload": "synthetic LLM-like cache (lab.workload)",
+    "needles": "synthetic single-token needles, no sink (lab.needles)",
+}
+
+
 def has_gpu(result: dict) -> bool:
     """True when the result holds GPU (graph) step times (a CUDA run of this version)."""
     return any(r.get("step_gpu_us") is not None for r in result["results"])
@@ -174,7 +196,8 @@ def format_table(result: dict) -> str:
     H = w["kv_heads"] * w["group"]
     width = c["sink"] + c["heavy"] + c["window"]
     lines = [
-        f"pqattn demo: synthetic LLM-like cache, {w['tokens']} tokens + {w['steps']} decode steps, "
+        f"pqattn demo: {_DESCRIPTION[result.get('generator', 'workload')]}, {w['tokens']} tokens + "
+        f"{w['steps']} decode steps, "
         f"B={w['batch']} H={H} Hkv={w['kv_heads']} D={w['head_dim']}, {result['dtype']} on "
         f"{env['device']} ({env['device_name']})",
         f"index: M={c['subvectors']} sub-vectors, {c['bits']} bits ({1 << c['bits']} centroids), "

@@ -215,6 +215,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             for x, y, d in pts:
                 if fam != "dense":
                     ax.annotate(f"{d:g}", (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        dense_us = next((r["step_us"] for r in rows if r["kind"] == "dense"), None)
+        if dense_us is not None:
+            ax.axvline(dense_us, color="C0", ls="--", lw=0.8)
         ax.axvspan(hi * 1.6, band * 1.4, color="0.92")
         ax.text(band, ax.get_ylim()[0], "no kernel", fontsize=7, ha="center", va="bottom")
         ax.set_xscale("log")

@@ -77,17 +77,10 @@ def policy_sweep(
     H = problem.queries.shape[2]
     lengths = torch.full((B,), N, device=problem.keys.device)
     books = {
-        (p.subvectors, p.bits): ops.build_index(
-            problem.keys,
-            lengths,
-            subvectors=p.subvectors,
-            bits=p.bits,
-            metric=metric,
-            init_offset=sink,
-            iters=iters,
+        (m, b): ops.build_index(
+            problem.keys, lengths, subvectors=m, bits=b, metric=metric, init_offset=sink, iters=iters
         )
-        for p in policies
-        if p.kind == "pq"
+        for m, b in dict.fromkeys((p.subvectors, p.bits) for p in policies if p.kind == "pq")
     }
     keys, values = problem.keys.float(), problem.values.float()
     kept = ops.select_streaming(lengths, H, sink=sink, window=window)
@@ -151,6 +144,8 @@ def model_problems(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    from pqattn.integrations.hf import cache_kwargs
+
     model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True).to(device).eval()
     captured: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -166,8 +161,8 @@ def model_problems(
     ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens + 1), generator=gen).to(device)
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :-1], past_key_values=cache)
-        model(ids[:, -1:], past_key_values=cache)
+        model(ids[:, :-1], **cache_kwargs(model, cache))
+        model(ids[:, -1:], **cache_kwargs(model, cache))
     chosen = sorted(captured) if layers is None else list(layers)
     missing = [layer for layer in chosen if layer not in captured]
     if missing:
@@ -178,45 +173,62 @@ def model_problems(
     ]
 
 
-def average(rows: list[dict]) -> list[dict]:
-    """Mean over problems per (density, method)."""
+def average(rows: list[dict], group: str | None = None) -> list[dict]:
+    """Mean over problems per (density, method), and per `group` (e.g. the generator) when given:
+    each row of the result carries that group's name under the key "source"."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["density"], r["method"]), []).append(r)
+        src = r["problem"] if group is None else group
+        groups.setdefault((src, r["density"], r["method"]), []).append(r)
     return [
-        {"density": d, "method": m, "heavy": g[0]["heavy"], "problems": len(g)}
+        {"source": src, "density": d, "method": m, "heavy": g[0]["heavy"], "problems": len(g)}
         | {k: sum(r[k] for r in g) / len(g) for k in ("tokens", "mass", "recall", "rel_err")}
-        for (d, m), g in groups.items()
+        for (src, d, m), g in groups.items()
     ]
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'density':>8} {'method':<10} {'tokens':>8} {'mass':>7} {'recall':>7} {'rel err':>8}"]
+    lines = [
+        f"{'source':<10} {'density':>8} {'method':<10} {'tokens':>8} {'mass':>7} {'recall':>7} {'rel err':>8}"
+    ]
     for r in rows:
         lines.append(
-            f"{r['density']:>8.3f} {r['method']:<10} {r['tokens']:>8.0f} {r['mass']:>7.3f} "
-            f"{r['recall']:>7.3f} {r['rel_err']:>8.4f}"
+            f"{r['source'][-10:]:<10} {r['density']:>8.3f} {r['method']:<10} {r['tokens']:>8.0f} "
+            f"{r['mass']:>7.3f} {r['recall']:>7.3f} {r['rel_err']:>8.4f}"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """Output relative error vs density per method (log-log)."""
+    """Output relative error vs density per method and source (log-log)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in METHODS:
-        pts = sorted((r["density"], r["rel_err"]) for r in rows if r["method"] == m)
-        ax.plot([p[0] for p in pts], [max(p[1], 1e-6) for p in pts], marker="o", label=m)
+    sources = list(dict.fromkeys(r["source"] for r in rows))
+    styles = ["-", "--", ":", "-."]
+    for i, src in enumerate(sources):
+        for j, m in enumerate(METHODS):
+            pts = sorted(
+                (r["density"], r["rel_err"]) for r in rows if r["method"] == m and r["source"] == src
+            )
+            label = m if len(sources) == 1 else f"{m}, {src}"
+            ax.plot(
+                [p[0] for p in pts],
+                [max(p[1], 1e-6) for p in pts],
+                marker="o",
+                ls=styles[i % len(styles)],
+                color=f"C{j}",
+                label=label,
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("heavy density (share of the cache)")
     ax.set_ylabel("output relative error vs dense")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -99,6 +99,94 @@ def _demo_section(name: str, doc: dict) -> list[str]:
     return lines
 
 
+def _positions_table(doc: dict) -> list[str]:
+    """Dense bits/byte by position bucket, a row per context."""
+    pos = doc.get("positions", [])
+    if not pos:
+        return []
+    contexts = sorted({r["context"] for r in pos})
+    spans = list(dict.fromkeys((r["lo"], r["hi"]) for r in sorted(pos, key=lambda r: r["lo"])))
+    cell = {(r["context"], r["lo"], r["hi"]): r["bpb"] for r in pos}
+    lines = [
+        f"Dense bits/byte by position ({doc['settings']['position_docs']} held-out windows per context):",
+        "",
+        "| context | " + " | ".join(f"{lo}-{hi}" for lo, hi in spans) + " |",
+        "| --- |" + " ---: |" * len(spans),
+    ]
+    for c in contexts:
+        lines.append(
+            f"| {c} | "
+            + " | ".join(f"{cell[(c, *span)]:.3f}" if (c, *span) in cell else "" for span in spans)
+            + " |"
+        )
+    return lines
+
+
+def _policies_table(doc: dict) -> list[str]:
+    """Per policy: the bits/byte gap to dense at each tail context, the mass kept, passkey accuracy."""
+    s = doc["settings"]
+    tail = {(r["context"], r["policy"]): r for r in doc.get("tail", [])}
+    keys = {r["policy"]: r for r in doc.get("passkey", []) if (r["depth_lo"], r["depth_hi"]) == (0.0, 1.0)}
+    names = list(dict.fromkeys([p for _, p in tail] + list(keys)))
+    if not names:
+        return []
+    contexts = sorted({c for c, _ in tail})
+    last = contexts[-1] if contexts else None
+    lines = [
+        f"Per policy: bits/byte gap to dense over each document's last {s['tail_rows']} bytes "
+        f"({s['tail_docs']} documents per context), attention mass kept in the model at {last}, passkey "
+        f"accuracy ({s['passkey_buckets'] * s['passkey_trials']} trials at {s['passkey_context']} bytes):",
+        "",
+        "| policy | " + " | ".join(f"gap @{c}" for c in contexts) + " | mass | passkey |",
+        "| --- |" + " ---: |" * (len(contexts) + 2),
+    ]
+    for n in names:
+        gaps = [f"{tail[(c, n)]['gap']:+.4f}" if (c, n) in tail else "" for c in contexts]
+        mass = f"{tail[(last, n)]['mass']:.3f}" if (last, n) in tail else ""
+        acc = f"{keys[n]['accuracy']:.3f}" if n in keys else ""
+        lines.append(f"| {n} | " + " | ".join(gaps) + f" | {mass} | {acc} |")
+    return lines
+
+
+def _tasks_section(name: str, doc: dict) -> list[str]:
+    s = doc["settings"]
+    lines = [
+        f"#### `{name}`: `pqattn tasks`, model `{doc['model']}`, sink {s['sink']} + window {s['window']}",
+        "",
+        _env_line(doc["environment"], f"; corpus {doc['corpus']['digest'][:12]}"),
+    ]
+    for table in (_positions_table(doc), _policies_table(doc)):
+        if table:
+            lines += ["", *table]
+    return lines
+
+
+def _pareto_section(name: str, doc: dict) -> list[str]:
+    t = doc["times"]
+    sh = t["shape"]
+    rows = doc["rows"]
+    gap_keys = sorted(
+        {k for r in rows for k in r if k.startswith("bpb_gap_")}, key=lambda k: int(k.rsplit("_", 1)[1])
+    )
+    pk = sorted({k for r in rows for k in r if k.startswith("passkey_")})
+    cols = [*gap_keys[-1:], *pk[:1], "mass_workload", "mass_needles"]
+    lines = [
+        f"#### `{name}`: `pqattn pareto`, step time at B={sh['B']} H={sh['H']} Hkv={sh['Hkv']} D={sh['D']} "
+        f"N={sh['N']} {sh['dtype']}, sink {t['sink']} + window {t['window']}",
+        "",
+        _env_line(t["environment"], f"; autotune {'on' if t.get('autotune') else 'off (first config)'}"),
+        "",
+        "| policy | step us (GPU) | vs dense | " + " | ".join(c.replace("_", " ") for c in cols) + " |",
+        "| --- | ---: | ---: |" + " ---: |" * len(cols),
+    ]
+    for r in rows:
+        us = "no kernel" if r["step_us"] is None else _fmt(r["step_us"])
+        x = "" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
+        vals = ["" if r.get(c) is None else (f"{r[c]:+.4f}" if "gap" in c else f"{r[c]:.3f}") for c in cols]
+        lines.append(f"| {r['policy']} | {us} | {x} | " + " | ".join(vals) + " |")
+    return lines
+
+
 def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str:
     """The generated section (markers included) for every JSON file in `results_dir`.
 
@@ -114,22 +202,96 @@ def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str
                 out += _plot_link(path, Path(readme_dir))
         elif "workload" in doc and "results" in doc:
             out += _demo_section(path.name, doc)
+        elif "runs" in doc:
+            for i, run in enumerate(doc["runs"]):
+                out += ([""] if i else []) + _demo_section(f"{path.name}, {run['generator']}", run)
+        elif "settings" in doc and "model" in doc:
+            out += _tasks_section(path.name, doc)
+        elif "times" in doc and "rows" in doc:
+            out += _pareto_section(path.name, doc)
+            if readme_dir is not None:
+                out += _plot_link(path, Path(readme_dir))
         else:
-            raise ValueError(f"results: {path} is neither a bench ({BENCH_SCHEMA}) nor a demo result")
+            raise ValueError(
+                f"results: {path} is neither a bench ({BENCH_SCHEMA}), demo, tasks nor pareto result"
+            )
         out.append("")
     out.append(END)
     return "\n".join(out)
 
 
-def update_readme(readme: str | Path, results_dir: str | Path, *, check: bool) -> bool:
-    """Rewrite (or, with check, compare) the generated section; True when the README is current."""
-    text = Path(readme).read_text()
+def _replace_section(path: str | Path, section: str, *, check: bool, name: str) -> bool:
+    """Put `section` (markers included) in place of the file's marked section; True when current."""
+    text = Path(path).read_text()
     if BEGIN not in text or END not in text:
-        raise ValueError(f"readme: {readme} has no results markers ({BEGIN!r} ... {END!r})")
+        raise ValueError(f"{name}: {path} has no results markers ({BEGIN!r} ... {END!r})")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    new = head + render(results_dir, Path(readme).parent) + tail
+    new = head + section + tail
     if check:
         return new == text
-    Path(readme).write_text(new)
+    Path(path).write_text(new)
     return True
+
+
+def update_readme(readme: str | Path, results_dir: str | Path, *, check: bool) -> bool:
+    """Rewrite (or, with check, compare) the generated section; True when the README is current."""
+    return _replace_section(readme, render(results_dir, Path(readme).parent), check=check, name="readme")
+
+
+def render_model_card(model_dir: str | Path, results_dir: str | Path) -> str:
+    """A model card's generated section: its training record (training.json) and, from the
+    `tasks-<folder name>-*.json` results, held-out bits/byte by position and dense passkey by depth."""
+    model_dir = Path(model_dir)
+    with open(model_dir / "training.json") as f:
+        rec = json.load(f)
+    m, t, c, env = rec["model_spec"], rec["train_spec"], rec["corpus"], rec["environment"]
+    phases = ", ".join(
+        f"{n} steps at {ctx}" for (ctx, _), n in zip(t["phases"], rec["phase_steps"], strict=True)
+    )
+    out = [
+        BEGIN,
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| architecture | LlamaForCausalLM, {m['layers']} layers, hidden {m['hidden']}, "
+        f"{m['heads']} query / {m['kv_heads']} KV heads of {m['head_dim']}, MLP {m['intermediate']}, "
+        f"RoPE base {m['rope_theta']:g}, vocabulary 256 bytes |",
+        f"| parameters | {rec['parameters']:,} |",
+        f"| training | {t['steps']} steps of {t['tokens_per_step']:,} tokens ({phases}); "
+        f"{rec['tokens'] / 1e6:.0f}M tokens in {rec['train_s']:.0f} s |",
+        f"| optimizer | AdamW, peak lr {t['lr']:g}, {t['warmup_steps']} warm-up steps, cosine to "
+        f"{t['min_lr_ratio']:g}x, weight decay {t['weight_decay']:g}, clip {t['grad_clip']:g}; "
+        f"seed {t['seed']} |",
+        f"| passkey plants | {t['plant_rate']:g} of the windows |",
+        f"| corpus | {c['train_files']} train files ({c['train_bytes'] / 1e6:.0f} MB), "
+        f"{c['held_out_files']} held out ({c['held_out_bytes'] / 1e6:.1f} MB); digest `{c['digest'][:16]}` |",
+        f"| trained on | {_env_line(env)}, transformers {env.get('transformers')} |",
+    ]
+    for path in sorted(Path(results_dir).glob(f"tasks-{model_dir.name}-*.json")):
+        with open(path) as f:
+            doc = json.load(f)
+        out += ["", f"Measured by `pqattn tasks` ({path.name}; {_env_line(doc['environment'])}):", ""]
+        out += _positions_table(doc)
+        dense = [r for r in doc.get("passkey", []) if r["policy"] == "dense"]
+        if dense:
+            out += [
+                "",
+                f"Dense passkey accuracy at {dense[0]['context']} bytes, by depth of the planted line:",
+                "",
+                "| depth | " + " | ".join(f"{r['depth_lo']:.1f}-{r['depth_hi']:.1f}" for r in dense) + " |",
+                "| --- |" + " ---: |" * len(dense),
+                "| accuracy | " + " | ".join(f"{r['accuracy']:.2f}" for r in dense) + " |",
+            ]
+    out += ["", END]
+    return "\n".join(out)
+
+
+def update_model_cards(models_dir: str | Path, results_dir: str | Path, *, check: bool) -> bool:
+    """Rewrite (or compare) the generated section of every models/*/README.md that has one."""
+    current = True
+    for card in sorted(Path(models_dir).glob("*/README.md")):
+        if BEGIN in card.read_text():
+            section = render_model_card(card.parent, results_dir)
+            current &= _replace_section(card, section, check=check, name="model card")
+    return current

@@ -729,6 +729,7 @@ def _generate_case(
     import transformers
 
     import pqattn.integrations.hf as pq_hf
+    from pqattn.integrations.hf import cache_kwargs
 
     D = hidden // H
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -764,7 +765,7 @@ def _generate_case(
                 model.set_attn_implementation("sdpa")
             cache = transformers.DynamicCache(config=cfg)
             with torch.no_grad():
-                model(ids[:, :context], past_key_values=cache, logits_to_keep=1)
+                model(ids[:, :context], logits_to_keep=1, **cache_kwargs(model, cache))
             x[kind] = (model, cache)
         x["next"] = ids[:, context:]
         return x
@@ -775,7 +776,7 @@ def _generate_case(
             # Past its capacity the integration decodes densely: the figure would not be pqattn's.
             raise RuntimeError(f"generate: the pqattn index is full after {capacity} tokens")
         with torch.no_grad():
-            return model(x["next"], past_key_values=cache, logits_to_keep=1)
+            return model(x["next"], logits_to_keep=1, **cache_kwargs(model, cache))
 
     no_graph = "transformers' DynamicCache grows on every call (a captured step would replay stale memory)"
     weights = n_params * _esize(dtype)

@@ -177,49 +177,69 @@ class PolicyEvaluator:
         idx = codes.long().permute(0, 1, 3, 2)[..., None].expand(B, Hkv, M, T, dsub)
         return cents.gather(3, idx).permute(0, 1, 3, 2, 4).reshape(B, Hkv, T, M * dsub)
 
+    def row_scores(self, layer: int, k: torch.Tensor, prefill: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The current policy's token scores for query rows: q [B, H, R, D] -> [B, H, R, T] over the
+        keys k [B, Hkv, T, D] (the first `prefill` indexed by PQ, the rest appended)."""
+        pol = self.policy
+        B, Hkv, T, D = k.shape
+        if pol.kind in ("oracle", "streaming"):
+            keys = k.float()
+        elif pol.kind == "pq":
+            keys = self.pq_keys(layer, k, prefill, pol)
+        else:
+            # whole pages of the cache: a page holding a token past row p also holds tokens of p's
+            # window (window >= page), so it has no candidate of p and its bound is never used
+            if pol.page > self.settings.window:
+                raise ValueError(
+                    f"policy: expected a page of at most window={self.settings.window}, got {pol.page}"
+                )
+            kmin, kmax = ref.page_bounds(k, torch.full((B,), T, device=k.device), pol.page)
+            return lambda q: ref.page_scores(q.float(), kmin, kmax, pol.page, T)
+
+        def scores(q: torch.Tensor) -> torch.Tensor:
+            H, R = q.shape[1], q.shape[2]
+            qg = q.float().reshape(B, Hkv, H // Hkv, R, D)
+            return torch.einsum("bkgrd,bktd->bkgrt", qg, keys).reshape(B, H, R, T)
+
+        return scores
+
+    def row_keep(self, scores: torch.Tensor, lengths: torch.Tensor, prefill: int) -> torch.Tensor:
+        """What the current policy keeps for query rows that see lengths [R] tokens, given their
+        scores [B, H, R, T]: a mask [B, H, R, T] (heavy = round(density * prefill))."""
+        s, pol = self.settings, self.policy
+        B, H, R, T = scores.shape
+        heavy = pol.heavy(prefill)
+        flat_lengths = lengths.repeat(B)  # rows flattened as (b, r)
+        if pol.kind == "streaming":
+            sel = ref.select_streaming(flat_lengths, H, sink=s.sink, window=s.window + heavy)
+        else:
+            flat = scores.permute(0, 2, 1, 3).reshape(B * R, H, T)
+            sel = ref.select_from_scores(
+                flat, flat_lengths, sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink
+            )
+        return ref.dense_weights(sel, T).reshape(B, R, H, T).permute(0, 2, 1, 3) > 0
+
     def sparse_rows(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Attention of the chunk's query rows q [B, H, E, D] over k/v [B, Hkv, T, D] under the
         current policy; returns [B, E, H, D] in q's dtype."""
-        s, pol = self.settings, self.policy
         B, H, E, D = q.shape
         Hkv, T = k.shape[1], k.shape[2]
         g, prefill = H // Hkv, T - E
-        heavy = pol.heavy(prefill)
+        score_rows = self.row_scores(layer, k, prefill)
         kf, vf = k.float(), v.float()
-        if pol.kind == "pq":
-            approx = self.pq_keys(layer, k, prefill, pol)
-        elif pol.kind == "pages":
-            # whole pages of the cache: a page holding a token past row p also holds tokens of p's
-            # window (window >= page), so it has no candidate of p and its bound is never used
-            kmin, kmax = ref.page_bounds(k, torch.full((B,), T, device=k.device), pol.page)
         out = torch.empty(B, E, H, D, dtype=q.dtype, device=q.device)
         rows = max(1, (1 << 26) // max(1, B * H * T))
         pos = torch.arange(T, device=q.device)
         for r0 in range(0, E, rows):
             R = min(rows, E - r0)
-            qr = q[:, :, r0 : r0 + R].float().reshape(B, Hkv, g, R, D)
-            exact = torch.einsum("bkgrd,bktd->bkgrt", qr, kf).reshape(B, H, R, T)
+            qr = q[:, :, r0 : r0 + R]
             n = prefill + r0 + 1 + torch.arange(R, device=q.device)  # tokens row r sees
-            lengths = n.repeat(B)  # rows flattened as (b, r)
-            if pol.kind == "streaming":
-                sel = ref.select_streaming(lengths, H, sink=s.sink, window=s.window + heavy)
-            else:
-                if pol.kind == "oracle":
-                    scores = exact
-                elif pol.kind == "pq":
-                    scores = torch.einsum("bkgrd,bktd->bkgrt", qr, approx).reshape(B, H, R, T)
-                else:
-                    scores = ref.page_scores(q[:, :, r0 : r0 + R].float(), kmin, kmax, pol.page, T)
-                flat = scores.permute(0, 2, 1, 3).reshape(B * R, H, T)
-                sel = ref.select_from_scores(
-                    flat, lengths, sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink
-                )
-            keep = ref.dense_weights(sel, T).reshape(B, R, H, T).permute(0, 2, 1, 3) > 0
-            logits = exact * scale
-            causal = pos[None, :] < n[:, None]  # [R, T]
-            dense_p = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+            keep = self.row_keep(score_rows(qr), n, prefill)
+            qg = qr.float().reshape(B, Hkv, g, R, D)
+            logits = torch.einsum("bkgrd,bktd->bkgrt", qg, kf).reshape(B, H, R, T) * scale
+            dense_p = logits.masked_fill(~(pos[None, :] < n[:, None]), float("-inf")).softmax(-1)
             self.mass_sum += float((dense_p * keep).sum(-1).sum())
             self.mass_count += B * H * R
             p = logits.masked_fill(~keep, float("-inf")).softmax(-1).reshape(B, Hkv, g, R, T)
@@ -255,25 +275,31 @@ def _nll_bits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def position_bpb(ev: PolicyEvaluator, docs: Sequence[bytes], batch: int) -> list[dict]:
     """Dense bits/byte by position bucket over documents of T + 1 bytes: byte t (1 <= t <= T) is
-    predicted from bytes [0, t) and counts in the bucket [lo, hi) of POSITION_EDGES holding t."""
+    predicted from bytes [0, t) and counts in the bucket [lo, hi) of POSITION_EDGES holding t (the
+    last bucket also holds t = T). Per bucket: the mean over its bytes, and the standard error of
+    the per-document means (documents differ far more than bytes within one)."""
     T = len(docs[0]) - 1
     edges = [e for e in POSITION_EDGES if e < T] + [T]
-    sums = torch.zeros(len(edges) - 1, dtype=torch.float64)
-    counts = torch.zeros(len(edges) - 1, dtype=torch.float64)
     t = torch.arange(1, T + 1)
     bucket = torch.bucketize(t, torch.tensor(edges[1:-1]), right=True)
+    width = torch.bincount(bucket, minlength=len(edges) - 1).double()
+    per_doc = []  # [docs, buckets] mean bits per byte of each document in each bucket
     for i in range(0, len(docs), batch):
         ids = _ids(docs[i : i + batch], ev.device)
         bits = _nll_bits(ev.logits(ids[:, :-1]), ids[:, 1:]).double().cpu()
-        sums.index_add_(0, bucket, bits.sum(0))
-        counts.index_add_(0, bucket, torch.full((T,), float(ids.shape[0]), dtype=torch.float64))
+        sums = torch.zeros(ids.shape[0], len(edges) - 1, dtype=torch.float64).index_add_(1, bucket, bits)
+        per_doc.append(sums / width)
+    means = torch.cat(per_doc)
+    n = means.shape[0]
+    se = means.std(0) / math.sqrt(n) if n > 1 else None
     return [
         {
             "context": T,
             "lo": edges[j],
             "hi": edges[j + 1],
-            "bpb": float(sums[j] / counts[j]),
-            "bytes": int(counts[j]),
+            "bpb": float(means[:, j].mean()),
+            "se": None if se is None else float(se[j]),
+            "bytes": int(width[j]) * n,
         }
         for j in range(len(edges) - 1)
     ]

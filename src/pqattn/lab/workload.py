@@ -52,7 +52,7 @@ class WorkloadSpec:
 
 @dataclass
 class Workload:
-    spec: WorkloadSpec
+    spec: object  # the generator's spec: WorkloadSpec, or pqattn.lab.needles.NeedleSpec
     keys: torch.Tensor  # [B, Hkv, tokens + steps, D]
     values: torch.Tensor  # [B, Hkv, tokens + steps, D]
     queries: torch.Tensor  # [steps, B, H, D]; step t's query sits at position tokens + t
