@@ -1,4 +1,5 @@
-"""The `pqattn` command line."""
+"""The `pqattn` command line: the demo, the lab (bench, compare, check, report), and the quality
+lab (quality, tasks, train, pareto). `pqattn COMMAND --help` says what each shows."""
 
 from __future__ import annotations
 
@@ -18,25 +19,32 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     d, c = WorkloadSpec(), PQConfig()
-    p = sub.add_parser("demo", help="PQ vs streaming vs oracle selection on two synthetic caches")
+    p = sub.add_parser(
+        "demo",
+        help="PQ vs streaming vs oracle selection on two synthetic caches",
+        description="Builds the PQ index over a synthetic cache, runs decode steps and prints per method "
+        "(PQ, streaming, the exact top-k oracle, dense): the attention mass kept, the recall of the oracle's "
+        "tokens, the output error against dense attention, and the step time against dense SDPA in the "
+        "same run (eager, and GPU time by graph replay on a GPU).",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu"
     )
     p.add_argument("--tokens", type=int, default=d.tokens, help="prefill tokens N")
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads Hkv")
     p.add_argument("--group", type=int, default=d.group, help="query heads per KV head")
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="head dimension D")
     p.add_argument("--steps", type=int, default=d.steps, help="decode steps")
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--sink", type=int, default=c.sink)
-    p.add_argument("--window", type=int, default=c.window)
-    p.add_argument("--heavy", type=int, default=256)
-    p.add_argument("--subvectors", type=int, default=c.subvectors, help="M")
-    p.add_argument("--bits", type=int, default=c.bits)
-    p.add_argument("--metric", default=c.metric, choices=["euclidean", "ip"])
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences B")
+    p.add_argument("--sink", type=int, default=c.sink, help="always-kept first tokens")
+    p.add_argument("--window", type=int, default=c.window, help="always-kept last tokens")
+    p.add_argument("--heavy", type=int, default=256, help="tokens chosen by the PQ scores")
+    p.add_argument("--subvectors", type=int, default=c.subvectors, help="sub-vectors per key M")
+    p.add_argument("--bits", type=int, default=c.bits, help="bits per code (2**bits centroids)")
+    p.add_argument("--metric", default=c.metric, choices=["euclidean", "ip"], help="k-means metric (SPEC §1)")
     p.add_argument("--iters", type=int, default=c.iters, help="k-means iterations")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the cache and the k-means init")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per method")
     p.add_argument(
         "--generators",
@@ -227,12 +235,16 @@ def _run_check(args: argparse.Namespace) -> int:
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
-        help="regenerate the README's results section and the model cards from bench/results/*.json",
-        description="Rewrite the README section between the results markers, and that of every model card "
-        "under --models, from the committed JSON; --check exits 1 when one is out of date.",
+        help="regenerate the README's headline, docs/results.md and the model cards from the results JSON",
+        description="Rewrite the generated sections (between their markers) of the README's headline table, "
+        "the full results page and every model card under --models from the committed JSON; --check exits "
+        "1 when one is out of date.",
     )
     p.add_argument("--results", default="bench/results", help="directory of results JSON")
-    p.add_argument("--readme", default="README.md", help="the file whose results section is rewritten")
+    p.add_argument("--readme", default="README.md", help="the file whose headline table is rewritten")
+    p.add_argument(
+        "--page", default="docs/results.md", help="the file whose full results section is rewritten"
+    )
     p.add_argument(
         "--models", default="models", help="folder of model folders whose README.md (model card) has markers"
     )
@@ -241,14 +253,15 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from pqattn.lab.report import update_model_cards, update_readme
+    from pqattn.lab.report import update_model_cards, update_readme, update_results_page
 
-    current = update_readme(args.readme, args.results, check=args.check)
-    cards = update_model_cards(args.models, args.results, check=args.check)
-    if args.check and not (current and cards):
-        stale = [
-            name for name, ok in ((args.readme, current), (f"{args.models}/*/README.md", cards)) if not ok
-        ]
+    current = {
+        args.readme: update_readme(args.readme, args.results, check=args.check),
+        args.page: update_results_page(args.page, args.results, check=args.check),
+        f"{args.models}/*/README.md": update_model_cards(args.models, args.results, check=args.check),
+    }
+    stale = [name for name, ok in current.items() if not ok]
+    if args.check and stale:
         print(f"{', '.join(stale)} out of date: run `pqattn report`", file=sys.stderr)
         return 1
     return 0
@@ -261,7 +274,7 @@ def _add_quality(sub: argparse._SubParsersAction) -> None:
         description="Captured attention mass, oracle recall and output error vs dense attention, on the "
         "two synthetic caches or on the KV cache of a local transformers model (--model PATH, no download).",
     )
-    p.add_argument("--model", help="a local transformers model directory (default: the demo workload)")
+    p.add_argument("--model", help="a local transformers model directory (default: the synthetic caches)")
     p.add_argument("--prompt-tokens", type=int, default=4096, help="random prompt length for --model")
     p.add_argument("--layers", help="comma-separated layer indices for --model (default: all)")
     p.add_argument("--tokens", type=int, default=16384, help="synthetic cache length (no --model)")
@@ -271,15 +284,15 @@ def _add_quality(sub: argparse._SubParsersAction) -> None:
         help="synthetic caches when there is no --model: workload (pqattn.lab.workload), needles "
         "(pqattn.lab.needles)",
     )
-    p.add_argument("--densities", default="0.005,0.01,0.02,0.05,0.1,0.2")
-    p.add_argument("--sink", type=int, default=16)
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--subvectors", type=int, default=2)
-    p.add_argument("--bits", type=int, default=6)
-    p.add_argument("--metric", choices=["euclidean", "ip"], default="euclidean")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--densities", default="0.005,0.01,0.02,0.05,0.1,0.2", help="heavy / N, comma-separated")
+    p.add_argument("--sink", type=int, default=16, help="always-kept first tokens")
+    p.add_argument("--window", type=int, default=64, help="always-kept last tokens")
+    p.add_argument("--subvectors", type=int, default=2, help="sub-vectors per key M of the PQ index")
+    p.add_argument("--bits", type=int, default=6, help="bits per code of the PQ index")
+    p.add_argument("--metric", choices=["euclidean", "ip"], default="euclidean", help="k-means metric")
+    p.add_argument("--iters", type=int, default=10, help="k-means iterations")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--json", metavar="PATH", help="write the rows and their means here")
     p.add_argument("--plot", metavar="PATH", help="PNG of output error vs density")
     p.set_defaults(func=_run_quality)
 
@@ -601,7 +614,8 @@ def _run_pareto(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `pqattn` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="pqattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
@@ -616,7 +630,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _add_pareto,
     ):
         add(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:

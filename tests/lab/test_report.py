@@ -8,16 +8,28 @@ from pathlib import Path
 import pytest
 
 from pqattn.cli import main
-from pqattn.lab.report import BEGIN, END, render, update_readme
+from pqattn.lab.report import (
+    BEGIN,
+    END,
+    HEAD_BEGIN,
+    HEAD_END,
+    render,
+    update_model_cards,
+    update_readme,
+    update_results_page,
+)
 from tests.lab.test_schema import make_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_matches_committed_results() -> None:
-    assert update_readme(ROOT / "README.md", ROOT / "bench/results", check=True), (
-        "README results section is stale: run `pqattn report`"
+def test_generated_tables_match_committed_results() -> None:
+    results = ROOT / "bench/results"
+    assert update_readme(ROOT / "README.md", results, check=True), (
+        "README headline stale: run `pqattn report`"
     )
+    assert update_results_page(ROOT / "docs/results.md", results, check=True), "docs/results.md stale"
+    assert update_model_cards(ROOT / "models", results, check=True), "a model card is stale"
 
 
 def test_render_and_rewrite(tmp_path, capsys) -> None:
@@ -27,13 +39,17 @@ def test_render_and_rewrite(tmp_path, capsys) -> None:
     text = render(results)
     assert text.startswith(BEGIN) and text.endswith(END)
     assert "| select/c | **pqattn** | 1.00 |" in text
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
-    assert main(["report", "--check", "--readme", str(readme), "--results", str(results)]) == 1
-    assert main(["report", "--readme", str(readme), "--results", str(results)]) == 0
-    assert main(["report", "--check", "--readme", str(readme), "--results", str(results)]) == 0
-    new = readme.read_text()
+    readme, page = tmp_path / "README.md", tmp_path / "results.md"
+    readme.write_text(f"intro\n{HEAD_BEGIN}\nold\n{HEAD_END}\noutro\n")
+    page.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
+    argv = ["report", "--readme", str(readme), "--page", str(page), "--results", str(results)]
+    argv += ["--models", str(tmp_path / "no-models")]
+    assert main([*argv, "--check"]) == 1
+    assert main(argv) == 0
+    assert main([*argv, "--check"]) == 0
+    new = page.read_text()
     assert new.startswith("intro\n") and new.endswith("outro\n") and "old" not in new
+    assert "old" not in readme.read_text(), "the headline is rewritten (empty without a pareto result)"
 
 
 def test_missing_markers_and_foreign_json(tmp_path) -> None:
