@@ -153,9 +153,22 @@ class PQIndex:
         capacity: int | None = None,
         config: PQConfig | None = None,
     ) -> PQIndex:
-        """Index the prefill keys [B, Hkv, N, D] (first lengths[b] tokens of each sequence).
+        """Index the prefill keys of a batch (k-means per sequence, KV head and sub-vector).
 
-        capacity: tokens the index can hold, N by default (give room for the decode steps).
+        Args:
+            keys: [B, Hkv, N, D] float (the prefill keys; the caller keeps the cache).
+            lengths: [B] valid tokens per sequence (tensor or list), None for N each.
+            capacity: tokens the index can hold, N by default (give room for the decode steps).
+            config: what to quantize and what to select (PQConfig() by default).
+
+        Returns:
+            the PQIndex.
+
+        Example:
+            >>> index = PQIndex.build(torch.randn(1, 2, 256, 16), [200], capacity=260,
+            ...                       config=PQConfig(bits=4, sink=4, window=8, heavy=16, iters=2))
+            >>> index.lengths.tolist(), index.codes.shape
+            ([200], torch.Size([1, 2, 260, 2]))
         """
         config = config or PQConfig()
         ops._check_keys("keys", keys)
@@ -179,9 +192,18 @@ class PQIndex:
         capacity: int | None = None,
         config: PQConfig | None = None,
     ) -> PQIndex:
-        """An index over a codebook built elsewhere (`build_index`, a saved one): centroids
-        [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M] uint8, phi for ip; `config` must match its
-        M, C and metric. The head dim comes from the centroids. capacity: N by default."""
+        """An index over a codebook built elsewhere (`build_index`, a saved one).
+
+        Args:
+            book: PQCodebook(centroids [B, Hkv, M, C, dsub (+1)], codes [B, Hkv, N, M] uint8, phi
+                for ip); the head dim comes from the centroids.
+            lengths: [B] valid tokens per sequence, None for N each.
+            capacity: tokens the index can hold, N by default.
+            config: must match the codebook's M, C and metric.
+
+        Returns:
+            the PQIndex.
+        """
         config = config or PQConfig()
         B, Hkv, M, C, width = book.centroids.shape
         N = book.codes.shape[2]
@@ -277,7 +299,19 @@ class PQIndex:
             self.reindex()
 
     def append(self, keys: torch.Tensor) -> None:
-        """Encode T new keys per sequence, keys [B, Hkv, T, D], at positions lengths[b]..lengths[b]+T-1."""
+        """Encode T new keys per sequence at positions lengths[b] .. lengths[b] + T - 1 and
+        advance the lengths (on a GPU one launch, no sync).
+
+        Args:
+            keys: [B, Hkv, T, D] float.
+
+        Example:
+            >>> config = PQConfig(bits=3, iters=1)
+            >>> index = PQIndex.build(torch.randn(1, 2, 64, 16), capacity=70, config=config)
+            >>> index.append(torch.randn(1, 2, 2, 16))
+            >>> index.lengths.tolist()
+            [66]
+        """
         key = self._plan_key("append", keys)
         plan = self._plan(key)
         if plan is None:
@@ -382,7 +416,22 @@ class PQIndex:
         self._reindex_when_due()
 
     def select(self, q: torch.Tensor) -> Selection:
-        """PQ top-k selection for q [B, H, D] -> Selection(positions [B, H, L], counts [B, H])."""
+        """PQ top-k selection for one decode query per sequence (SPEC §2; sizes from the config).
+
+        Args:
+            q: [B, H, D] float, H a multiple of Hkv, D the index's head dim.
+
+        Returns:
+            Selection(positions [B, H, sink + heavy + window] int32, -1 past the count; counts
+            [B, H] int32). On the kernel path it is a buffer of the index's, overwritten by the
+            next call.
+
+        Example:
+            >>> index = PQIndex.build(torch.randn(1, 2, 256, 16), config=PQConfig(bits=4, sink=4, window=8,
+            ...                                                                  heavy=16, iters=2))
+            >>> index.select(torch.randn(1, 4, 16)).counts.tolist()
+            [[28, 28, 28, 28]]
+        """
         key = self._plan_key("select", q)
         plan = self._plan(key)
         if plan is not None:
@@ -450,10 +499,16 @@ class PQIndex:
         *,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Sparse attention of q [B, H, D] over the selected tokens of k/v_cache [B, Hkv, Ncache, D].
+        """Sparse attention of q over the selected tokens of the cache (selects first when
+        `selection` is None).
 
-        Selects first when `selection` is None. Returns [B, H, D] in q's dtype; on the kernel path
-        the result lives in a buffer the index owns and reuses on the next call (copy it to keep it).
+        Args:
+            q: [B, H, D]. k_cache, v_cache: [B, Hkv, >= the longest length, D].
+            selection: a Selection from `select`, or None. scale: default 1/sqrt(D).
+
+        Returns:
+            out [B, H, D] in q's dtype; on the kernel path a buffer of the index's, reused by the
+            next call (copy it to keep it).
         """
         if k_cache.dim() == 4 and k_cache.shape[2] < self._max_length:
             raise ValueError(
@@ -521,15 +576,30 @@ class PQIndex:
         *,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """One decode step of a layer: store the new key/value, index the key, select, attend.
+        """One decode step of a layer: store the new key and value, index the key, select, attend.
 
-        q [B, H, D]; k_new, v_new [B, Hkv, 1, D]; k_cache, v_cache [B, Hkv, capacity, D] (or longer).
         Writes k_new / v_new into the caches at position lengths[b] (read on the device: no sync),
         appends the key to the index (lengths += 1), selects for q and attends over the selection
-        (the new token is in the window when window >= 1). Returns out [B, H, D] in q's dtype. With
-        CUDA tensors the store, the encoding and the length update are one launch, and every step
-        is the same launches on the same buffers: capture one call in a CUDA graph and replay it
-        per token (call `sync_lengths()` after replays).
+        (the new token is in the window when window >= 1). With CUDA tensors the store, the
+        encoding and the length update are one launch, and every step is the same launches on the
+        same buffers: capture one call in a CUDA graph and replay it per token (call
+        `sync_lengths()` after replays).
+
+        Args:
+            q: [B, H, D]. k_new, v_new: [B, Hkv, 1, D].
+            k_cache, v_cache: [B, Hkv, >= capacity, D]. scale: default 1/sqrt(D).
+
+        Returns:
+            out [B, H, D] in q's dtype (on the kernel path a buffer of the index's).
+
+        Example:
+            >>> k_cache, v_cache = torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
+            >>> config = PQConfig(bits=3, sink=2, window=4, heavy=8, iters=1)
+            >>> index = PQIndex.build(k_cache[:, :, :64], capacity=80, config=config)
+            >>> out = index.decode_step(torch.randn(1, 4, 16), torch.randn(1, 2, 1, 16),
+            ...                         torch.randn(1, 2, 1, 16), k_cache, v_cache)
+            >>> out.shape, index.lengths.tolist()
+            (torch.Size([1, 4, 16]), [65])
         """
         inputs = (q, k_new, v_new, k_cache, v_cache)
         key = self._plan_key("step", *inputs, scale=scale)

@@ -313,15 +313,32 @@ def build_index(
     tol: float = 1e-4,
     seed: int = 0,
 ) -> PQCodebook:
-    """Build the PQ index of a prefill key cache (k-means per (b, kv-head, sub-vector), SPEC §1).
+    """Build the PQ index of a prefill key cache (SPEC §1): k-means per (sequence, KV head,
+    sub-vector), then every key's codes.
 
-    keys: [B, Hkv, N, D] (fp16/bf16/fp32/fp64); lengths: [B] valid tokens per sequence (None = N).
-    Tokens before `init_offset` are never quantized. Centroids are initialised from `seed` (C data
-    points drawn without replacement per group) and refined by at most `iters` Lloyd iterations;
-    a group stops early once its total squared centre shift is below `tol`.
-    Returns PQCodebook(centroids [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M] uint8, phi).
-    Given `lengths`, it reads them on the host to validate them; with lengths=None the CUDA build
-    never waits on the GPU and can be captured in a CUDA graph.
+    Tokens before `init_offset` are never quantized. Centroids start from C data points drawn by
+    `seed` (the same on every device) and take at most `iters` Lloyd iterations; a group stops
+    early once its total squared centre shift is below `tol`. CUDA keys (fp16/bf16/fp32) build
+    with the Triton kernels, anything else with the reference.
+
+    Args:
+        keys: [B, Hkv, N, D] float16/bfloat16/float32/float64.
+        lengths: [B] valid tokens per sequence (a tensor or a list), or None for N each. Given,
+            they are read on the host to be checked; with None a CUDA build never waits on the GPU
+            and can be captured in a CUDA graph.
+        subvectors: M, with D % M == 0. bits: C = 2**bits centroids, 1..8.
+        metric: "euclidean" or "ip" (maximum inner product through the augmented coordinate).
+        init_offset, iters, tol, seed: as above.
+
+    Returns:
+        PQCodebook(centroids [B, Hkv, M, C, dsub (+1 for ip)] float32 (float64 for float64 keys),
+        codes [B, Hkv, N, M] uint8 by absolute position, phi [B, Hkv, M] for ip else None).
+
+    Example:
+        >>> keys = torch.randn(1, 2, 256, 16)
+        >>> book = build_index(keys, subvectors=2, bits=4, init_offset=4, iters=3)
+        >>> book.centroids.shape, book.codes.shape
+        (torch.Size([1, 2, 2, 16, 8]), torch.Size([1, 2, 256, 2]))
     """
     _check_keys("keys", keys)
     B, _, N, D = keys.shape
@@ -371,7 +388,22 @@ def _build(
 def encode_keys(
     keys: torch.Tensor, centroids: torch.Tensor, phi: torch.Tensor | None = None, *, metric: str = "euclidean"
 ) -> torch.Tensor:
-    """Codes [B, Hkv, T, M] uint8 of new keys [B, Hkv, T, D] against existing centroids (no retraining)."""
+    """Codes of new keys against existing centroids (SPEC §1's append: no retraining).
+
+    Args:
+        keys: [B, Hkv, T, D] float.
+        centroids: [B, Hkv, M, C, dsub (+1 for ip)] from `build_index`.
+        phi: [B, Hkv, M], the build's phi for the ip metric (None for euclidean).
+        metric: the build's metric.
+
+    Returns:
+        codes [B, Hkv, T, M] uint8.
+
+    Example:
+        >>> book = build_index(torch.randn(1, 2, 256, 16), bits=4, iters=2)
+        >>> encode_keys(torch.randn(1, 2, 3, 16), book.centroids).shape
+        torch.Size([1, 2, 3, 2])
+    """
     _check_keys("keys", keys)
     check.metric(metric)
     B, Hkv, _, D = keys.shape
@@ -401,9 +433,18 @@ def encode_keys(
 
 
 def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Approximate scores [B, H, N]: s_j = sum_m <q_m, centroid[code[j, m]][:dsub]> (SPEC §2).
+    """Approximate scores of every token (SPEC §2): s_j = sum_m <q_m, centroid[code[j, m]][:dsub]>.
 
-    q: [B, H, D]; centroids: [B, Hkv, M, C, dsub(+1)]; codes: [B, Hkv, N, M] uint8.
+    Args:
+        q: [B, H, D]. centroids: [B, Hkv, M, C, dsub (+1)]. codes: [B, Hkv, N, M] uint8.
+
+    Returns:
+        scores [B, H, N] in the centroids' dtype (the PyTorch reference on every device).
+
+    Example:
+        >>> book = build_index(torch.randn(1, 2, 256, 16), bits=4, iters=2)
+        >>> pq_scores(torch.randn(1, 4, 16), book.centroids, book.codes).shape
+        torch.Size([1, 4, 256])
     """
     _check_score_inputs(q, centroids, codes)
     return ref.pq_scores(q, centroids, codes)
@@ -436,16 +477,32 @@ def select_topk(
 ) -> Selection:
     """PQ top-k selection for one decode query per sequence (SPEC §2, native rules).
 
-    q: [B, H, D]; centroids: [B, Hkv, M, C, dsub(+1)]; codes: [B, Hkv, N, M] uint8;
-    lengths: [B] tokens per sequence (<= N).
     Keeps sink [0, sink) and window [n - window, n), and the `heavy` highest-scoring candidates in
-    [max(init_offset, sink), n - window); sequences with n <= sink + heavy + window keep all tokens.
-    Returns Selection(positions [B, H, sink + heavy + window] int32 (-1 past the count),
-    counts [B, H] int32). The order of positions carries no meaning.
-    Kernel path only: `out` (a Selection of that shape) and `workspace` (zero-filled int32 of
-    select_workspace_numel(B * H, M, C, N, heavy) elements) are used instead of allocating, for a
-    decode loop with no allocation. One workspace serves calls of one (B * H, M, C, N, heavy); the
-    kernel leaves it ready for the next such call, not for another layout.
+    [max(init_offset, sink), n - window) (ties any); sequences with n <= sink + heavy + window keep
+    all their tokens. The order of positions carries no meaning.
+
+    Args:
+        q: [B, H, D] float, H a multiple of Hkv.
+        centroids: [B, Hkv, M, C, dsub (+1)]; codes: [B, Hkv, N, M] uint8 (`build_index`).
+        lengths: [B] int32/int64, tokens per sequence, in [0, N].
+        sink, window, heavy, init_offset: the selection's sizes (non-negative ints).
+        out: a Selection of positions [B, H, L] and counts [B, H] to write into (kernel path).
+        workspace: zero-filled int32 of `select_workspace_numel(B * H, M, C, N, heavy)` elements
+            (kernel path). With `out`, the call allocates nothing, its launches are kept as a plan,
+            and later calls of the same signature replay it; one workspace serves calls of one
+            (B * H, M, C, N, heavy), which leave it ready for the next.
+
+    Returns:
+        Selection(positions [B, H, L] int32 with L = sink + heavy + window, -1 past the count;
+        counts [B, H] int32).
+
+    Example:
+        >>> keys = torch.randn(1, 2, 256, 16)
+        >>> book = build_index(keys, bits=4, init_offset=4, iters=2)
+        >>> sel = select_topk(torch.randn(1, 4, 16), book.centroids, book.codes, torch.tensor([256]),
+        ...                   sink=4, window=8, heavy=16, init_offset=4)
+        >>> sel.positions.shape, sel.counts.tolist()
+        (torch.Size([1, 4, 28]), [[28, 28, 28, 28]])
     """
     key = tensors = None
     if out is not None and workspace is not None:
@@ -513,9 +570,20 @@ def select_oracle(
     heavy: int,
     init_offset: int = 0,
 ) -> Selection:
-    """The exact top-k by <q, k> over the same candidates as `select_topk` (a quality yardstick).
+    """The exact top-k by <q, k> over the same candidates as `select_topk`: the quality yardstick
+    (the PyTorch reference on every device: it reads every key).
 
-    q: [B, H, D]; keys: [B, Hkv, N, D]; lengths: [B]. Same output as `select_topk`.
+    Args:
+        q: [B, H, D]. keys: [B, Hkv, N, D]. lengths: [B] in [0, N].
+        sink, window, heavy, init_offset: as `select_topk`.
+
+    Returns:
+        Selection as `select_topk`'s.
+
+    Example:
+        >>> keys = torch.randn(1, 2, 256, 16)
+        >>> select_oracle(torch.randn(1, 4, 16), keys, torch.tensor([256]), sink=4, window=8, heavy=16).counts
+        tensor([[28, 28, 28, 28]], dtype=torch.int32)
     """
     _check_exact_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     return ref.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
@@ -534,10 +602,20 @@ def select_pages(
 ) -> Selection:
     """Quest-style page selection (SPEC §7), a peer baseline: pages of `page` tokens ranked by
     sum_d max(q_d * kmin_d, q_d * kmax_d) over their per-channel key minima and maxima, taken until
-    `heavy` candidate tokens are covered; sink, window, candidates and the short rule as `select_topk`.
+    `heavy` candidate tokens are covered; sink, window, candidates and the short rule as
+    `select_topk`. The PyTorch reference on every device: pqattn has no kernel for it.
 
-    q: [B, H, D]; keys: [B, Hkv, N, D]; lengths: [B]. Same output as `select_topk`. The PyTorch
-    reference on every device: pqattn has no kernel for it.
+    Args:
+        q: [B, H, D]. keys: [B, Hkv, N, D]. lengths: [B] in [0, N].
+        sink, window, heavy, init_offset: as `select_topk`. page: tokens per page.
+
+    Returns:
+        Selection as `select_topk`'s.
+
+    Example:
+        >>> keys = torch.randn(1, 2, 256, 16)
+        >>> select_pages(torch.randn(1, 4, 16), keys, torch.tensor([256]), sink=4, window=16, heavy=32).counts
+        tensor([[52, 52, 52, 52]], dtype=torch.int32)
     """
     _check_exact_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     check.positive_int("page", page)
@@ -547,7 +625,19 @@ def select_pages(
 
 
 def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window: int) -> Selection:
-    """Sink + window only (StreamingLLM). lengths: [B] -> Selection with positions [B, H, sink + window]."""
+    """Sink + window only (StreamingLLM): the same tokens for every head.
+
+    Args:
+        lengths: [B] tokens per sequence. num_heads: H. sink, window: the kept sizes.
+
+    Returns:
+        Selection with positions [B, H, sink + window].
+
+    Example:
+        >>> select_streaming(torch.tensor([100, 5]), 2, sink=2, window=3).counts
+        tensor([[5, 5],
+                [5, 5]], dtype=torch.int32)
+    """
     check.tensor("lengths", lengths, shape=(None,), dims="[B]", dtypes=check.INT_DTYPES)
     check.positive_int("num_heads", num_heads)
     _check_sizes(sink, window, 0, 0)
@@ -557,7 +647,18 @@ def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window
 def selection_weights(
     selection: Selection, n_tokens: int, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Dense per-token weights [B, H, n_tokens]: 1.0 where selected, 0.0 elsewhere."""
+    """Dense per-token weights of a selection: 1.0 where selected, 0.0 elsewhere.
+
+    Args:
+        selection: positions [B, H, L], counts [B, H]. n_tokens: N. dtype: of the weights.
+
+    Returns:
+        weights [B, H, n_tokens].
+
+    Example:
+        >>> selection_weights(select_streaming(torch.tensor([6]), 1, sink=1, window=2), 6)
+        tensor([[[1., 0., 0., 0., 1., 1.]]])
+    """
     check.tensor("selection.positions", selection.positions, shape=(None,) * 3, dtypes=check.INT_DTYPES)
     check.tensor(
         "selection.counts", selection.counts, shape=selection.positions.shape[:2], dtypes=check.INT_DTYPES
@@ -595,17 +696,31 @@ def sparse_decode(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Weighted attention of one query per sequence over selected tokens (SPEC §3).
+    """Weighted attention of one query per sequence over its selected tokens (SPEC §3):
+    out = sum_i w_i exp(a_i) v_i / sum_i w_i exp(a_i) over the first counts[b, h] positions, with
+    a_i = scale * <q, k_i>. An empty selection gives a zero row (lse -inf).
 
-    q: [B, H, D]; k, v: [B, Hkv, N, D] (the cache); positions: [B, H, L] int32/int64 with the first
-    counts[b, h] entries valid (each in [0, N)); counts: [B, H]; weights: [B, H, L] > 0 per entry,
-    or [B, H, N] by token position when `dense_weights` (the original's weight_list; a weight of 0
-    drops the token), or None. scale defaults to 1/sqrt(D). Returns out [B, H, D] in q's dtype,
-    plus lse [B, H] (float32) when `return_lse`. An empty selection gives a zero row (lse -inf).
-    `out` ([B, H, D], q's dtype, last dim contiguous) receives the result when given; on the kernel
-    path (`decode_kernel_path`) `workspace` (zero-filled int32 of decode_workspace_numel(B * H, L, D)
-    elements) is used instead of allocating, so a decode loop allocates nothing; one workspace
-    serves calls of one (B * H, L, D).
+    Args:
+        q: [B, H, D] in any floating dtype, H a multiple of Hkv.
+        k, v: [B, Hkv, N, D], one floating dtype (the cache; it may differ from q's).
+        positions: [B, H, L] int32/int64, the first counts[b, h] entries in [0, N).
+        counts: [B, H] int32/int64 in [0, L].
+        weights: [B, H, L] > 0 per entry; or [B, H, N] by token position when `dense_weights`
+            (the original's weight_list: a weight of 0 drops the token); or None (all 1).
+        scale: default 1/sqrt(D). return_lse: also return the log-sum-exp.
+        out: [B, H, D] in q's dtype, last dim contiguous, to write into.
+        workspace: zero-filled int32 of `decode_workspace_numel(B * H, L, D)` elements (kernel
+            path). With `out`, the call allocates nothing and its launches are kept as a plan that
+            later calls of the same signature replay; one workspace serves calls of one (B * H, L, D).
+
+    Returns:
+        out [B, H, D] in q's dtype, and lse [B, H] float32 when `return_lse`.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+        >>> sel = select_streaming(torch.tensor([64]), 4, sink=4, window=8)
+        >>> sparse_decode(q, k, v, sel.positions, sel.counts).shape
+        torch.Size([1, 4, 16])
     """
     key = tensors = None
     if out is not None and workspace is not None and not return_lse:
@@ -691,11 +806,21 @@ def dense_attention(
     scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention (SPEC §4): q [B, H, Sq, D], k/v [B, Hkv, Sk, D] -> [B, H, Sq, D].
+    """Softmax attention (SPEC §4), full or causal (query i sees keys j <= i + Sk - Sq), GQA.
+    CUDA fp16/bf16 with a power-of-two D of 16..256 runs the Triton flash kernel
+    (`attention_kernel_path`), anything else the reference.
 
-    causal: query i sees keys j <= i + (Sk - Sq). GQA when H is a multiple of Hkv.
-    Returns [B, H, Sq, D] in q's dtype (plus lse [B, H, Sq] float32 when `return_lse`). CUDA
-    fp16/bf16 with a power-of-two D runs the Triton flash kernel (`attention_kernel_path`).
+    Args:
+        q: [B, H, Sq, D]; k, v: [B, Hkv, Sk, D]; q, k and v of one floating dtype.
+        causal: bottom-right causal mask. scale: default 1/sqrt(D). return_lse: also return it.
+
+    Returns:
+        out [B, H, Sq, D] in q's dtype, and lse [B, H, Sq] float32 when `return_lse`.
+
+    Example:
+        >>> q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16)
+        >>> dense_attention(q, k, k, causal=True).shape
+        torch.Size([1, 4, 3, 16])
     """
     sig = signature(q, k, v)
     if sig is None or sig not in _CHECKED_ATTENTION:
@@ -759,6 +884,14 @@ def decode_step(
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Functional form of `PQIndex.decode_step`: store k_new/v_new [B, Hkv, 1, D] in the caches at
-    each sequence's length, index the key, select for q [B, H, D], attend; returns [B, H, D]."""
+    """Functional form of `PQIndex.decode_step`: store k_new / v_new in the caches at each
+    sequence's length, index the key, select for q, attend.
+
+    Args:
+        index: the layer's PQIndex. q: [B, H, D]. k_new, v_new: [B, Hkv, 1, D].
+        k_cache, v_cache: [B, Hkv, >= capacity, D]. scale: default 1/sqrt(D).
+
+    Returns:
+        out [B, H, D] in q's dtype (on the kernel path, a buffer of the index's: copy to keep).
+    """
     return index.decode_step(q, k_new, v_new, k_cache, v_cache, scale=scale)
