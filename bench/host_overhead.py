@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 import pqattn
-from pqattn import ops
-from pqattn.integrations.sparse_attention_hub import _codebook_buffer, indexer_next
+from pqattn import dispatch, ops
+from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_next
 from pqattn.kernels import launch
 
 
@@ -51,11 +51,11 @@ def _stub_launches() -> None:
         self.autotuned.best_config = config
         self.launch(grid(config.kwargs), tensors, scalars, {**meta, **config.all_kwargs()})
 
-    ops.KERNEL_DEVICES = ("cuda", "cpu")
+    dispatch.KERNEL_DEVICES = ("cuda", "cpu")
     launch._INTERPRETED = False
-    launch._hooked = lambda: False
-    launch._current_device = lambda: 0
-    launch._current_stream = lambda device: 0
+    launch.hooked = lambda: False
+    launch.current_device = lambda: 0
+    launch.current_stream = lambda device: 0
     launch.Launcher._compile_and_launch = compile_idle
     launch.TunedLauncher.__call__ = first_config
 
@@ -86,7 +86,7 @@ def _compat_calls(
 
     def codebook() -> torch.Tensor:
         book = index.codes[:, :, io : io + n_q].long().transpose(1, 2)
-        return _codebook_buffer(book, io, n_q + 1)[0][:, io : io + n_q]
+        return codebook_buffer(book, io, n_q + 1)[0][:, io : io + n_q]
 
     same = codebook()
     loop = {"n": N, "codebook": codebook()}
@@ -158,7 +158,7 @@ def main() -> None:
     build = launch.Plan.build
     launch.Plan.build = classmethod(lambda cls, *a: None)
     index._plans.clear()
-    ops._PLANS.clear()
+    dispatch.PLANS.clear()
     for name, fn in calls.items():
         rows[name]["no_plans_us"] = _median_us(fn)
     launch.Plan.build = build

@@ -12,7 +12,7 @@ import json
 import torch
 
 from pqattn import reference as ref
-from pqattn.kernels.select import configs_for, pq_select, workspace_numel
+from pqattn.kernels.select.tree import configs_for, pq_select, workspace_numel
 from pqattn.lab import timing
 
 SHAPES = [  # B, H, Hkv, N, heavy
@@ -36,24 +36,26 @@ def main() -> None:
         cent = torch.randn(B, Hkv, M, C, D // M, device=dev)
         codes = torch.randint(0, C, (B, Hkv, N, M), device=dev, dtype=torch.uint8)
         lens = torch.full((B,), N, device=dev, dtype=torch.int32)
-        width = ref.selection_width(sink, window, heavy)
-        pos = torch.empty(B, H, width, dtype=torch.int32, device=dev)
-        cnt = torch.empty(B, H, dtype=torch.int32, device=dev)
-        ws = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=dev)
-        kw = dict(
+        params = ref.SelectParams.make(
             sink=sink,
             window=window,
             heavy=heavy,
             cand_lo=sink,
             short_threshold=sink + heavy + window,
-            width=width,
+            n_tokens=N,
+        )
+        width = params.width
+        pos = torch.empty(B, H, width, dtype=torch.int32, device=dev)
+        cnt = torch.empty(B, H, dtype=torch.int32, device=dev)
+        ws = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=dev)
+        kw = dict(
             positions=pos,
             counts=cnt,
             workspace=ws,
             n_tokens=N,
         )
         for cfg in configs_for(heavy, N):
-            call = functools.partial(pq_select, q, cent, codes, lens, **kw, config=cfg)
+            call = functools.partial(pq_select, q, cent, codes, lens, params, **kw, config=cfg)
             call()
             graph = timing.capture([call], dev, calls=10)
             t = timing.time_graph(graph, dev, repeats=20, calls=10)

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pqattn import ops
-from pqattn.kernels.launch import interpreted
+from pqattn import dispatch
+from pqattn.kernels.launch import PlanCache, interpreted
 from pqattn.lab.check import poisoned_allocations
 
 SEED = int(os.environ.get("PQATTN_SEED", random.SystemRandom().randrange(1 << 31)))
@@ -60,5 +60,5 @@ def kernel_routes(monkeypatch, device: torch.device) -> None:
     if device.type != "cuda":
         if not interpreted():
             pytest.skip("CPU tensors run the kernels under Triton's interpreter only")
-        monkeypatch.setattr(ops, "KERNEL_DEVICES", ("cuda", "cpu"))
-        monkeypatch.setattr(ops, "_PLANS", {})  # plans recorded on these routes end with the test
+        monkeypatch.setattr(dispatch, "KERNEL_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(dispatch, "PLANS", PlanCache(dispatch.PLANS.size))  # they end with the test

@@ -95,7 +95,9 @@ def count_plan_replays(monkeypatch) -> list[int]:
 def select_hist_launches(monkeypatch, H: int, Hkv: int) -> dict[str, tuple]:
     """The launches pq_select_hist makes on a tiny CPU input (B = 1, N = 64), intercepted, not run:
     kernel name -> (grid, tensors, scalars, kwargs)."""
-    from pqattn.kernels import launch, select_hist
+    from pqattn.kernels import launch
+    from pqattn.kernels.select import hist as select_hist
+    from pqattn.reference import SelectParams
 
     launched: dict[str, tuple] = {}
     monkeypatch.setattr(
@@ -107,12 +109,7 @@ def select_hist_launches(monkeypatch, H: int, Hkv: int) -> dict[str, tuple]:
         torch.randn(B, Hkv, M, C, 8),
         torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
         torch.full((B,), N, dtype=torch.int32),
-        sink=2,
-        window=2,
-        heavy=8,
-        cand_lo=2,
-        short_threshold=12,
-        width=12,
+        SelectParams(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, width=12),
         positions=torch.empty(B, H, 12, dtype=torch.int32),
         counts=torch.empty(B, H, dtype=torch.int32),
         workspace=torch.zeros(select_hist.workspace_numel(B * H, M, C), dtype=torch.int32),

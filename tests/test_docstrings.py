@@ -7,10 +7,13 @@ import doctest
 import pytest
 
 import pqattn.index
+import pqattn.integrations.hf
 import pqattn.ops
 
 
-@pytest.mark.parametrize("module", [pqattn.ops, pqattn.index], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [pqattn.ops, pqattn.index, pqattn.integrations.hf], ids=lambda m: m.__name__
+)
 def test_examples(module) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -8,11 +8,10 @@ from, the PQCache backend of sparse-attention-hub, whose entry point `indexer_ne
 (SPEC §5, `pqattn.integrations.sparse_attention_hub`).
 """
 
-from pqattn.index import PQConfig, PQIndex
+from pqattn.index import PQConfig, PQIndex, decode_step
 from pqattn.ops import (
     PQCodebook,
     build_index,
-    decode_step,
     dense_attention,
     encode_keys,
     pq_scores,

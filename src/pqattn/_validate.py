@@ -125,3 +125,105 @@ def lengths(value: object, batch: int, capacity: int, device: torch.device) -> t
     if bool((host > capacity).any()):
         raise ValueError(f"lengths: expected every length <= {capacity} (capacity), got {host.tolist()}")
     return value.to(device=device, dtype=torch.int64)
+
+
+# ---- the API's composite checks (shared by pqattn.ops, PQIndex and the integrations) ----
+
+
+def key_cache(name: str, keys: torch.Tensor) -> torch.Tensor:
+    """keys [B, Hkv, N, D] of a floating dtype, B >= 1."""
+    tensor(name, keys, shape=(None,) * 4, dims="[B, Hkv, N, D]", dtypes=FLOAT_DTYPES)
+    if keys.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one sequence (B >= 1), got shape {list(keys.shape)}")
+    return keys
+
+
+def checking_values(t: torch.Tensor) -> bool:
+    """Whether a validating call reads `t`'s values to check them: always on the CPU; on a GPU (one
+    host sync) unless a CUDA graph is being captured, which cannot sync."""
+    return not t.is_cuda or not torch.cuda.is_current_stream_capturing()
+
+
+def length_values(lengths: torch.Tensor, n_tokens: int) -> None:
+    if not checking_values(lengths):
+        return
+    host = lengths.detach().cpu()
+    if bool(((host < 0) | (host > n_tokens)).any()):
+        raise ValueError(f"lengths: expected token counts in [0, {n_tokens}] (N), got {host.tolist()}")
+
+
+def selection_values(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:
+    """counts in [0, L] and the first counts[b, h] positions of each row in [0, N)."""
+    if not checking_values(positions):
+        return
+    L = positions.shape[-1]
+    cnt = counts.detach().cpu()
+    bad = (cnt < 0) | (cnt > L)
+    if bool(bad.any()):
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"counts: expected values in [0, {L}] (L, the positions' width), got {int(cnt[at])} at {at}"
+        )
+    pos = positions.detach().cpu().long()
+    live = torch.arange(L) < cnt[..., None]
+    bad = live & ((pos < 0) | (pos >= n_tokens))
+    if bool(bad.any()):
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"positions: expected the first counts[b, h] entries of each row in [0, {n_tokens}) (N), "
+            f"got {int(pos[at])} at {at}"
+        )
+
+
+def centroids_and_codes(centroids: torch.Tensor, codes: torch.Tensor) -> tuple[int, int, int]:
+    """Returns (B, Hkv, M) after checking centroids [B, Hkv, M, C, d] against codes [B, Hkv, N, M]."""
+    tensor("centroids", centroids, shape=(None,) * 5, dims="[B, Hkv, M, C, dsub(+1)]", dtypes=FLOAT_DTYPES)
+    B, Hkv, M, C, _ = centroids.shape
+    if C & (C - 1) or not 2 <= C <= 256:
+        raise ValueError(f"centroids: expected C = 2**bits with bits in 1..8 on axis 3, got C={C}")
+    tensor("codes", codes, shape=(B, Hkv, None, M), dims="[B, Hkv, N, M]", dtypes=(torch.uint8,))
+    same_device("centroids", centroids, codes=codes)
+    return B, Hkv, M
+
+
+def query(q: torch.Tensor, B: int, Hkv: int, D: int | None, device: torch.device) -> int:
+    tensor("q", q, shape=(B, None, D), dims="[B, H, D]", dtypes=FLOAT_DTYPES, device=device)
+    return gqa(q.shape[1], Hkv)
+
+
+def batch_lengths(lengths: torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
+    return tensor("lengths", lengths, shape=(B,), dims="[B]", dtypes=INT_DTYPES, device=device)
+
+
+def sizes(sink: int, window: int, heavy: int, init_offset: int) -> None:
+    for name, value in (("sink", sink), ("window", window), ("heavy", heavy), ("init_offset", init_offset)):
+        non_negative_int(name, value)
+
+
+def score_inputs(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> None:
+    B, Hkv, M = centroids_and_codes(centroids, codes)
+    query(q, B, Hkv, None, centroids.device)
+    subvectors(M, q.shape[-1])
+    dsub = q.shape[-1] // M
+    if centroids.shape[-1] not in (dsub, dsub + 1):
+        raise ValueError(
+            f"centroids: expected last dim dsub={dsub} or dsub+1={dsub + 1} for D={q.shape[-1]}, "
+            f"M={M}, got {centroids.shape[-1]}"
+        )
+
+
+def exact_selection_inputs(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    sink: int,
+    window: int,
+    heavy: int,
+    init_offset: int,
+) -> None:
+    """The checks of a selection that reads the keys themselves (oracle, pages)."""
+    key_cache("keys", keys)
+    B, Hkv, _, D = keys.shape
+    query(q, B, Hkv, D, keys.device)
+    batch_lengths(lengths, B, keys.device)
+    sizes(sink, window, heavy, init_offset)

@@ -208,8 +208,9 @@ def _run_check(args: argparse.Namespace) -> int:
     import os
     import random
 
-    from pqattn.lab.check import format_rows, registered, run_checks
+    from pqattn.lab.check import format_rows, run_checks
     from pqattn.lab.env import resolve_device
+    from pqattn.lab.kernel_checks import registered
 
     device = resolve_device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

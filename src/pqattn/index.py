@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from pqattn import _validate as check
-from pqattn import ops
-from pqattn.kernels.launch import Plan, recording, signature
-from pqattn.reference import Selection
+from pqattn import dispatch, ops
+from pqattn.dispatch import PQCodebook
+from pqattn.kernels.launch import PlanCache, recording, signature
+from pqattn.reference import Selection, SelectParams
 
 _MAX_PLANS = 16  # plans an index keeps (the least recently used goes first)
 
@@ -76,7 +77,7 @@ class PQIndex:
     the first call for a head count): the steady state allocates nothing and can be captured in a
     CUDA graph. The Selection that `select` returns is that buffer: it is overwritten by the next
     call. With at most 4096 code combinations the index also keeps, on a GPU, how many candidate
-    tokens carry each and the candidates grouped by combination (pqattn.kernels.select_buckets:
+    tokens carry each and the candidates grouped by combination (pqattn.kernels.select.buckets:
     4 bytes per token and KV head), so that `select` reads about `heavy` positions per row
     instead of every code. Change `codes` and `lengths` only through `append`. Tokens appended
     after the grouping are scanned; `append` and `decode_step` regroup (`reindex`) once the
@@ -126,7 +127,7 @@ class PQIndex:
         )
         self.lengths = torch.zeros((batch,), dtype=torch.int64, device=self.device)
         self._max_length = 0
-        # Histogram selection (ops.uses_histogram) on the kernel path: the combination counts of
+        # Histogram selection (dispatch.uses_histogram) on the kernel path: the combination counts of
         # the candidate tokens [max(offset, sink), length - window), kept current by `append`.
         self._hist: torch.Tensor | None = None
         # with it, the candidates grouped by combination (order, starts, frozen), the counting
@@ -142,7 +143,7 @@ class PQIndex:
         # the encode launch's arrival counters per sequence: its last program advances the length
         self._arrivals = torch.zeros((batch,), dtype=torch.int32, device=self.device)
         # recorded launches per (method, input signature): valid while the buffers above are
-        self._plans: dict[tuple, Plan] = {}
+        self._plans = PlanCache(_MAX_PLANS)
 
     @classmethod
     def build(
@@ -171,7 +172,7 @@ class PQIndex:
             ([200], torch.Size([1, 2, 260, 2]))
         """
         config = config or PQConfig()
-        ops._check_keys("keys", keys)
+        check.key_cache("keys", keys)
         B, _, N, D = keys.shape
         capacity = N if capacity is None else capacity
         check.positive_int("capacity", capacity)
@@ -180,13 +181,13 @@ class PQIndex:
         lens = check.lengths(lengths, B, N, keys.device)
         check.subvectors(config.subvectors, D)
         c = config
-        built = ops._build(keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed)
+        built = dispatch.build(keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed)
         return cls._filled(config, built, lens, capacity, D)
 
     @classmethod
     def from_codebook(
         cls,
-        book: ops.PQCodebook,
+        book: PQCodebook,
         lengths: torch.Tensor | list[int] | None = None,
         *,
         capacity: int | None = None,
@@ -226,7 +227,7 @@ class PQIndex:
 
     @classmethod
     def _filled(
-        cls, config: PQConfig, book: ops.PQCodebook, lens: torch.Tensor, capacity: int, head_dim: int
+        cls, config: PQConfig, book: PQCodebook, lens: torch.Tensor, capacity: int, head_dim: int
     ) -> PQIndex:
         """A new index holding `book` (validated) for sequences of lengths `lens`."""
         B, Hkv, N = book.codes.shape[:3]
@@ -256,14 +257,12 @@ class PQIndex:
         """(Re)count the histogram that the histogram selection reads, on the kernel path."""
         M, C = self.config.subvectors, 1 << self.config.bits
         probe = torch.empty(0, self.head_dim, device=self.device)
-        if not (ops.kernel_path(probe, self.centroids) and ops.uses_histogram(M, C)):
+        if not (dispatch.kernel_path(probe, self.centroids) and dispatch.uses_histogram(M, C)):
             return
-        from pqattn.kernels.select_hist import count_combos
-
-        self._forget(self._hist, self._cursor, *(self._buckets or ()))
+        self._plans.forget(self._hist, self._cursor, *(self._buckets or ()))
         B, Hkv, P = self.batch, self.kv_heads, C**M
         self._hist = torch.zeros((B, Hkv, P), dtype=torch.int32, device=self.device)
-        count_combos(
+        dispatch.count_combos(
             self.codes, self.lengths, self._hist, C=C, window=self.config.window, cand_lo=self._cand_lo
         )
         self._buckets = (
@@ -274,18 +273,18 @@ class PQIndex:
         self._cursor = torch.empty((B, Hkv, P), dtype=torch.int32, device=self.device)
         self.reindex()
 
-    def reindex(self) -> None:
+    def reindex(self, as_of: torch.Tensor | None = None) -> None:
         """Group the candidate tokens by code combination again, for the current codes and lengths.
 
         In place (a CUDA graph that captured `select` stays valid) and without a host sync; a
-        no-op where the index keeps no buckets (CPU, more than 4096 combinations)."""
+        no-op where the index keeps no buckets (CPU, more than 4096 combinations). as_of: [B]
+        lengths at most the current ones to group the tokens as of (the later ones are then
+        scanned as recently appended: what a selection costs with buckets that old)."""
         if self._buckets is None:
             return
-        from pqattn.kernels.select_buckets import bucket_tokens
-
-        bucket_tokens(
+        dispatch.bucket_tokens(
             self.codes,
-            self.lengths,
+            self.lengths if as_of is None else as_of,
             *self._buckets,
             self._cursor,
             C=1 << self.config.bits,
@@ -313,7 +312,7 @@ class PQIndex:
             [66]
         """
         key = self._plan_key("append", keys)
-        plan = self._plan(key)
+        plan = self._plans.get(key)
         if plan is None:
             check.tensor(
                 "keys",
@@ -327,7 +326,7 @@ class PQIndex:
         self._check_room(T, "keys")
         if plan is not None:
             plan(keys)
-        elif ops.kernel_path(keys, self.centroids):
+        elif dispatch.kernel_path(keys, self.centroids):
             with recording() as rec:
                 self._encode(keys)
             self._keep(key, rec, keys)
@@ -350,9 +349,7 @@ class PQIndex:
         """The encode launch (kernel path): codes at each length, the histogram, the lengths
         advanced in the same launch, and with kv_cache (k_cache, v_cache, values) the new rows
         stored into the caches."""
-        from pqattn.kernels.encode import pq_encode
-
-        pq_encode(
+        dispatch.encode(
             keys,
             self.centroids,
             self.phi,
@@ -372,18 +369,6 @@ class PQIndex:
         state = (id(self.centroids), id(self.codes), id(self.phi), id(self.lengths))
         return method, signature(*inputs), scale, state
 
-    def _plan(self, key: tuple) -> Plan | None:
-        plan = self._plans.pop(key, None)
-        if plan is not None:  # the most recently used last: the least recently used goes first
-            self._plans[key] = plan
-        return plan
-
-    def _forget(self, *buffers: torch.Tensor | None) -> None:
-        """Drop the plans that use these buffers (about to be replaced: replays would use the old)."""
-        old = [b for b in buffers if b is not None]
-        if old:
-            self._plans = {k: p for k, p in self._plans.items() if not any(p.holds(b) for b in old)}
-
     def _keep(self, key: tuple, rec, *inputs: torch.Tensor) -> None:
         """Keep the launches recorded for these inputs as a plan, when they make one."""
         owned = (
@@ -400,11 +385,7 @@ class PQIndex:
             self._attn_workspace,
             *(self._selection or ()),
         )
-        plan = Plan.build(rec, inputs, owned)
-        if plan is not None:
-            if len(self._plans) >= _MAX_PLANS:  # e.g. a caller whose cache grows: a new stride per step
-                del self._plans[next(iter(self._plans))]  # the least recently used
-            self._plans[key] = plan
+        self._plans.keep(key, rec, inputs, owned)
 
     def sync_lengths(self) -> None:
         """Refresh the host's longest-length counter from the device (one sync).
@@ -433,7 +414,7 @@ class PQIndex:
             [[28, 28, 28, 28]]
         """
         key = self._plan_key("select", q)
-        plan = self._plan(key)
+        plan = self._plans.get(key)
         if plan is not None:
             plan(q)
             return self._selection
@@ -441,7 +422,7 @@ class PQIndex:
             "q", q, shape=(self.batch, None, self.head_dim), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES
         )
         c = self.config
-        kernel = ops.kernel_path(q, self.centroids, c.heavy)
+        kernel = dispatch.kernel_path(q, self.centroids, c.heavy)
         if not kernel:
             return ops.select_topk(
                 q,
@@ -453,15 +434,15 @@ class PQIndex:
                 heavy=c.heavy,
                 init_offset=c.offset,
             )
-        ops._check_score_inputs(q, self.centroids, self.codes)
+        check.score_inputs(q, self.centroids, self.codes)
         if self._selection is None or self._selection.counts.shape[1] != q.shape[1]:
             H, M, C = q.shape[1], c.subvectors, 1 << c.bits
-            self._forget(self._workspace, *(self._selection or ()))
+            self._plans.forget(self._workspace, *(self._selection or ()))
             self._selection = Selection(
                 torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
                 torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
             )
-            n = ops.select_workspace_numel(
+            n = dispatch.select_workspace_numel(
                 self.batch * H,
                 M,
                 C,
@@ -472,16 +453,19 @@ class PQIndex:
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         with recording() as rec:
-            ops._select_kernel(
+            dispatch.select(
                 q,
                 self.centroids,
                 self.codes,
                 self.lengths,
-                sink=c.sink,
-                window=c.window,
-                heavy=c.heavy,
-                cand_lo=self._cand_lo,
-                short_threshold=c.width,
+                SelectParams.make(
+                    sink=c.sink,
+                    window=c.window,
+                    heavy=c.heavy,
+                    cand_lo=self._cand_lo,
+                    short_threshold=c.width,
+                    n_tokens=self.codes.shape[2],
+                ),
                 out=self._selection,
                 workspace=self._workspace,
                 histogram=self._hist,
@@ -517,7 +501,7 @@ class PQIndex:
             )
         inputs = (q, k_cache, v_cache) if selection is None else (q, k_cache, v_cache, *selection)
         key = self._plan_key("attend", *inputs, scale=scale)
-        plan = self._plan(key)
+        plan = self._plans.get(key)
         if plan is not None:
             plan(*inputs)
             return self._attn_out
@@ -529,8 +513,8 @@ class PQIndex:
 
     def _kernels_only(self, q: torch.Tensor, select: bool) -> bool:
         """True when every part of an attend ran Triton launches (a plan replays only those)."""
-        return ops.decode_kernel_path(q) and (
-            not select or ops.kernel_path(q, self.centroids, self.config.heavy)
+        return dispatch.decode_kernel_path(q) and (
+            not select or dispatch.kernel_path(q, self.centroids, self.config.heavy)
         )
 
     def _attend(
@@ -542,17 +526,17 @@ class PQIndex:
         scale: float | None,
     ) -> torch.Tensor:
         sel = self.select(q) if selection is None else selection
-        if not ops.decode_kernel_path(q):
+        if not dispatch.decode_kernel_path(q):
             return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)
         B, H, D = q.shape
         L = sel.positions.shape[-1]
         if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
-            self._forget(self._attn_out)
+            self._plans.forget(self._attn_out)
             self._attn_out = torch.empty_like(q)
         # the kernel leaves its counters at zero, at places that depend on the layout
         if self._attn_workspace is None or self._attn_layout != (B * H, L, D):
-            self._forget(self._attn_workspace)
-            need = ops.decode_workspace_numel(B * H, L, D)
+            self._plans.forget(self._attn_workspace)
+            need = dispatch.decode_workspace_numel(B * H, L, D)
             self._attn_workspace = torch.zeros(need, dtype=torch.int32, device=self.device)
             self._attn_layout = (B * H, L, D)
         return ops.sparse_decode(
@@ -603,7 +587,7 @@ class PQIndex:
         """
         inputs = (q, k_new, v_new, k_cache, v_cache)
         key = self._plan_key("step", *inputs, scale=scale)
-        plan = self._plan(key)
+        plan = self._plans.get(key)
         if plan is not None:
             self._check_room(1, "k_new")
             plan(*inputs)
@@ -629,7 +613,7 @@ class PQIndex:
                     f"{name}: expected at least capacity={self.capacity} tokens on axis 2, got {t.shape[2]}"
                 )
         self._check_room(1, "k_new")
-        if not ops.kernel_path(k_new, self.centroids):
+        if not dispatch.kernel_path(k_new, self.centroids):
             slot = self.lengths.view(-1, 1, 1, 1).long().expand(kv_shape)
             k_cache.scatter_(2, slot, k_new.to(k_cache.dtype))
             v_cache.scatter_(2, slot, v_new.to(v_cache.dtype))
@@ -643,3 +627,26 @@ class PQIndex:
             self._keep(key, rec, *inputs)
         self._reindex_when_due()
         return out
+
+
+def decode_step(
+    index: PQIndex,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Functional form of `PQIndex.decode_step`: store k_new / v_new in the caches at each
+    sequence's length, index the key, select for q, attend.
+
+    Args:
+        index: the layer's PQIndex. q: [B, H, D]. k_new, v_new: [B, Hkv, 1, D].
+        k_cache, v_cache: [B, Hkv, >= capacity, D]. scale: default 1/sqrt(D).
+
+    Returns:
+        out [B, H, D] in q's dtype (on the kernel path, a buffer of the index's: copy to keep).
+    """
+    return index.decode_step(q, k_new, v_new, k_cache, v_cache, scale=scale)

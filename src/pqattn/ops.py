@@ -4,10 +4,11 @@ Shapes: B batch, H query heads, Hkv key/value heads (H % Hkv == 0; query head h 
 h // (H / Hkv)), N tokens, D head dim, M sub-vectors (D % M == 0), C = 2**bits centroids.
 
 Each function validates its inputs once (raising ValueError/TypeError that names the argument,
-the expected and the given shape/dtype/device) and then runs. CUDA tensors go to the Triton
-kernels in `pqattn.kernels` where one covers the case; everything else (CPU tensors, a
+the expected and the given shape/dtype/device) and then runs through `pqattn.dispatch`: CUDA
+tensors go to the Triton kernels where one covers the case; everything else (CPU tensors, a
 sub-vector width that is not a power of two) runs the PyTorch reference in `pqattn.reference`,
-which computes the same answer. `kernel_path` says which one a call takes.
+which computes the same answer. `kernel_path` says which one a call takes; the limits it routes
+by are `pqattn.limits`.
 
 Values are checked too on a validating call: `lengths` in [0, N] (`select_topk`), and the
 first counts[b, h] positions of each row in [0, N) with counts in [0, L] (`sparse_decode`). On a
@@ -29,276 +30,51 @@ that match (the same checks passed for the same shapes, dtypes and devices).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 
 from pqattn import _validate as check
+from pqattn import dispatch
 from pqattn import reference as ref
-from pqattn.kernels.launch import Plan, recording, signature
-from pqattn.reference import Selection
+from pqattn.dispatch import (
+    PQCodebook,
+    attention_kernel_path,
+    decode_kernel_path,
+    decode_workspace_numel,
+    kernel_path,
+    select_workspace_numel,
+    uses_histogram,
+)
+from pqattn.kernels.launch import recording, signature
+from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.reference import Selection, SelectParams
 
-if TYPE_CHECKING:
-    from pqattn.index import PQIndex
+__all__ = [
+    "MAX_COMBOS",
+    "MAX_TREE_HEAVY",
+    "STATELESS_TREE_MAX_HEAVY",
+    "PQCodebook",
+    "attention_kernel_path",
+    "build_index",
+    "decode_kernel_path",
+    "decode_workspace_numel",
+    "dense_attention",
+    "encode_keys",
+    "kernel_path",
+    "pq_scores",
+    "select_oracle",
+    "select_pages",
+    "select_streaming",
+    "select_topk",
+    "select_workspace_numel",
+    "selection_weights",
+    "sparse_decode",
+    "uses_histogram",
+]
 
-
-class PQCodebook(NamedTuple):
-    """The product quantization of a key cache (SPEC §1)."""
-
-    centroids: torch.Tensor  # [B, Hkv, M, C, dsub] (euclidean) or [B, Hkv, M, C, dsub + 1] (ip)
-    codes: torch.Tensor  # [B, Hkv, N, M] uint8, by absolute token position
-    phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
-
-
-_PLANS: dict[tuple, Plan] = {}  # by (function, signature of every tensor, other arguments)
-_MAX_PLANS = 64
 # dense_attention's checks depend only on its tensors' signatures: those it passed are not checked
 # again (the checks cost about a third of a call's host time).
 _CHECKED_ATTENTION: set[tuple] = set()
-
-
-def _plan_key(name: str, tensors: tuple, *args: object) -> tuple | None:
-    """The key of a call whose every tensor is an input of the plan (None: no plan for it)."""
-    sig = signature(*tensors)
-    return None if sig is None else (name, sig, args, tuple(map(type, args)))
-
-
-def _keep_plan(key: tuple | None, rec, tensors: tuple) -> None:
-    plan = None if key is None else Plan.build(rec, tensors, ())
-    if plan is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[key] = plan
-
-
-MAX_KERNEL_HEAVY = 8192  # the merge-tree selection's limit (pqattn.kernels.select.MAX_HEAVY)
-MAX_COMBOS = 4096  # C**M up to which selection runs through the code histogram (kernels.select_hist)
-
-
-# A call with no histogram kept (select_topk, indexer_next) counts it first, one atomic per
-# candidate token: up to this heavy the merge tree costs less (docs/kernels/launch.md).
-STATELESS_TREE_MAX_HEAVY = 256
-
-
-def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
-    """True when the selection kernel for M sub-vectors of C centroids is the histogram one:
-    C**M <= MAX_COMBOS code combinations (else the merge tree, pqattn.kernels.select). With
-    `heavy`, for a call that keeps no histogram: also heavy > STATELESS_TREE_MAX_HEAVY."""
-    return C**M <= MAX_COMBOS and (heavy is None or heavy > STATELESS_TREE_MAX_HEAVY)
-
-
-# Devices whose tensors take the Triton kernels. Tests add "cpu" under Triton's interpreter to
-# run the kernel paths of PQIndex and the functional API on a machine without a GPU.
-KERNEL_DEVICES = ("cuda",)
-
-
-def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0) -> bool:
-    """True when selection / encoding of these tensors runs the Triton kernels (else the reference).
-
-    CUDA tensors with a power-of-two sub-vector width >= 2 take the kernels, when C**M <=
-    MAX_COMBOS (any heavy) or heavy <= MAX_KERNEL_HEAVY; anything else takes the PyTorch reference
-    (same answer, slower).
-    """
-    D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
-    dsub = D // M
-    fits = uses_histogram(M, C) or heavy <= MAX_KERNEL_HEAVY
-    return q_or_keys.device.type in KERNEL_DEVICES and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
-
-
-def select_workspace_numel(
-    rows: int,
-    M: int,
-    C: int,
-    n_tokens: int,
-    heavy: int,
-    *,
-    kept_histogram: bool = False,
-    buckets: bool = False,
-) -> int:
-    """int32 elements of the selection kernel's workspace for rows = B * H query rows over a token
-    axis of n_tokens, for calls with no histogram kept (select_topk), or with one (PQIndex:
-    `kept_histogram`, and `buckets` when it keeps those too). Histogram selection
-    (uses_histogram): about rows * C**M * 5 bytes; from buckets: the LUTs and rows * heavy * 8
-    bytes; merge tree: the LUTs plus the tree's slots, about rows * (n_tokens / TILE) * heavy * 8
-    bytes. Allocate it zero-filled, once; the kernels leave it reusable by calls with the same
-    rows, M, C, n_tokens and heavy (their counters lie at places that depend on them)."""
-    if buckets:
-        from pqattn.kernels.select_buckets import workspace_numel
-
-        return workspace_numel(rows, M, C, heavy)
-    if uses_histogram(M, C, None if kept_histogram else heavy):
-        from pqattn.kernels.select_hist import workspace_numel
-
-        return workspace_numel(rows, M, C)
-    from pqattn.kernels.select import workspace_numel
-
-    return workspace_numel(rows, M, C, n_tokens, heavy)
-
-
-def _select_kernel(
-    q: torch.Tensor,
-    centroids: torch.Tensor,
-    codes: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    sink: int,
-    window: int,
-    heavy: int,
-    cand_lo: int,
-    short_threshold: int,
-    out: Selection | None,
-    workspace: torch.Tensor | None,
-    weights: torch.Tensor | None = None,
-    code_base: int = 0,
-    n_tokens: int | None = None,
-    histogram: torch.Tensor | None = None,
-    buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> Selection:
-    """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
-
-    codes row r holds token code_base + r (the original's codebook starts at init_offset);
-    n_tokens: the token axis length N (codes.shape[-2] + code_base by default). histogram: the
-    combination counts of the candidates [cand_lo, n - window) that PQIndex keeps (histogram
-    selection only); without it the kernels count them first. buckets: the (order, starts,
-    frozen) that PQIndex keeps with its histogram (pqattn.kernels.select_buckets; no weights,
-    code_base 0): the selection reads those instead of scanning the codes.
-    """
-    from pqattn.kernels.select import pq_select
-    from pqattn.kernels.select_hist import pq_select_hist
-
-    B, H, _ = q.shape
-    M, C = centroids.shape[2], centroids.shape[3]
-    N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
-    width = ref.selection_width(sink, window, heavy, min(short_threshold, N))
-    if out is None:
-        out = Selection(
-            torch.empty(B, H, width, dtype=torch.int32, device=q.device),
-            torch.empty(B, H, dtype=torch.int32, device=q.device),
-        )
-    else:
-        check.tensor(
-            "out.positions",
-            out.positions,
-            shape=(B, H, width),
-            dims="[B, H, L]",
-            dtypes=check.INT_DTYPES,
-            device=q.device,
-        )
-        check.tensor(
-            "out.counts", out.counts, shape=(B, H), dims="[B, H]", dtypes=check.INT_DTYPES, device=q.device
-        )
-        if not out.counts.is_contiguous():
-            raise ValueError("out.counts: expected a contiguous tensor")
-    if buckets is not None and (histogram is None or weights is not None or code_base != 0):
-        raise ValueError("buckets: expected with a kept histogram, no weights and code_base 0")
-    need = select_workspace_numel(
-        B * H, M, C, N, heavy, kept_histogram=histogram is not None, buckets=buckets is not None
-    )
-    if workspace is None:
-        workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
-    elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
-        raise ValueError(
-            f"workspace: expected a zero-filled int32 tensor on {q.device} of at least "
-            f"select_workspace_numel(B*H, M, C, N, heavy)={need} elements, "
-            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
-        )
-    args = dict(
-        sink=sink,
-        window=window,
-        heavy=heavy,
-        cand_lo=cand_lo,
-        short_threshold=short_threshold,
-        width=width,
-        positions=out.positions,
-        counts=out.counts,
-        workspace=workspace,
-        n_tokens=N,
-        weights=weights,
-        code_base=code_base,
-    )
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
-    if buckets is not None:
-        from pqattn.kernels.select_buckets import pq_select_buckets
-
-        del args["n_tokens"], args["weights"], args["code_base"]
-        pq_select_buckets(q, centroids, codes, lengths, histogram=histogram, buckets=buckets, **args)
-    elif uses_histogram(M, C, None if histogram is not None else heavy):
-        pq_select_hist(q, centroids, codes, lengths, histogram=histogram, **args)
-    else:
-        pq_select(q, centroids, codes, lengths, **args)
-    return out
-
-
-def _check_keys(name: str, keys: torch.Tensor) -> torch.Tensor:
-    check.tensor(name, keys, shape=(None,) * 4, dims="[B, Hkv, N, D]", dtypes=check.FLOAT_DTYPES)
-    if keys.shape[0] == 0:
-        raise ValueError(f"{name}: expected at least one sequence (B >= 1), got shape {list(keys.shape)}")
-    return keys
-
-
-def _checking_values(t: torch.Tensor) -> bool:
-    """Whether a validating call reads `t`'s values to check them: always on the CPU; on a GPU (one
-    host sync) unless a CUDA graph is being captured, which cannot sync."""
-    return not t.is_cuda or not torch.cuda.is_current_stream_capturing()
-
-
-def _check_length_values(lengths: torch.Tensor, n_tokens: int) -> None:
-    if not _checking_values(lengths):
-        return
-    host = lengths.detach().cpu()
-    if bool(((host < 0) | (host > n_tokens)).any()):
-        raise ValueError(f"lengths: expected token counts in [0, {n_tokens}] (N), got {host.tolist()}")
-
-
-def _check_selection_values(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:
-    """counts in [0, L] and the first counts[b, h] positions of each row in [0, N)."""
-    if not _checking_values(positions):
-        return
-    L = positions.shape[-1]
-    cnt = counts.detach().cpu()
-    bad = (cnt < 0) | (cnt > L)
-    if bool(bad.any()):
-        at = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(
-            f"counts: expected values in [0, {L}] (L, the positions' width), got {int(cnt[at])} at {at}"
-        )
-    pos = positions.detach().cpu().long()
-    live = torch.arange(L) < cnt[..., None]
-    bad = live & ((pos < 0) | (pos >= n_tokens))
-    if bool(bad.any()):
-        at = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(
-            f"positions: expected the first counts[b, h] entries of each row in [0, {n_tokens}) (N), "
-            f"got {int(pos[at])} at {at}"
-        )
-
-
-def _check_centroids(centroids: torch.Tensor, codes: torch.Tensor) -> tuple[int, int, int]:
-    """Returns (B, Hkv, M) after checking centroids [B, Hkv, M, C, d] against codes [B, Hkv, N, M]."""
-    check.tensor(
-        "centroids", centroids, shape=(None,) * 5, dims="[B, Hkv, M, C, dsub(+1)]", dtypes=check.FLOAT_DTYPES
-    )
-    B, Hkv, M, C, _ = centroids.shape
-    if C & (C - 1) or not 2 <= C <= 256:
-        raise ValueError(f"centroids: expected C = 2**bits with bits in 1..8 on axis 3, got C={C}")
-    check.tensor("codes", codes, shape=(B, Hkv, None, M), dims="[B, Hkv, N, M]", dtypes=(torch.uint8,))
-    check.same_device("centroids", centroids, codes=codes)
-    return B, Hkv, M
-
-
-def _check_query(q: torch.Tensor, B: int, Hkv: int, D: int | None, device: torch.device) -> int:
-    check.tensor("q", q, shape=(B, None, D), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES, device=device)
-    return check.gqa(q.shape[1], Hkv)
-
-
-def _check_lengths(lengths: torch.Tensor, B: int, device: torch.device) -> torch.Tensor:
-    return check.tensor("lengths", lengths, shape=(B,), dims="[B]", dtypes=check.INT_DTYPES, device=device)
-
-
-def _check_sizes(sink: int, window: int, heavy: int, init_offset: int) -> None:
-    for name, value in (("sink", sink), ("window", window), ("heavy", heavy), ("init_offset", init_offset)):
-        check.non_negative_int(name, value)
+_MAX_CHECKED = 64
 
 
 def build_index(
@@ -340,7 +116,7 @@ def build_index(
         >>> book.centroids.shape, book.codes.shape
         (torch.Size([1, 2, 2, 16, 8]), torch.Size([1, 2, 256, 2]))
     """
-    _check_keys("keys", keys)
+    check.key_cache("keys", keys)
     B, _, N, D = keys.shape
     check.subvectors(subvectors, D)
     check.bits(bits)
@@ -348,41 +124,7 @@ def build_index(
     check.non_negative_int("init_offset", init_offset)
     check.non_negative_int("iters", iters)
     lens = check.lengths(lengths, B, N, keys.device)
-    return _build(keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed)
-
-
-def _build(
-    keys: torch.Tensor,
-    lengths: torch.Tensor,
-    subvectors: int,
-    bits: int,
-    metric: str,
-    init_offset: int,
-    iters: int,
-    tol: float,
-    seed: int,
-) -> PQCodebook:
-    """`build_index` on arguments already validated (PQIndex.build checks them once itself).
-
-    CUDA keys (fp16/bf16/fp32) run the Lloyd loop in Triton (pqattn.kernels.kmeans, one launch
-    per iteration); everything else, float64 included, runs the reference. Both draw the same
-    initial centres for a seed.
-    """
-    build = ref.build_pq
-    if keys.is_cuda and keys.dtype != torch.float64:
-        from pqattn.kernels.kmeans import build_pq as build
-    res = build(
-        keys,
-        lengths,
-        subvectors=subvectors,
-        bits=bits,
-        metric=metric,
-        init_offset=init_offset,
-        iters=iters,
-        tol=tol,
-        seed=seed,
-    )
-    return PQCodebook(res.centroids, res.codes, res.phi)
+    return dispatch.build(keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed)
 
 
 def encode_keys(
@@ -404,7 +146,7 @@ def encode_keys(
         >>> encode_keys(torch.randn(1, 2, 3, 16), book.centroids).shape
         torch.Size([1, 2, 3, 2])
     """
-    _check_keys("keys", keys)
+    check.key_cache("keys", keys)
     check.metric(metric)
     B, Hkv, _, D = keys.shape
     check.tensor("centroids", centroids, shape=(B, Hkv, None, None, None), dims="[B, Hkv, M, C, dsub(+1)]")
@@ -424,10 +166,10 @@ def encode_keys(
         check.tensor("phi", phi, shape=(B, Hkv, M), dims="[B, Hkv, M]", dtypes=check.FLOAT_DTYPES)
     check.same_device("keys", keys, centroids=centroids, phi=phi)
     if kernel_path(keys, centroids):
-        from pqattn.kernels.encode import pq_encode
-
         out = torch.empty(B, Hkv, keys.shape[2], M, dtype=torch.uint8, device=keys.device)
-        pq_encode(keys.contiguous(), centroids.contiguous(), None if phi is None else phi.contiguous(), out)
+        dispatch.encode(
+            keys.contiguous(), centroids.contiguous(), None if phi is None else phi.contiguous(), out
+        )
         return out
     return ref.encode(keys, centroids, phi, metric)
 
@@ -446,20 +188,8 @@ def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> 
         >>> pq_scores(torch.randn(1, 4, 16), book.centroids, book.codes).shape
         torch.Size([1, 4, 256])
     """
-    _check_score_inputs(q, centroids, codes)
+    check.score_inputs(q, centroids, codes)
     return ref.pq_scores(q, centroids, codes)
-
-
-def _check_score_inputs(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> None:
-    B, Hkv, M = _check_centroids(centroids, codes)
-    _check_query(q, B, Hkv, None, centroids.device)
-    check.subvectors(M, q.shape[-1])
-    dsub = q.shape[-1] // M
-    if centroids.shape[-1] not in (dsub, dsub + 1):
-        raise ValueError(
-            f"centroids: expected last dim dsub={dsub} or dsub+1={dsub + 1} for D={q.shape[-1]}, "
-            f"M={M}, got {centroids.shape[-1]}"
-        )
 
 
 def select_topk(
@@ -507,31 +237,28 @@ def select_topk(
     key = tensors = None
     if out is not None and workspace is not None:
         tensors = (q, centroids, codes, lengths, *out, workspace)
-        key = _plan_key("select_topk", tensors, sink, window, heavy, init_offset)
-        plan = _PLANS.get(key)
+        key = dispatch.PLANS.key("select_topk", tensors, sink, window, heavy, init_offset)
+        plan = dispatch.PLANS.get(key)
         if plan is not None:
             plan(*tensors)
             return out
-    _check_score_inputs(q, centroids, codes)
-    _check_lengths(lengths, q.shape[0], q.device)
-    _check_sizes(sink, window, heavy, init_offset)
-    _check_length_values(lengths, codes.shape[2])
+    check.score_inputs(q, centroids, codes)
+    check.batch_lengths(lengths, q.shape[0], q.device)
+    check.sizes(sink, window, heavy, init_offset)
+    check.length_values(lengths, codes.shape[2])
     if kernel_path(q, centroids, heavy):
+        params = SelectParams.make(
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            cand_lo=max(init_offset, sink),
+            short_threshold=sink + heavy + window,
+            n_tokens=codes.shape[2],
+        )
         with recording() as rec:
-            sel = _select_kernel(
-                q,
-                centroids,
-                codes,
-                lengths,
-                sink=sink,
-                window=window,
-                heavy=heavy,
-                cand_lo=max(init_offset, sink),
-                short_threshold=sink + heavy + window,
-                out=out,
-                workspace=workspace,
-            )
-        _keep_plan(key, rec, tensors)
+            sel = dispatch.select(q, centroids, codes, lengths, params, out=out, workspace=workspace)
+        if tensors is not None:
+            dispatch.PLANS.keep(key, rec, tensors)
         return sel
     return ref.select_from_scores(
         ref.pq_scores(q, centroids, codes),
@@ -541,23 +268,6 @@ def select_topk(
         heavy=heavy,
         init_offset=init_offset,
     )
-
-
-def _check_exact_inputs(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    lengths: torch.Tensor,
-    sink: int,
-    window: int,
-    heavy: int,
-    init_offset: int,
-) -> None:
-    """The checks of a selection that reads the keys themselves (oracle, pages)."""
-    _check_keys("keys", keys)
-    B, Hkv, _, D = keys.shape
-    _check_query(q, B, Hkv, D, keys.device)
-    _check_lengths(lengths, B, keys.device)
-    _check_sizes(sink, window, heavy, init_offset)
 
 
 def select_oracle(
@@ -585,7 +295,7 @@ def select_oracle(
         >>> select_oracle(torch.randn(1, 4, 16), keys, torch.tensor([256]), sink=4, window=8, heavy=16).counts
         tensor([[28, 28, 28, 28]], dtype=torch.int32)
     """
-    _check_exact_inputs(q, keys, lengths, sink, window, heavy, init_offset)
+    check.exact_selection_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     return ref.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
 
 
@@ -617,7 +327,7 @@ def select_pages(
         >>> select_pages(torch.randn(1, 4, 16), keys, torch.tensor([256]), sink=4, window=16, heavy=32).counts
         tensor([[52, 52, 52, 52]], dtype=torch.int32)
     """
-    _check_exact_inputs(q, keys, lengths, sink, window, heavy, init_offset)
+    check.exact_selection_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     check.positive_int("page", page)
     return ref.select_pages(
         q, keys, lengths, sink=sink, window=window, heavy=heavy, page=page, init_offset=init_offset
@@ -640,7 +350,7 @@ def select_streaming(lengths: torch.Tensor, num_heads: int, *, sink: int, window
     """
     check.tensor("lengths", lengths, shape=(None,), dims="[B]", dtypes=check.INT_DTYPES)
     check.positive_int("num_heads", num_heads)
-    _check_sizes(sink, window, 0, 0)
+    check.sizes(sink, window, 0, 0)
     return ref.select_streaming(lengths, num_heads, sink=sink, window=window)
 
 
@@ -665,21 +375,6 @@ def selection_weights(
     )
     check.positive_int("n_tokens", n_tokens)
     return ref.dense_weights(selection, n_tokens, dtype)
-
-
-def decode_kernel_path(q: torch.Tensor) -> bool:
-    """True when sparse_decode of this query runs the Triton kernel: CUDA, D a power of two in 16..256."""
-    D = q.shape[-1]
-    return q.device.type in KERNEL_DEVICES and 16 <= D <= 256 and D & (D - 1) == 0
-
-
-def decode_workspace_numel(rows: int, width: int, D: int) -> int:
-    """int32 elements of the sparse decode kernel's workspace for rows = B * H, list width L, head
-    dim D. Allocate it zero-filled, once; the kernel leaves it reusable by calls of the same rows,
-    width and D (its counters lie at places that depend on all three)."""
-    from pqattn.kernels.decode import workspace_numel
-
-    return workspace_numel(rows, width, D)
 
 
 def sparse_decode(
@@ -725,15 +420,15 @@ def sparse_decode(
     key = tensors = None
     if out is not None and workspace is not None and not return_lse:
         tensors = (q, k, v, positions, counts, out, workspace, *(() if weights is None else (weights,)))
-        key = _plan_key("sparse_decode", tensors, scale, dense_weights)
-        plan = _PLANS.get(key)
+        key = dispatch.PLANS.key("sparse_decode", tensors, scale, dense_weights)
+        plan = dispatch.PLANS.get(key)
         if plan is not None:
             plan(*tensors)
             return out
-    _check_keys("k", k)
+    check.key_cache("k", k)
     B, Hkv, N, D = k.shape
     check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
-    _check_query(q, B, Hkv, D, k.device)
+    check.query(q, B, Hkv, D, k.device)
     H = q.shape[1]
     check.tensor(
         "positions", positions, shape=(B, H, None), dims="[B, H, L]", dtypes=check.INT_DTYPES, device=k.device
@@ -752,7 +447,7 @@ def sparse_decode(
         check.tensor("out", out, shape=(B, H, D), dims="[B, H, D]", dtypes=(q.dtype,), device=q.device)
         if out.stride(-1) != 1:
             raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
-    _check_selection_values(positions, counts, N)
+    check.selection_values(positions, counts, N)
     if not decode_kernel_path(q):
         if dense_weights and weights is not None:
             weights = weights.gather(-1, positions.long().clamp(0, N - 1))
@@ -761,8 +456,6 @@ def sparse_decode(
             out.copy_(res[0])
         res = (res[0] if out is None else out, res[1].float())
         return res if return_lse else res[0]
-    from pqattn.kernels.decode import sparse_decode as launch
-
     if out is None:
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     need = decode_workspace_numel(B * H, positions.shape[-1], D)
@@ -775,15 +468,11 @@ def sparse_decode(
             f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
         )
     lse = torch.empty(B * H, dtype=torch.float32, device=q.device) if return_lse else None
-
-    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
-        return t if t.stride(-1) == 1 else t.contiguous()
-
     with recording() as rec:
-        launch(
-            last_contiguous(q),
-            last_contiguous(k),
-            last_contiguous(v),
+        dispatch.sparse_decode(
+            q,
+            k,
+            v,
             positions,
             counts,
             out=out,
@@ -793,7 +482,8 @@ def sparse_decode(
             lse=lse,
             scale=scale,
         )
-    _keep_plan(key, rec, tensors)
+    if tensors is not None:
+        dispatch.PLANS.keep(key, rec, tensors)
     return (out, lse.view(B, H)) if return_lse else out
 
 
@@ -824,7 +514,7 @@ def dense_attention(
     """
     sig = signature(q, k, v)
     if sig is None or sig not in _CHECKED_ATTENTION:
-        _check_keys("k", k)
+        check.key_cache("k", k)
         B, Hkv, Sk, D = k.shape
         check.tensor(
             "v", v, shape=(B, Hkv, Sk, D), dims="[B, Hkv, Sk, D]", dtypes=(k.dtype,), device=k.device
@@ -835,63 +525,13 @@ def dense_attention(
         if q.dtype != k.dtype:
             raise TypeError(f"q: expected k's dtype {k.dtype} (q, k and v share one dtype), got {q.dtype}")
         check.gqa(q.shape[1], Hkv, kv_name="k")
-        if len(_CHECKED_ATTENTION) >= _MAX_PLANS:
+        if len(_CHECKED_ATTENTION) >= _MAX_CHECKED:
             _CHECKED_ATTENTION.clear()
         _CHECKED_ATTENTION.add(sig)
     if not attention_kernel_path(q, k):
         return ref.dense_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse)
-    from pqattn.kernels.attention import flash_forward
-
     B, H, Sq, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
-
-    def last_contiguous(t: torch.Tensor) -> torch.Tensor:
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    flash_forward(
-        last_contiguous(q),
-        last_contiguous(k),
-        last_contiguous(v),
-        out=out,
-        causal=causal,
-        scale=scale,
-        lse=lse,
-    )
+    dispatch.flash_forward(q, k, v, out=out, causal=causal, scale=scale, lse=lse)
     return (out, lse) if return_lse else out
-
-
-def attention_kernel_path(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """True when dense_attention runs the Triton flash kernel: CUDA, fp16/bf16 q and k of one dtype,
-    D a power of two in 16..256 (anything else: the reference)."""
-    D = q.shape[-1]
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and k.dtype == q.dtype
-        and 16 <= D <= 256
-        and D & (D - 1) == 0
-    )
-
-
-def decode_step(
-    index: PQIndex,
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Functional form of `PQIndex.decode_step`: store k_new / v_new in the caches at each
-    sequence's length, index the key, select for q, attend.
-
-    Args:
-        index: the layer's PQIndex. q: [B, H, D]. k_new, v_new: [B, Hkv, 1, D].
-        k_cache, v_cache: [B, Hkv, >= capacity, D]. scale: default 1/sqrt(D).
-
-    Returns:
-        out [B, H, D] in q's dtype (on the kernel path, a buffer of the index's: copy to keep).
-    """
-    return index.decode_step(q, k_new, v_new, k_cache, v_cache, scale=scale)

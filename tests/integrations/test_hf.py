@@ -85,8 +85,8 @@ def _decode_logits_error(model, ids: torch.Tensor, config: pq_hf.HFConfig | None
         dense = model(torch.cat([ids, nxt], 1)).logits[:, -1]
         pq_hf.enable(model, config)
         cache = transformers.DynamicCache(config=model.config)
-        model(ids, past_key_values=cache)
-        sparse = model(nxt, past_key_values=cache).logits[:, -1]
+        model(ids, **pq_hf.cache_kwargs(model, cache))
+        sparse = model(nxt, **pq_hf.cache_kwargs(model, cache)).logits[:, -1]
     assert torch.isfinite(sparse).all()
     return float((sparse - dense).norm() / dense.norm())
 
@@ -155,8 +155,8 @@ def test_sparse_decoding_retrieves_the_needle(device: torch.device) -> None:
         without = model(torch.cat([no_needle, query], 1)).logits[:, -1]
         pq_hf.enable(model, pq_hf.HFConfig(heavy=8, sink=4, window=8, bits=6, iters=8))
         cache = transformers.DynamicCache(config=model.config)
-        model(prompt, past_key_values=cache)
-        sparse = model(query, past_key_values=cache).logits[:, -1]
+        model(prompt, **pq_hf.cache_kwargs(model, cache))
+        sparse = model(query, **pq_hf.cache_kwargs(model, cache)).logits[:, -1]
     assert _states(model)[0].sparse_steps == 1
     needle_effect = float((without - dense).norm() / dense.norm())
     sparse_error = float((sparse - dense).norm() / dense.norm())

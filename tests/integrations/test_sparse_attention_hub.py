@@ -163,7 +163,7 @@ def test_workspace_follows_the_layout() -> None:
     replaced by a zeroed one when it changes (N crosses a leaf boundary): the kernel's counters
     move with the layout, so stale slots would read as counters."""
     from pqattn.integrations.sparse_attention_hub import _workspace
-    from pqattn.kernels.select import SELECT_CONFIGS
+    from pqattn.kernels.select.tree import SELECT_CONFIGS
 
     tile = min(c.kwargs["TILE"] for c in SELECT_CONFIGS)
     device = torch.device("cpu")  # the cache's logic; the kernel's side runs in the next test
@@ -178,7 +178,7 @@ def test_workspace_follows_the_layout() -> None:
 def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
     """Consecutive calls whose key count crosses the smallest tile (one leaf, then two, then back):
     every call's selection follows the checker's rules."""
-    from pqattn.kernels.select import SELECT_CONFIGS
+    from pqattn.kernels.select.tree import SELECT_CONFIGS
 
     tile = min(c.kwargs["TILE"] for c in SELECT_CONFIGS)
     args, keys, _ = make_call(device, N=tile + 6, io=8, sink=8, window=8, heavy=16, fresh=10)
@@ -193,8 +193,8 @@ def test_decode_steps_across_a_leaf_boundary(device: torch.device) -> None:
 
 def _spied(monkeypatch) -> list[str]:
     """The names of the launchers indexer_next calls, appended as it calls them."""
-    from pqattn import ops
-    from pqattn.kernels import encode, select_buckets
+    from pqattn.kernels import encode
+    from pqattn.kernels.select import buckets, hist, tree
 
     calls: list[str] = []
 
@@ -208,9 +208,10 @@ def _spied(monkeypatch) -> list[str]:
         monkeypatch.setattr(module, name, wrapper)
 
     spy(encode, "pq_encode")
-    spy(select_buckets, "bucket_tokens")
-    spy(select_buckets, "pq_select_buckets")
-    spy(ops, "_select_kernel")
+    spy(buckets, "bucket_tokens")
+    spy(buckets, "pq_select_buckets")
+    spy(hist, "pq_select_hist")
+    spy(tree, "pq_select")
     return calls
 
 
@@ -238,7 +239,7 @@ def test_a_decode_loop_selects_from_buckets(
     args[1] = keys[:, :, :381]  # 372 rows quantized: one new key
     calls = _spied(monkeypatch)
     out = indexer_next(*args)
-    assert calls == ["pq_encode", "_select_kernel"], "a codebook from elsewhere: no state yet"
+    assert calls == ["pq_encode", "pq_select"], "a codebook from elsewhere: no state yet"
     check_selection(args, out[0], out[1], out[2], out[4])
     codebook = out[4]
     counts = ["pq_encode", "bucket_tokens", "pq_select_buckets"]
@@ -309,7 +310,7 @@ def test_the_state_lives_with_the_returned_view(kernel_routes, device: torch.dev
     moved[9], moved[12] = 9, out[4][:, 1:]  # init_offset 9: the same rows from token 9
     calls.clear()
     out = indexer_next(*moved)
-    assert calls == ["pq_encode", "_select_kernel"] and out[4].data_ptr() != codebook.data_ptr()
+    assert calls == ["pq_encode", "pq_select"] and out[4].data_ptr() != codebook.data_ptr()
     check_selection(moved, out[0], out[1], out[2], out[4])
 
 
@@ -330,4 +331,5 @@ def test_importing_the_cli_decorates_no_kernel() -> None:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src), TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "['pqattn.kernels.launch']"
+    # launching and the selection package's records only: no module that decorates a kernel
+    assert run.stdout.strip().splitlines()[-1] == "['pqattn.kernels.launch', 'pqattn.kernels.select']"

@@ -163,10 +163,10 @@ def test_a_repeated_call_replays_its_launch(config, monkeypatch, device: torch.d
     (entry,) = attention._REPEATS.values()
     assert isinstance(entry, attention._Repeat)
     monkeypatch.setattr(attention, "_flash_forward_kernel", None)  # the JIT path would fail
-    monkeypatch.setattr(attention, "_flash_forward_autotuned", types.SimpleNamespace(best_config=None))
+    monkeypatch.setattr(attention, "flash_forward_autotuned", types.SimpleNamespace(best_config=None))
     for _ in range(2):
         _run(device, **shape)
     if config is None:
-        assert attention._flash_forward_autotuned.best_config is entry.config, "the lab reads it"
+        assert attention.flash_forward_autotuned.best_config is entry.config, "the lab reads it"
     with pytest.raises(TypeError, match="subscriptable"):  # another signature: the JIT's
         _run(device, **{**shape, "Sq": 101})

@@ -279,9 +279,9 @@ def test_a_compiled_plan_passes_what_the_launcher_passes(monkeypatch) -> None:
     from pqattn.kernels import launch as launch_mod
 
     monkeypatch.setattr(launch_mod, "_INTERPRETED", False)
-    monkeypatch.setattr(launch_mod, "_hooked", lambda: False)
-    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch_mod, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(launch_mod, "hooked", lambda: False)
+    monkeypatch.setattr(launch_mod, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "current_stream", lambda device: 1234)
     fake = _FakeCompiled()
     launch = Launcher(_affine)
     compiled = []
@@ -301,7 +301,7 @@ def test_a_compiled_plan_passes_what_the_launcher_passes(monkeypatch) -> None:
     by_launcher, by_plan = fake.calls[-2], fake.calls[-1]
     assert by_plan == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in by_launcher)
     assert by_plan[:4] == (3, 1, 1, 1234) and by_plan[4:6] == (77, (4, 1, 0))
-    monkeypatch.setattr(launch_mod, "_current_device", lambda: 1)
+    monkeypatch.setattr(launch_mod, "current_device", lambda: 1)
     plan(x)  # no kernel for device 1 yet: the Launcher compiles it
     assert len(fake.calls) == 3 and len(compiled) == 2
 

@@ -27,7 +27,9 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pqattn.kernels import encode, select_buckets, select_hist
+from pqattn.kernels import encode
+from pqattn.kernels.select import buckets as select_buckets
+from pqattn.kernels.select import hist as select_hist
 
 def compile_ptx(fn, types, constexprs, num_warps):
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -177,7 +179,8 @@ def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: p
     not otherwise (PQIndex.select may follow anything). Launches recorded, not run."""
     from pqattn.kernels import launch
     from pqattn.kernels.encode import pq_encode
-    from pqattn.kernels.select_buckets import pq_select_buckets, workspace_numel
+    from pqattn.kernels.select.buckets import pq_select_buckets, workspace_numel
+    from pqattn.reference import SelectParams
 
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
     monkeypatch.setattr(pdl, "_supported", lambda device: True)
@@ -196,12 +199,7 @@ def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: p
             cent,
             codes,
             lengths,
-            sink=2,
-            window=2,
-            heavy=8,
-            cand_lo=2,
-            short_threshold=12,
-            width=12,
+            SelectParams(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, width=12),
             positions=torch.empty(B, H, 12, dtype=torch.int64),
             counts=torch.empty(B, H, dtype=torch.int64),
             workspace=torch.zeros(workspace_numel(B * H, M, C, 8), dtype=torch.int32),

@@ -13,8 +13,7 @@ import triton.language as tl
 
 import pqattn
 from pqattn import reference as ref
-from pqattn.kernels.select import (
-    MAX_HEAVY,
+from pqattn.kernels.select.tree import (
     SELECT_CONFIGS,
     SLACK_HEAVY_MAX,
     SLACK_TOKENS_MAX,
@@ -25,81 +24,35 @@ from pqattn.kernels.select import (
     workspace_numel,
 )
 from pqattn.lab.kernel_checks import selection_problem
-from tests.helpers import assert_selection_exact
+from pqattn.limits import MAX_TREE_HEAVY
+from tests.kernels.selection_case import SelectionCase
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SELECT_CONFIGS]
 
 
-def run_case(
-    device,
-    *,
-    B,
-    H,
-    Hkv,
-    N,
-    D,
-    M,
-    bits,
-    lengths,
-    sink,
-    window,
-    heavy,
-    init_offset,
-    config,
-    centroids=None,
-    q_dtype=torch.float32,
-    weights_dtype=None,
-    lut_kernel=None,
-    workspace=None,
-    calls=1,
-) -> None:
-    C = 2**bits
-    q = torch.randn(B, H, D, device=device).to(q_dtype)
-    cent = torch.randn(B, Hkv, M, C, D // M, device=device) if centroids is None else centroids.to(device)
-    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
-    lens = torch.tensor(lengths, device=device)
-    threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
-    width = ref.selection_width(sink, window, heavy, min(threshold, N))
-    pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
-    cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+def run_case(device, *, config, lut_kernel=None, workspace=None, calls=1, **shape) -> None:
+    case = SelectionCase.draw(device, **shape)
+    B, H, _ = case.q.shape
+    M, C, N = case.centroids.shape[2], case.C, case.codes.shape[2]
     if workspace is None:
-        workspace = torch.zeros(workspace_numel(B * H, M, C, N, heavy), dtype=torch.int32, device=device)
-    w = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
+        workspace = torch.zeros(
+            workspace_numel(B * H, M, C, N, case.params.heavy), dtype=torch.int32, device=device
+        )
     for _ in range(calls):  # later calls reuse the workspace: the kernel must leave it reusable
-        q.normal_()
+        case.q.normal_()
         pq_select(
-            q,
-            cent,
-            codes,
-            lens,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-            width=width,
-            positions=pos.fill_(-7),
-            counts=cnt.fill_(-7),
+            case.q,
+            case.centroids,
+            case.codes,
+            case.lengths,
+            case.params,
+            **case.outputs(),
             workspace=workspace,
             n_tokens=N,
-            weights=w,
             config=config,
             lut_kernel=lut_kernel,
         )
-        assert_selection_exact(
-            pos,
-            cnt,
-            w,
-            q,
-            cent,
-            codes,
-            lens,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-        )
+        case.check()
 
 
 @pytest.mark.parametrize("config", SELECT_CONFIGS, ids=CONFIG_IDS)
@@ -232,15 +185,14 @@ def test_configs_for_heavy() -> None:
     """At least four children per merge, except above 4096 where the largest tile merges two;
     slots of at least twice heavy up to SLACK_HEAVY_MAX and SLACK_TOKENS_MAX, of heavy above."""
     for n_tokens in (1000, SLACK_TOKENS_MAX, SLACK_TOKENS_MAX + 1):
-        for heavy in (1, 128, 511, 512, 1024, 1025, 4096, MAX_HEAVY):
+        for heavy in (1, 128, 511, 512, 1024, 1025, 4096, MAX_TREE_HEAVY):
             tiles = [c.kwargs["TILE"] for c in configs_for(heavy, n_tokens)]
             kp = k_pad(heavy, n_tokens)
             slack = heavy <= SLACK_HEAVY_MAX and n_tokens <= SLACK_TOKENS_MAX
             assert kp >= (2 * heavy if slack else heavy) and kp & (kp - 1) == 0, (heavy, n_tokens, kp)
             assert kp < (4 * heavy if slack else 2 * heavy), (heavy, n_tokens, kp)
             assert tiles and all(t >= (4 * kp if heavy <= 4096 else 2 * kp) for t in tiles), (heavy, tiles)
-        assert configs_for(MAX_HEAVY + 1, n_tokens) == ()
-    assert pqattn.ops.MAX_KERNEL_HEAVY == MAX_HEAVY
+        assert configs_for(MAX_TREE_HEAVY + 1, n_tokens) == ()
 
 
 def test_bad_workspace_and_config_are_refused() -> None:
@@ -248,37 +200,28 @@ def test_bad_workspace_and_config_are_refused() -> None:
     cent = torch.randn(1, 2, 2, 16, 16)
     codes = torch.zeros(1, 2, 100, 2, dtype=torch.uint8)
     kw = dict(
-        sink=1,
-        window=1,
-        heavy=900,
-        cand_lo=1,
-        short_threshold=902,
-        width=902,
         positions=torch.empty(1, 2, 902, dtype=torch.int32),
         counts=torch.empty(1, 2, dtype=torch.int32),
         n_tokens=100,
     )
+    params = ref.SelectParams(sink=1, window=1, heavy=900, cand_lo=1, short_threshold=902, width=902)
+    lens = torch.tensor([100])
     with pytest.raises(ValueError, match="workspace"):
-        pq_select(q, cent, codes, torch.tensor([100]), **kw, workspace=torch.zeros(10, dtype=torch.int32))
+        pq_select(q, cent, codes, lens, params, **kw, workspace=torch.zeros(10, dtype=torch.int32))
     with pytest.raises(ValueError, match="config"):
         pq_select(
             q,
             cent,
             codes,
-            torch.tensor([100]),
+            lens,
+            params,
             **kw,
             workspace=torch.zeros(1, dtype=torch.int32),
             config=SELECT_CONFIGS[0],
         )
     with pytest.raises(ValueError, match="heavy"):
-        pq_select(
-            q,
-            cent,
-            codes,
-            torch.tensor([100]),
-            **{**kw, "heavy": MAX_HEAVY + 1},
-            workspace=torch.zeros(1, dtype=torch.int32),
-        )
+        too_many = params._replace(heavy=MAX_TREE_HEAVY + 1)
+        pq_select(q, cent, codes, lens, too_many, **kw, workspace=torch.zeros(1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, torch.bfloat16])

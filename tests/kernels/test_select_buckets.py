@@ -10,19 +10,20 @@ import torch
 import triton
 
 import pqattn
-from pqattn import ops
+from pqattn import dispatch, ops
 from pqattn import reference as ref
 from pqattn.kernels.launch import recording
-from pqattn.kernels.select_buckets import (
+from pqattn.kernels.select import NewKey
+from pqattn.kernels.select.buckets import (
     BUCKET_CONFIGS,
-    NewKey,
     bucket_tokens,
     pq_select_buckets,
     workspace_layout,
     workspace_numel,
 )
-from pqattn.kernels.select_hist import count_combos
+from pqattn.kernels.select.hist import count_combos
 from tests.helpers import assert_index_selection, assert_selection_exact
+from tests.kernels.selection_case import SelectionCase
 from tests.kernels.test_select_hist import CASES as HIST_CASES
 from tests.kernels.test_select_hist import _histogram
 
@@ -72,89 +73,35 @@ def test_bucket_tokens(lengths: list[int], window: int, cand_lo: int, device: to
     assert_buckets(order, starts, frozen, codes, lens, C=C, window=window, cand_lo=cand_lo)
 
 
-def run_case(
-    device,
-    *,
-    B,
-    H,
-    Hkv,
-    N,
-    D,
-    M,
-    bits,
-    lengths,
-    sink,
-    window,
-    heavy,
-    init_offset,
-    recent,
-    config,
-    round_centroids=False,
-    equal_centroids=False,
-    calls=2,
-    weights_dtype=None,
-    index_dtype=torch.int32,
-    after_encode=False,
-    zero_programs=None,
-) -> None:
+def run_case(device, *, recent, config, calls=2, after_encode=False, zero_programs=None, **shape) -> None:
     """Buckets built at lengths - recent (recent tokens scanned), the histogram at lengths; dense
     weights when weights_dtype is given, positions and counts of index_dtype."""
-    C = 2**bits
-    q = torch.randn(B, H, D, device=device)
-    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
-    if round_centroids:  # few distinct scores: ties at the cut
-        cent = cent.round()
-    if equal_centroids:  # one score: every combination ties at the cut
-        cent = cent[:, :, :, :1].expand_as(cent).contiguous()
-    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
-    lens = torch.tensor(lengths, device=device)
-    threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
-    width = ref.selection_width(sink, window, heavy, min(threshold, N))
-    pos = torch.empty(B, H, width, dtype=index_dtype, device=device)
-    cnt = torch.empty(B, H, dtype=index_dtype, device=device)
-    weights = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
-    workspace = torch.zeros(workspace_numel(B * H, M, C, heavy), dtype=torch.int32, device=device)
+    case = SelectionCase.draw(device, **shape)
+    B, H, _ = case.q.shape
+    Hkv, M, C = case.centroids.shape[1], case.centroids.shape[2], case.C
+    p, lens = case.params, case.lengths
+    workspace = torch.zeros(workspace_numel(B * H, M, C, p.heavy), dtype=torch.int32, device=device)
     hist = torch.zeros(B, Hkv, C**M, dtype=torch.int32, device=device)
-    count_combos(codes, lens, hist, C=C, window=window, cand_lo=cand_lo)
-    buckets = _buckets(codes, (lens - recent).clamp(min=0), C, window, cand_lo)
+    count_combos(case.codes, lens, hist, C=C, window=p.window, cand_lo=p.cand_lo)
+    buckets = _buckets(case.codes, (lens - recent).clamp(min=0), C, p.window, p.cand_lo)
     for _ in range(calls):  # later calls reuse the workspace: the kernel must leave it zero
-        q.normal_()
+        case.q.normal_()
         pq_select_buckets(
-            q,
-            cent,
-            codes,
+            case.q,
+            case.centroids,
+            case.codes,
             lens,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-            width=width,
-            positions=pos.fill_(-7),
-            counts=cnt.fill_(-7),
+            p,
+            **case.outputs(),
             workspace=workspace,
             histogram=hist,
             buckets=buckets,
-            weights=None if weights is None else weights.fill_(float("nan")),
             config=config,
             after_encode=after_encode,
             zero_programs=zero_programs,
         )
-        assert_selection_exact(
-            pos,
-            cnt,
-            weights,
-            q,
-            cent,
-            codes,
-            lens,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-        )
-        marks_off = workspace_layout(B * H, M, C, heavy)[1]
+        case.check()
+        marks_off = workspace_layout(B * H, M, C, p.heavy)[1]
         assert (workspace[marks_off:] == 0).all(), "marks zeroed"
 
 
@@ -297,7 +244,10 @@ def test_the_selection_encodes_a_new_key(
     dsub = D // M + (metric == "ip")
     cent = torch.randn(B, Hkv, M, C, dsub, device=device)
     phi = torch.rand(B, Hkv, M, device=device) * 50 if metric == "ip" else None
-    width = ref.selection_width(sink, window, heavy, threshold)
+    params = ref.SelectParams(
+        sink, window, heavy, cand_lo, threshold, ref.selection_width(sink, window, heavy, threshold)
+    )
+    width = params.width
     pos = torch.empty(B, H, width, dtype=torch.int64, device=device)
     cnt = torch.empty(B, H, dtype=torch.int64, device=device)
     weights = torch.empty(B, H, cap, device=device)
@@ -320,12 +270,7 @@ def test_the_selection_encodes_a_new_key(
                 cent,
                 codes,
                 lengths,
-                sink=sink,
-                window=window,
-                heavy=heavy,
-                cand_lo=cand_lo,
-                short_threshold=threshold,
-                width=width,
+                params,
                 positions=pos.fill_(-7),
                 counts=cnt.fill_(-7),
                 workspace=workspace,
@@ -355,12 +300,6 @@ def test_the_selection_encodes_a_new_key(
             marks = workspace[workspace_layout(B * H, M, C, heavy)[1] :]
             assert (marks == 0).all(), "marks and counters zeroed"
     args = dict(
-        sink=sink,
-        window=window,
-        heavy=heavy,
-        cand_lo=cand_lo,
-        short_threshold=threshold,
-        width=width,
         positions=pos,
         counts=cnt,
         workspace=workspace,
@@ -377,7 +316,7 @@ def test_the_selection_encodes_a_new_key(
     ]
     for extra, match in bad:
         with pytest.raises(ValueError, match=match):
-            pq_select_buckets(q, cent, codes, lengths, **args, **extra)
+            pq_select_buckets(q, cent, codes, lengths, params, **args, **extra)
 
 
 def test_routing_and_validation() -> None:
@@ -387,14 +326,10 @@ def test_routing_and_validation() -> None:
     q = torch.empty(1, 4, 128)
     book = torch.empty(1, 1, 2, 64, 64), torch.empty(1, 1, 8, 2, dtype=torch.uint8), torch.tensor([8])
     with pytest.raises(ValueError, match="buckets"):
-        ops._select_kernel(
+        dispatch.select(
             q,
             *book,
-            sink=0,
-            window=0,
-            heavy=1,
-            cand_lo=0,
-            short_threshold=1,
+            ref.SelectParams(sink=0, window=0, heavy=1, cand_lo=0, short_threshold=1, width=1),
             out=None,
             workspace=None,
             buckets=(torch.empty(0), torch.empty(0), torch.empty(0)),
@@ -432,7 +367,7 @@ def test_index_selects_from_its_buckets(kernel_routes, device: torch.device, mon
 def test_the_config_follows_the_rows(monkeypatch) -> None:
     """8 warps while every row has an SM of its own, 4 while two rows share one, 4 with a register
     cap beyond (and 4 off the GPU)."""
-    import pqattn.kernels.select_buckets as select_buckets
+    import pqattn.kernels.select.buckets as select_buckets
 
     monkeypatch.setattr(select_buckets, "_sm_count", lambda device: 4)
     cuda = torch.device("cuda")

@@ -16,20 +16,19 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.kernels.encode import pq_encode
 from pqattn.kernels.launch import recording
-from pqattn.kernels.select import _order_key
-from pqattn.kernels.select import workspace_numel as tree_workspace_numel
-from pqattn.kernels.select_hist import (
-    MAX_COMBOS,
+from pqattn.kernels.select.common import _normal_probes, order_key, weighted_cut
+from pqattn.kernels.select.hist import (
     ROW_WORDS,
     SCAN_CONFIGS,
-    _normal_probes,
-    _weighted_cut,
     count_combos,
     pq_select_hist,
     workspace_layout,
     workspace_numel,
 )
+from pqattn.kernels.select.tree import workspace_numel as tree_workspace_numel
+from pqattn.limits import STATELESS_TREE_MAX_HEAVY
 from tests.helpers import assert_index_selection, assert_selection_exact, select_hist_launches
+from tests.kernels.selection_case import SelectionCase
 
 CONFIG_IDS = [f"TILE{c.kwargs['TILE']}-w{c.num_warps}" for c in SCAN_CONFIGS]
 
@@ -47,76 +46,28 @@ def _histogram(codes, lengths, C, window, cand_lo) -> torch.Tensor:
     return hist.int()
 
 
-def run_case(
-    device,
-    *,
-    B,
-    H,
-    Hkv,
-    N,
-    D,
-    M,
-    bits,
-    lengths,
-    sink,
-    window,
-    heavy,
-    init_offset,
-    config,
-    maintained,
-    round_centroids=False,
-    weights_dtype=None,
-    calls=2,
-) -> None:
-    C = 2**bits
-    q = torch.randn(B, H, D, device=device)
-    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
-    if round_centroids:  # few distinct scores: ties at the cut
-        cent = cent.round()
-    codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
-    lens = torch.tensor(lengths, device=device)
-    threshold, cand_lo = sink + heavy + window, max(init_offset, sink)
-    width = ref.selection_width(sink, window, heavy, min(threshold, N))
-    pos = torch.empty(B, H, width, dtype=torch.int32, device=device)
-    cnt = torch.empty(B, H, dtype=torch.int32, device=device)
+def run_case(device, *, config, maintained, calls=2, **shape) -> None:
+    case = SelectionCase.draw(device, **shape)
+    B, H, _ = case.q.shape
+    M, C, N = case.centroids.shape[2], case.C, case.codes.shape[2]
+    p = case.params
     workspace = torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32, device=device)
-    hist = _histogram(codes, lens, C, window, cand_lo) if maintained else None
-    w = None if weights_dtype is None else torch.empty(B, H, N, dtype=weights_dtype, device=device)
+    hist = _histogram(case.codes, case.lengths, C, p.window, p.cand_lo) if maintained else None
     for _ in range(calls):  # later calls reuse the workspace: the kernels must leave it reusable
-        q.normal_()
+        case.q.normal_()
         pq_select_hist(
-            q,
-            cent,
-            codes,
-            lens,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-            width=width,
-            positions=pos.fill_(-7),
-            counts=cnt.fill_(-7),
+            case.q,
+            case.centroids,
+            case.codes,
+            case.lengths,
+            p,
+            **case.outputs(),
             workspace=workspace,
             n_tokens=N,
             histogram=hist,
-            weights=w,
             config=config,
         )
-        assert_selection_exact(
-            pos,
-            cnt,
-            w,
-            q,
-            cent,
-            codes,
-            lens,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            cand_lo=cand_lo,
-            short_threshold=threshold,
-        )
+        case.check()
         hist_off = workspace_layout(B * H, M, C)[0]
         if not maintained:
             assert (workspace[hist_off : hist_off + B * H * C**M] == 0).all(), "consumed histogram zeroed"
@@ -215,7 +166,6 @@ def test_encode_keeps_the_histogram(T: int, window: int, lengths: list[int], dev
 
 def test_routing_and_workspace() -> None:
     assert ops.uses_histogram(2, 64) and ops.uses_histogram(1, 256) and not ops.uses_histogram(2, 128)
-    assert ops.MAX_COMBOS == MAX_COMBOS
     assert ops.select_workspace_numel(32, 2, 64, 32000, 128, kept_histogram=True) == workspace_numel(
         32, 2, 64
     )
@@ -229,12 +179,7 @@ def test_routing_and_workspace() -> None:
             torch.empty(1, 1, 2, 128, 64),
             torch.empty(1, 1, 8, 2, dtype=torch.uint8),
             torch.tensor([8]),
-            sink=0,
-            window=0,
-            heavy=1,
-            cand_lo=0,
-            short_threshold=1,
-            width=1,
+            ref.SelectParams(sink=0, window=0, heavy=1, cand_lo=0, short_threshold=1, width=1),
             positions=torch.empty(1, 4, 1, dtype=torch.int32),
             counts=torch.empty(1, 4, dtype=torch.int32),
             workspace=torch.zeros(8, dtype=torch.int32),
@@ -288,7 +233,7 @@ def test_the_scan_runs_again_on_zeroed_counters(device: torch.device, monkeypatc
     zeroes them, writes a correct selection (which of the tied tokens at the cut: the order of the
     tiles' atomics). Run again without zeroing, it writes nothing outside its rows (slots stop at
     k)."""
-    import pqattn.kernels.select_hist as select_hist
+    import pqattn.kernels.select.hist as select_hist
 
     B, H, Hkv, N, D, M, C = 1, 4, 2, 3000, 32, 2, 8
     q = torch.randn(B, H, D, device=device)
@@ -296,15 +241,14 @@ def test_the_scan_runs_again_on_zeroed_counters(device: torch.device, monkeypatc
     codes = torch.randint(0, C, (B, Hkv, N, M), device=device, dtype=torch.uint8)
     lens = torch.tensor([N], device=device)
     ws = torch.zeros(workspace_numel(B * H, M, C), dtype=torch.int32, device=device)
-    kw = dict(
-        sink=4, window=4, heavy=300, cand_lo=4, short_threshold=308, width=308, workspace=ws, n_tokens=N
-    )
+    params = ref.SelectParams(sink=4, window=4, heavy=300, cand_lo=4, short_threshold=308, width=308)
+    kw = dict(workspace=ws, n_tokens=N)
     words_off = workspace_layout(B * H, M, C)[2]
     rows = torch.full((B, H, 308 + 400), -7, dtype=torch.int32, device=device)
     pos = rows[..., :308]
     cnt = torch.empty(B, H, dtype=torch.int32, device=device)
     check = dict(sink=4, window=4, heavy=300, cand_lo=4, short_threshold=308)
-    pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
+    pq_select_hist(q, cent, codes, lens, params, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
     assert_selection_exact(pos, cnt, None, q, cent, codes, lens, **check)
     assert (ws[words_off:].view(B * H, -1)[:, 2] > 0).all(), "the scan counted in the slot counters"
 
@@ -314,14 +258,14 @@ def test_the_scan_runs_again_on_zeroed_counters(device: torch.device, monkeypatc
     monkeypatch.setattr(select_hist, "count_combos", lambda *a, **k: None)
     monkeypatch.setattr(select_hist, "_pq_cut_launch", hook_only)
     pos.fill_(-7)
-    pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
+    pq_select_hist(q, cent, codes, lens, params, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
     assert_selection_exact(pos, cnt, None, q, cent, codes, lens, **check)
     monkeypatch.setattr(select_hist, "_pq_cut_launch", lambda *a: None)
-    pq_select_hist(q, cent, codes, lens, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
+    pq_select_hist(q, cent, codes, lens, params, positions=pos, counts=cnt, config=SCAN_CONFIGS[0], **kw)
     assert (rows[..., 308:] == -7).all(), "a slot past the row's k was written"
 
 
-@pytest.mark.parametrize("heavy", [ops.STATELESS_TREE_MAX_HEAVY, ops.STATELESS_TREE_MAX_HEAVY + 1])
+@pytest.mark.parametrize("heavy", [STATELESS_TREE_MAX_HEAVY, STATELESS_TREE_MAX_HEAVY + 1])
 def test_a_call_without_a_histogram_takes_the_cheaper_kernel(heavy: int, kernel_routes, device) -> None:
     """select_topk keeps no histogram: up to STATELESS_TREE_MAX_HEAVY it runs the merge tree, above
     it counts the histogram; a PQIndex keeps one, and its buckets, and selects from those at any
@@ -337,7 +281,7 @@ def test_a_call_without_a_histogram_takes_the_cheaper_kernel(heavy: int, kernel_
     with recording() as rec:  # (a compiling or autotuning launch is not recorded)
         sel = pqattn.select_topk(q, index.centroids, index.codes, index.lengths, **kw)
     names = [r.launcher.fn.__name__ for r in rec.launches]
-    tree = heavy <= ops.STATELESS_TREE_MAX_HEAVY
+    tree = heavy <= STATELESS_TREE_MAX_HEAVY
     assert ("_pq_histogram_kernel" in names) is not tree and ("_pq_select_kernel" in names) is tree
     assert_index_selection(index, sel, q)
     with recording() as rec:
@@ -350,7 +294,7 @@ def test_a_call_without_a_histogram_takes_the_cheaper_kernel(heavy: int, kernel_
 def test_the_scan_config_follows_the_group_size(H: int, Hkv: int, monkeypatch) -> None:
     """Without a forced config the scan runs scan_config(G): 256 tokens and 2 warps for G = 1,
     128 tokens and 1 warp with GQA. Launches intercepted, not run."""
-    from pqattn.kernels import select_hist
+    from pqattn.kernels.select import hist as select_hist
 
     grid, _, _, kwargs = select_hist_launches(monkeypatch, H, Hkv)["_pq_scan_kernel"]
     group = H // Hkv
@@ -365,7 +309,7 @@ def _weighted_cut_probe(score_ptr, w_ptr, need, out_ptr, P: tl.constexpr):
     lane = tl.arange(0, P)
     score = tl.load(score_ptr + lane)
     w = tl.load(w_ptr + lane)
-    cut, quota, k = _weighted_cut(tl.where(w > 0, _order_key(score), 0), w, need)
+    cut, quota, k = weighted_cut(tl.where(w > 0, order_key(score), 0), w, need)
     tl.store(out_ptr, cut.to(tl.int32, bitcast=True))
     tl.store(out_ptr + 1, quota)
     tl.store(out_ptr + 2, k)
@@ -454,7 +398,7 @@ def test_weighted_cut_search(dist: str, P: int, warps: int, device: torch.device
 def _normal_probes_probe(score_ptr, w_ptr, k, total, out_ptr, P: tl.constexpr):
     lane = tl.arange(0, P)
     w = tl.load(w_ptr + lane)
-    key = tl.where(w > 0, _order_key(tl.load(score_ptr + lane)), 0)
+    key = tl.where(w > 0, order_key(tl.load(score_ptr + lane)), 0)
     p_hi, p_lo = _normal_probes(key, w, k, total)
     tl.store(out_ptr, p_hi)
     tl.store(out_ptr + 1, p_lo)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pqattn.cli import main
-from pqattn.lab import check as check_mod
+from pqattn.lab import kernel_checks
 from pqattn.lab.check import KernelCheck, format_rows, poisoned_allocations, run_checks
 
 
@@ -72,10 +72,10 @@ def test_poisoned_allocations_are_restored() -> None:
 
 def test_cli_check_exit_codes(monkeypatch, capsys) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(check_mod, "registered", lambda: [make_check([{"BLOCK": 4}])])
+    monkeypatch.setattr(kernel_checks, "registered", lambda: [make_check([{"BLOCK": 4}])])
     assert main(["check", "--device", "cpu", "--seed", "3"]) == 0
     assert "all passed" in capsys.readouterr().out
-    monkeypatch.setattr(check_mod, "registered", lambda: [make_check([{"BLOCK": 4, "bug": "wrong"}])])
+    monkeypatch.setattr(kernel_checks, "registered", lambda: [make_check([{"BLOCK": 4, "bug": "wrong"}])])
     assert main(["check", "--device", "cpu", "--cases", "2"]) == 1
     assert main(["check", "--device", "cpu", "--kernel", "nosuch"]) == 2
 
@@ -92,7 +92,7 @@ def test_registered_kernels_pass(large: bool, device: torch.device) -> None:
     if large and device.type != "cuda":
         pytest.skip("large shapes run compiled on the GPU")
     seed = torch.initial_seed() % 2**31  # from PQATTN_SEED and the test's id (conftest): replayable
-    rows = run_checks(check_mod.registered(), device=device, large=large, cases=2, seed=seed)
+    rows = run_checks(kernel_checks.registered(), device=device, large=large, cases=2, seed=seed)
     failed = [r for r in rows if r["failures"]]
     assert not failed, (f"run_checks seed={seed} large={large}", failed)
 

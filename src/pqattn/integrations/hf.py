@@ -191,10 +191,23 @@ def register() -> None:
 
 
 def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
-    """Switch a transformers model to PQ sparse decoding; returns the layer indices that go sparse.
+    """Switch a transformers model to PQ sparse decoding.
 
     Works with any model whose attention modules carry `layer_idx` and call transformers' attention
     interface (Llama, Mistral, Qwen2/3 and their GQA variants).
+
+    Args:
+        model: a transformers causal LM. config: what every attention layer applies.
+
+    Returns:
+        the layer indices that go sparse (all but `config.dense_layers`).
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+        ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> enable(transformers.LlamaForCausalLM(cfg), HFConfig(heavy=16, sink=4, window=4))
+        [0, 1]
     """
     register()
     sparse = []

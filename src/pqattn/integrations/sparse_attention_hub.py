@@ -12,9 +12,9 @@ so that its rows sit at their tokens' positions and later rows have room: passin
 next call appends in place instead of copying the whole codebook (the rows the caller already
 holds never change), and a call may also pass back fewer rows than it got (the original's
 benchmark re-sends the same codebook: the rows after it are written again). Passing some other
-tensor costs one copy into a new buffer. With at most 4096 code combinations (ops.uses_histogram)
+tensor costs one copy into a new buffer. With at most 4096 code combinations (dispatch.uses_histogram)
 the buffer also carries, from the first call that passes it back (a decode loop), the candidates'
-histogram and buckets of pqattn.kernels.select_buckets: the encode launch keeps the histogram
+histogram and buckets of pqattn.kernels.select.buckets: the encode launch keeps the histogram
 current and the selection is the bucket launch, which reads about `heavy` positions per row
 instead of every code. They are counted again whenever the codebook may have changed outside
 these calls (an in-place write to any view of it, seen by its version counter), when the
@@ -26,17 +26,13 @@ from __future__ import annotations
 import torch
 
 from pqattn import _validate as check
-from pqattn import ops
+from pqattn import dispatch, ops
 from pqattn import reference as ref
 from pqattn.index import PQIndex
-from pqattn.reference import Selection
-
-# The Triton kernels are imported where they are launched: importing this module (the lab's
-# suites do, and so does the CLI) decorates no kernel, so that it cannot happen while a caller
-# has TRITON_INTERPRET set for a moment (Triton fixes a kernel's mode when it is decorated).
+from pqattn.reference import Selection, SelectParams
 
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
-_STATE = "_pqattn_state"  # the attribute of our codebook buffers that holds their _State
+STATE_ATTRIBUTE = "_pqattn_state"  # the attribute of our codebook buffers that holds their _State
 
 # Static call signatures (everything but N and the codebook's length) whose checks passed, with
 # the route they take: (kernels, with the buckets). A decode loop checks its arguments once.
@@ -54,12 +50,10 @@ def _workspace(device: torch.device, rows: int, M: int, C: int, N: int, heavy: i
     call), so a call of another layout gets a fresh one (once per leaf boundary: every few
     thousand steps). Calls on one device share it, so they must not run concurrently on different
     streams."""
-    from pqattn.kernels.select import k_pad, max_tree_nodes
-
-    layout = (rows, M, C, max_tree_nodes(N, heavy), k_pad(heavy, N))
+    layout = (rows, M, C, *dispatch.tree_workspace_layout(N, heavy))
     cached = _WORKSPACES.get(device)
     if cached is None or cached[0] != layout:
-        numel = ops.select_workspace_numel(rows, M, C, N, heavy)
+        numel = dispatch.select_workspace_numel(rows, M, C, N, heavy)
         cached = (layout, torch.zeros(numel, dtype=torch.int32, device=device))
         _WORKSPACES[device] = cached
     return cached[1]
@@ -89,8 +83,6 @@ class _State:
     def rebuild(self, codes: torch.Tensor, N: int, layout: tuple[int, int, int, int]) -> None:
         """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for sequences
         of N tokens, and take the histogram from the groups' sizes."""
-        from pqattn.kernels.select_buckets import bucket_tokens
-
         B, Hkv, capacity, M = codes.shape
         window, cand_lo, C, _ = layout
         if self.lengths is None:
@@ -108,7 +100,7 @@ class _State:
             )
             self.layout = layout
         order, starts, frozen = self.buckets
-        bucket_tokens(
+        dispatch.bucket_tokens(
             codes[:, :, :N],
             self.lengths,
             order,
@@ -124,25 +116,20 @@ class _State:
         self.bucketed_at = N
 
     def workspace_for(self, rows: int, M: int, C: int, heavy: int) -> torch.Tensor:
-        from pqattn.kernels.select_buckets import workspace_numel
-
         if self.workspace_key != (rows, heavy):
-            self.workspace = torch.zeros(
-                workspace_numel(rows, M, C, heavy), dtype=torch.int32, device=self.hist.device
-            )
+            numel = dispatch.select_workspace_numel(rows, M, C, 0, heavy, kept_histogram=True, buckets=True)
+            self.workspace = torch.zeros(numel, dtype=torch.int32, device=self.hist.device)
             self.workspace_key = (rows, heavy)
         return self.workspace
 
 
-def _codebook_buffer(
-    codebook: torch.Tensor, init_offset: int, rows: int
-) -> tuple[torch.Tensor, _State, bool]:
+def codebook_buffer(codebook: torch.Tensor, init_offset: int, rows: int) -> tuple[torch.Tensor, _State, bool]:
     """(buffer, its state, whether `codebook` came from an earlier call): a buffer of ours
     [B, init_offset + capacity, Hkv, M] int64 whose rows init_offset.. hold `codebook` and that has
     room for `rows` codebook rows; `codebook` itself when it is a view of such a buffer with room."""
     B, n, Hkv, M = codebook.shape
     base = codebook._base
-    state = getattr(base, _STATE, None) if base is not None else None
+    state = getattr(base, STATE_ATTRIBUTE, None) if base is not None else None
     ours = (
         state is not None
         and state.init_offset == init_offset
@@ -156,7 +143,7 @@ def _codebook_buffer(
     buf = torch.empty(B, init_offset + rows + _GROWTH, Hkv, M, dtype=torch.int64, device=codebook.device)
     buf[:, init_offset : init_offset + n].copy_(codebook)
     state = _State(init_offset)
-    setattr(buf, _STATE, state)
+    setattr(buf, STATE_ATTRIBUTE, state)
     return buf, state, ours
 
 
@@ -176,15 +163,27 @@ def indexer_next(
     pq_codebook: torch.Tensor,
     pq_ip2l2_phi: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """PQ top-k selection for the last query token, the original's way (SPEC §5).
+    """PQ top-k selection for the last query token, the original's way (SPEC §5): its signature,
+    outputs and short-sequence rule (n <= heavy + init_offset + 1 + C keeps every token).
 
-    query [B, H, Sq, D]; key [B, Hkv, N, D]; pq_centroids [B, Hkv, M, C, dsub(+1)];
-    pq_codebook [B, n_quantized, Hkv, M] int64 (tokens init_offset .. init_offset + n_quantized);
-    pq_ip2l2_phi flat [B * Hkv * M] (ip) or None. kmeans_iter is accepted for compatibility (the
-    centroids are not retrained at decode).
-    Returns (sparse_list [B, H, L] int64, sparse_len [B, H] int64, weight_list [B, H, N],
-    pq_centroids, pq_codebook [B, N - init_offset, Hkv, M], pq_ip2l2_phi), L = sink + heavy +
-    window (wider when the short-sequence rule keeps more tokens); entries past sparse_len are -1.
+    Args:
+        query: [B, H, Sq, D] (the last token selects). key: [B, Hkv, N, D], the whole cache.
+        weight_list_dtype: the dtype of the returned dense weights.
+        sink_size, window_size, heavy_size: the selection's sizes.
+        pq_group_factor, pq_bits: M and bits of the codebook. kmeans_iter: accepted for
+            compatibility (the centroids are not retrained at decode). init_offset: the first
+            quantized token. metric: "euclidean" or "ip".
+        pq_centroids: [B, Hkv, M, C, dsub (+1)].
+        pq_codebook: [B, n_quantized, Hkv, M] int64, the codes of tokens init_offset ..
+            init_offset + n_quantized; pass back the one returned by the last call (it carries the
+            index's buckets, so a decode call is one launch).
+        pq_ip2l2_phi: flat [B * Hkv * M] (ip) or None.
+
+    Returns:
+        (sparse_list [B, H, L] int64: sink, heavy, window positions, -1 past sparse_len;
+        sparse_len [B, H] int64; weight_list [B, H, N]: 1 at the selected positions;
+        pq_centroids; pq_codebook [B, N - init_offset, Hkv, M] with the keys since the last call
+        appended; pq_ip2l2_phi), L = sink + heavy + window, wider when the short rule keeps more.
     """
     try:
         sig = (
@@ -207,7 +206,7 @@ def indexer_next(
             pq_codebook.dtype,
             pq_codebook.device,
             None if pq_ip2l2_phi is None else (pq_ip2l2_phi.shape, pq_ip2l2_phi.dtype, pq_ip2l2_phi.device),
-            ops.KERNEL_DEVICES,
+            dispatch.KERNEL_DEVICES,
         )
         route = _CHECKED.get(sig)
     except (AttributeError, TypeError):  # not tensors, an unhashable option: the checks say which
@@ -246,38 +245,36 @@ def indexer_next(
         )
     q = query[:, :, -1]
     threshold = heavy_size + init_offset + 1 + C
-    buf, state, looped = _codebook_buffer(pq_codebook, init_offset, rows)
+    buf, state, looped = codebook_buffer(pq_codebook, init_offset, rows)
     codebook = buf[:, init_offset : init_offset + rows]
     new_keys = key[:, :, init_offset + n_quantized :]
     if kernel:
-        from pqattn.kernels.encode import pq_encode
-
         new_keys = new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous()
         q = q if q.stride(-1) == 1 else q.contiguous()
         cent = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
-        width = ref.selection_width(sink_size, window_size, heavy_size, min(threshold, N))
-        out = Selection(
-            torch.empty(B, H, width, dtype=torch.int64, device=query.device),
-            torch.empty(B, H, dtype=torch.int64, device=query.device),
-        )
-        weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
-        sizes = dict(
+        params = SelectParams.make(
             sink=sink_size,
             window=window_size,
             heavy=heavy_size,
             cand_lo=max(init_offset, sink_size),
             short_threshold=threshold,
+            n_tokens=N,
         )
+        out = Selection(
+            torch.empty(B, H, params.width, dtype=torch.int64, device=query.device),
+            torch.empty(B, H, dtype=torch.int64, device=query.device),
+        )
+        weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
         if looped and bucketed:
-            _select_from_buckets(state, buf, q, cent, phi, new_keys, n_quantized, N, sizes, out, weights)
+            _select_from_buckets(state, buf, q, cent, phi, new_keys, n_quantized, N, params, out, weights)
         else:
-            pq_encode(new_keys, cent, phi, buf.transpose(1, 2), row0=init_offset + n_quantized)
-            ops._select_kernel(
+            dispatch.encode(new_keys, cent, phi, buf.transpose(1, 2), row0=init_offset + n_quantized)
+            dispatch.select(
                 q,
                 cent,
                 codebook.transpose(1, 2),  # [B, Hkv, rows, M]: row r holds token init_offset + r
                 torch.full((B,), N, dtype=torch.int64, device=query.device),
-                **sizes,
+                params,
                 out=out,
                 workspace=_workspace(query.device, B * H, M, C, N, heavy_size),
                 weights=weights,
@@ -374,8 +371,8 @@ def _check_call(
             dtypes=check.FLOAT_DTYPES,
             device=query.device,
         )
-    kernel = ops.kernel_path(query[:, :, -1], pq_centroids, heavy_size)
-    return kernel, kernel and ops.uses_histogram(M, C)
+    kernel = dispatch.kernel_path(query[:, :, -1], pq_centroids, heavy_size)
+    return kernel, kernel and dispatch.uses_histogram(M, C)
 
 
 def _select_from_buckets(
@@ -387,7 +384,7 @@ def _select_from_buckets(
     new_keys: torch.Tensor,
     n_quantized: int,
     N: int,
-    sizes: dict,
+    params: SelectParams,
     out: Selection,
     weights: torch.Tensor,
 ) -> None:
@@ -395,15 +392,12 @@ def _select_from_buckets(
     histogram, and the lengths on the device) in one launch, the bucket selection in another
     (launched early behind it). A decode loop's call (one new key, at most two rows re-sent, no
     rebuild due) is one launch: the bucket selection encodes the key itself
-    (select_buckets.NewKey). When the state does not describe the codebook it was given (see the
+    (pqattn.kernels.select.NewKey). When the state does not describe the codebook it was given (see the
     module's docstring), the codes are written first and the histogram and buckets counted from
-    them. sizes: the selection's sink, window, heavy, cand_lo and short_threshold."""
-    from pqattn.kernels.encode import pq_encode
-    from pqattn.kernels.select_buckets import NewKey, pq_select_buckets
-
+    them."""
     B, H, _ = q.shape
     M, C = centroids.shape[2], centroids.shape[3]
-    window, cand_lo = sizes["window"], sizes["cand_lo"]
+    window, cand_lo = params.window, params.cand_lo
     codes = buf.transpose(1, 2)  # [B, Hkv, init_offset + capacity, M]: token p at row p
     layout = (window, cand_lo, C, M)
     n_drop = state.rows - n_quantized  # rows the caller sends again (0 in a decode loop)
@@ -411,9 +405,9 @@ def _select_from_buckets(
     rebuild = max(N - window, cand_lo) < state.frozen_at or N - state.bucketed_at >= PQIndex.REINDEX_AFTER
     new_key = None
     if steady and not rebuild and new_keys.shape[2] == 1 and n_drop <= min(2, window - 1):
-        new_key = NewKey(new_keys, phi, N, n_drop)  # a decode loop's call: one launch
+        new_key = dispatch.NewKey(new_keys, phi, N, n_drop)  # a decode loop's call: one launch
     elif steady:
-        pq_encode(
+        dispatch.encode(
             new_keys,
             centroids,
             phi,
@@ -429,19 +423,16 @@ def _select_from_buckets(
         if rebuild:
             state.rebuild(codes, N, layout)
     else:
-        pq_encode(new_keys, centroids, phi, codes, row0=state.init_offset + n_quantized)
+        dispatch.encode(new_keys, centroids, phi, codes, row0=state.init_offset + n_quantized)
         state.rebuild(codes, N, layout)
-    width = out.positions.shape[2]
-    pq_select_buckets(
+    dispatch.select(
         q,
         centroids,
         codes,
         state.lengths,
-        **sizes,
-        width=width,
-        positions=out.positions,
-        counts=out.counts,
-        workspace=state.workspace_for(B * H, M, C, sizes["heavy"]),
+        params,
+        out=out,
+        workspace=state.workspace_for(B * H, M, C, params.heavy),
         histogram=state.hist,
         buckets=state.buckets,
         weights=weights,

@@ -1,16 +1,19 @@
-"""Triton kernels, one file per family: `_kernel` functions and a thin launcher on validated inputs.
+"""Triton kernels by family (a file, or a folder where a family has several: `select/`), each
+with its `_kernel` functions, a thin launcher on validated inputs and its autotune space; device
+helpers shared across families are in `codes`, launching and plans in `launch`, PDL in `pdl`.
 
-The public, validated entry points are in `pqattn.ops`; each kernel's fuzz check is in
-`pqattn.lab.kernel_checks`.
+The public, validated entry points are in `pqattn.ops` and `PQIndex`, which reach the kernels
+only through `pqattn.dispatch`; each kernel's fuzz check is in `pqattn.lab.kernel_checks`.
 """
 
 
 def autotuners() -> dict:
     """The autotuned launchers by kernel name (their `best_config` is the config of the last call)."""
-    from pqattn.kernels import attention, decode, select
+    from pqattn.kernels import attention, decode
+    from pqattn.kernels.select import tree
 
     return {
-        "flash_forward": attention._flash_forward_autotuned,
-        "pq_select": select._pq_select_autotuned,
-        "sparse_decode": decode._sparse_decode_autotuned,
+        "flash_forward": attention.flash_forward_autotuned,
+        "pq_select": tree.pq_select_autotuned,
+        "sparse_decode": decode.sparse_decode_autotuned,
     }

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pqattn.kernels import launch
-from pqattn.kernels.launch import _hooked, autotuning, interpreted
+from pqattn.kernels.launch import autotuning, hooked, interpreted
 
 
 def _set_block_shapes(nargs: dict) -> None:
@@ -262,7 +262,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return [c for c in configs if named_args["tma_ok"] or not c.kwargs["TMA"]]
 
 
-_flash_forward_autotuned = triton.autotune(
+flash_forward_autotuned = triton.autotune(
     configs=ATTENTION_CONFIGS,
     key=["seq_bucket", "rows_bucket", "D", "CAUSAL", "HAS_LSE", "G", "tma_ok"],
     prune_configs_by={"early_config_prune": _prune},
@@ -363,7 +363,7 @@ def _call_key(
         type(scale),
         None if config is None else tuple(sorted(config.all_kwargs().items())),
         group_rows,
-        launch._current_device(),
+        launch.current_device(),
     )
 
 
@@ -380,7 +380,7 @@ def _replay(r: _Repeat, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     kernel = r.kernel
     kernel.run(
         *r.grid,
-        launch._current_stream(r.device),
+        launch.current_stream(r.device),
         kernel.function,
         kernel.packed_metadata,
         None,  # launch metadata: only launch hooks read it (calls under a hook take the JIT path)
@@ -396,7 +396,7 @@ def _replay(r: _Repeat, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         *r.constants,
     )
     if r.tuned:
-        _flash_forward_autotuned.best_config = r.config
+        flash_forward_autotuned.best_config = r.config
 
 
 def flash_forward(
@@ -418,7 +418,7 @@ def flash_forward(
 
     A call repeating an earlier call's signature (shapes, strides, dtypes, alignment, options)
     launches the compiled kernel directly with the config chosen then (`_Repeat`)."""
-    direct = not interpreted() and not _hooked()
+    direct = not interpreted() and not hooked()
     key = _call_key(q, k, v, out, lse, causal, scale, config, group_rows) if direct else None
     known = _REPEATS.get(key) if direct else None
     if isinstance(known, _Repeat):
@@ -463,9 +463,9 @@ def flash_forward(
     meta = dict(D=D, CAUSAL=causal, HAS_LSE=lse is not None)
     if config is None:
         args = (q, k, v, out, lse if lse is not None else out, *(descs or (q, k, v)), *scalars)
-        _flash_forward_autotuned[lambda c: _grid(Sq, B * H, c["BLOCK_M"], causal)](*args, **meta)
+        flash_forward_autotuned[lambda c: _grid(Sq, B * H, c["BLOCK_M"], causal)](*args, **meta)
         if direct:
-            _remember(key, _flash_forward_autotuned.best_config)
+            _remember(key, flash_forward_autotuned.best_config)
         return
     grid = _grid(Sq, B * H, config.kwargs["BLOCK_M"], causal)
     if config.kwargs["TMA"]:
@@ -479,7 +479,7 @@ def flash_forward(
         *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
     )
     if tuned:
-        _flash_forward_autotuned.best_config = config
+        flash_forward_autotuned.best_config = config
     if direct:
         constants = (
             D,
@@ -490,8 +490,8 @@ def flash_forward(
             config.kwargs["TMA"],
         )
         blocks = None if descs is None else (list(descs[0].block_shape), list(descs[1].block_shape))
-        launch._bind_driver()
-        device = launch._current_device()
+        launch.bind_driver()
+        device = launch.current_device()
         _remember(key, _Repeat(kernel, device, (*grid, 1, 1)[:3], scalars, constants, blocks, config, tuned))
 
 

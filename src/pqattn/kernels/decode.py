@@ -184,10 +184,10 @@ def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constex
         tl.store(lse_at, lse)
 
 
-_sparse_decode_autotuned = triton.autotune(
+sparse_decode_autotuned = triton.autotune(
     configs=DECODE_CONFIGS, key=["WIDTH", "D", "H", "G", "HAS_W", "W_DENSE"]
 )(_sparse_decode_kernel)
-_sparse_decode_tuned = TunedLauncher(_sparse_decode_autotuned)
+_sparse_decode_tuned = TunedLauncher(sparse_decode_autotuned)
 _sparse_decode_launch = Launcher(_sparse_decode_kernel)
 
 

@@ -82,22 +82,22 @@ def _scalar_specs(scalars: tuple) -> list:
     return specs
 
 
-def _current_device() -> int:
+def current_device() -> int:
     return driver.active.get_current_device()
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
     return driver.active.get_current_stream(device)
 
 
-def _bind_driver() -> None:
+def bind_driver() -> None:
     """Bind the two driver calls of a launch once (each lookup through `driver.active` costs)."""
-    global _current_device, _current_stream
-    _current_device = driver.active.get_current_device
-    _current_stream = driver.active.get_current_stream
+    global current_device, current_stream
+    current_device = driver.active.get_current_device
+    current_stream = driver.active.get_current_stream
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     """True while a launch hook is installed (Triton keeps them in possibly empty HookChains)."""
     runtime = triton.knobs.runtime
     return any(bool(getattr(h, "calls", h)) for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
@@ -123,12 +123,12 @@ class Launcher:
         self.recent: dict[tuple, tuple] = {}
 
     def __call__(self, grid: tuple[int, ...], tensors: tuple, scalars: tuple, kwargs: dict) -> None:
-        if interpreted() or _hooked():
+        if interpreted() or hooked():
             if _recording is not None:
                 _recording.add(self, grid, tensors, scalars, kwargs, None, hooked=not interpreted())
             self.fn[grid](*tensors, *scalars, **kwargs)
             return
-        device = _current_device()
+        device = current_device()
         # arg_spec of the tensors, inline (a call per tensor costs); either key below only picks
         # the compiled kernel, the launch passes this call's own arguments
         head = (device, *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors], *kwargs.items())
@@ -155,7 +155,7 @@ class Launcher:
             grid[0],
             grid[1],
             grid[2],
-            _current_stream(device),
+            current_stream(device),
             kernel.function,
             kernel.packed_metadata,
             None,  # launch metadata: only launch hooks read it
@@ -171,7 +171,7 @@ class Launcher:
         launcher's: the next such call launches it (and can be recorded) instead of compiling."""
         if interpreted() or kernel is None:
             return
-        head = (_current_device(), *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors], *kwargs.items())
+        head = (current_device(), *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors], *kwargs.items())
         constexprs = self.fn.arg_names[len(tensors) + len(scalars) :]
         self.kernels[(head, *map(arg_spec, scalars))] = (kernel, tuple(kwargs[n] for n in constexprs))
 
@@ -185,7 +185,7 @@ class Launcher:
         if missing:
             raise TypeError(f"{self.fn.__name__}: constexpr parameters {missing} not given")
         kernel = self.fn[grid](*tensors, *scalars, **kwargs)  # compiles when Triton has no such kernel
-        _bind_driver()
+        bind_driver()
         self.kernels[key] = (kernel, tuple(kwargs[n] for n in constexprs))
 
 
@@ -346,7 +346,7 @@ class Plan:
         return cls(launches, tuple(used.values()))
 
     def __call__(self, *inputs: torch.Tensor) -> None:
-        slow = interpreted() or _recording is not None or _hooked()
+        slow = interpreted() or _recording is not None or hooked()
         for r, slots, bound in self._launches:
             if r.tuned is not None:
                 r.tuned[0].best_config = r.tuned[1]  # as TunedLauncher does: the lab reads it
@@ -354,11 +354,63 @@ class Plan:
                 r.launcher(r.grid, _substituted(r.tensors, slots, inputs), r.scalars, r.kwargs)
                 continue
             run, device, head, tail, args = bound
-            if _current_device() != device:  # the kernel is loaded on the recorded device
+            if current_device() != device:  # the kernel is loaded on the recorded device
                 r.launcher(r.grid, _substituted(r.tensors, slots, inputs), r.scalars, r.kwargs)
                 continue
             if slots:
                 args = args.copy()
                 for i, j in slots:
                     args[i] = inputs[j].data_ptr()
-            run(*head, _current_stream(device), *tail, *args)
+            run(*head, current_stream(device), *tail, *args)
+
+
+class PlanCache:
+    """Plans by key, at most `size`, the least recently used dropped first (a caller whose inputs
+    change signature every call, e.g. a cache that grows, would otherwise keep one per call)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._plans: dict[tuple, Plan] = {}
+
+    @staticmethod
+    def key(name: str, tensors: Sequence[torch.Tensor], *args: object) -> tuple | None:
+        """The key of a call by its name, every tensor's signature and its other arguments (their
+        values and types); None when an argument is not a tensor (no plan)."""
+        sig = signature(*tensors)
+        return None if sig is None else (name, sig, args, tuple(map(type, args)))
+
+    def get(self, key: tuple | None) -> Plan | None:
+        plan = None if key is None else self._plans.pop(key, None)
+        if plan is not None:  # the most recently used last
+            self._plans[key] = plan
+        return plan
+
+    def keep(
+        self,
+        key: tuple | None,
+        rec: Recording,
+        inputs: Sequence[torch.Tensor],
+        owned: Sequence[torch.Tensor | None] = (),
+    ) -> None:
+        """Keep the launches recorded for these inputs as a plan under `key`, when they make one."""
+        plan = None if key is None else Plan.build(rec, inputs, owned)
+        if plan is not None:
+            if len(self._plans) >= self.size:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+
+    def forget(self, *buffers: torch.Tensor | None) -> None:
+        """Drop the plans that use these buffers (about to be replaced: replays would use the old)."""
+        old = [b for b in buffers if b is not None]
+        if old:
+            self._plans = {k: p for k, p in self._plans.items() if not any(p.holds(b) for b in old)}
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __iter__(self) -> Iterator[tuple]:
+        """The keys, the least recently used first."""
+        return iter(self._plans)

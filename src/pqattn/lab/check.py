@@ -1,10 +1,11 @@
 """`pqattn check`: fuzz every Triton kernel against its reference, over its whole autotune space.
 
-Each kernel family contributes a `KernelCheck`: the configs of its autotune space, a way to draw a
-random case (shapes, dtypes, options), the kernel forced to one config, the reference, and a
-comparison with the tolerances for the case's dtype. Every config sees fresh random cases (not
-only the config the autotuner would pick), and every allocation the kernel makes is filled with
-NaN (floats) or the type's maximum (integers) first, so an element it fails to write is caught.
+Each kernel family contributes a `KernelCheck` (registered in `pqattn.lab.kernel_checks`): the
+configs of its autotune space, a way to draw a random case (shapes, dtypes, options), the kernel
+forced to one config, the reference, and a comparison with the tolerances for the case's dtype.
+Every config sees fresh random cases (not only the config the autotuner would pick), and every
+allocation the kernel makes is filled with NaN (floats) or the type's maximum (integers) first,
+so an element it fails to write is caught.
 On a CPU the kernels run under the Triton interpreter on small shapes; on a GPU compiled, large.
 """
 
@@ -29,13 +30,6 @@ class KernelCheck:
     compare: Callable[[dict, object, object], str | None]  # (case, out, ref) -> None or what is wrong
     # (case, config) -> whether the config serves the case; cases it does not serve are redrawn
     fits: Callable[[dict, dict], bool] = lambda case, config: True
-
-
-def registered() -> list[KernelCheck]:
-    """The checks of every kernel family that exists (each arrives with its kernel)."""
-    from pqattn.lab.kernel_checks import CHECKS
-
-    return list(CHECKS)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

@@ -133,8 +133,15 @@ def _select_outputs(case: dict) -> tuple:
     return positions, counts, w
 
 
+def _params(case: dict) -> ref.SelectParams:
+    o = case["opts"]
+    return ref.SelectParams(
+        o["sink"], o["window"], o["heavy"], o["cand_lo"], case["short_threshold"], case["width"]
+    )
+
+
 def _run_select(case: dict, config: dict) -> tuple:
-    from pqattn.kernels.select import pq_select, workspace_numel
+    from pqattn.kernels.select.tree import pq_select, workspace_numel
 
     q, cent = case["q"], case["centroids"]
     B, H, _ = q.shape
@@ -147,9 +154,7 @@ def _run_select(case: dict, config: dict) -> tuple:
         cent,
         case["kernel_codes"],
         case["lengths"],
-        **case["opts"],
-        short_threshold=case["short_threshold"],
-        width=case["width"],
+        _params(case),
         positions=positions,
         counts=counts,
         workspace=workspace,
@@ -202,7 +207,7 @@ def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
 
 
 def _select_fits(case: dict, config: dict) -> bool:
-    from pqattn.kernels.select import configs_for
+    from pqattn.kernels.select.tree import configs_for
 
     return config["TILE"] in [
         c.kwargs["TILE"] for c in configs_for(case["opts"]["heavy"], case["codes"].shape[2])
@@ -211,7 +216,7 @@ def _select_fits(case: dict, config: dict) -> bool:
 
 def _run_select_hist(case: dict, config: dict) -> tuple:
     """The histogram selection; `lut_kernel` picks a counted histogram (PQIndex) over none."""
-    from pqattn.kernels.select_hist import count_combos, pq_select_hist, workspace_numel
+    from pqattn.kernels.select.hist import count_combos, pq_select_hist, workspace_numel
 
     q, cent = case["q"], case["centroids"]
     B, H, _ = q.shape
@@ -236,9 +241,7 @@ def _run_select_hist(case: dict, config: dict) -> tuple:
         cent,
         case["kernel_codes"],
         case["lengths"],
-        **o,
-        short_threshold=case["short_threshold"],
-        width=case["width"],
+        _params(case),
         positions=positions,
         counts=counts,
         workspace=workspace,
@@ -252,14 +255,14 @@ def _run_select_hist(case: dict, config: dict) -> tuple:
 
 
 def _select_hist_fits(case: dict, config: dict) -> bool:
-    from pqattn.kernels.select_hist import MAX_COMBOS
+    from pqattn.limits import MAX_COMBOS
 
     cent = case["centroids"]
     return cent.shape[3] ** cent.shape[2] <= MAX_COMBOS
 
 
 def _select_hist_configs() -> list[dict]:
-    from pqattn.kernels.select_hist import SCAN_CONFIGS
+    from pqattn.kernels.select.hist import SCAN_CONFIGS
 
     return [{**c.kwargs, "num_warps": c.num_warps} for c in SCAN_CONFIGS]
 
@@ -267,8 +270,8 @@ def _select_hist_configs() -> list[dict]:
 def _run_select_buckets(case: dict, config: dict) -> tuple:
     """The bucket selection (PQIndex, and indexer_next with the original's dense weights):
     histogram for the lengths, buckets for a quarter less (the rest scanned as recent tokens)."""
-    from pqattn.kernels.select_buckets import bucket_tokens, pq_select_buckets, workspace_numel
-    from pqattn.kernels.select_hist import count_combos
+    from pqattn.kernels.select.buckets import bucket_tokens, pq_select_buckets, workspace_numel
+    from pqattn.kernels.select.hist import count_combos
 
     q, cent, codes, lengths = case["q"], case["centroids"], case["codes"], case["lengths"]
     B, H, _ = q.shape
@@ -293,9 +296,7 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
         cent,
         codes,
         lengths,
-        **o,
-        short_threshold=case["short_threshold"],
-        width=case["width"],
+        _params(case),
         positions=positions,
         counts=counts,
         workspace=workspace,
@@ -313,13 +314,13 @@ def _run_select_buckets(case: dict, config: dict) -> tuple:
 
 
 def _select_buckets_configs() -> list[dict]:
-    from pqattn.kernels.select_buckets import BUCKET_CONFIGS
+    from pqattn.kernels.select.buckets import BUCKET_CONFIGS
 
     return [{**c.kwargs, "num_warps": c.num_warps, "maxnreg": c.maxnreg} for c in BUCKET_CONFIGS]
 
 
 def _select_configs() -> list[dict]:
-    from pqattn.kernels.select import SELECT_CONFIGS
+    from pqattn.kernels.select.tree import SELECT_CONFIGS
 
     return [{**c.kwargs, "num_warps": c.num_warps, "maxnreg": c.maxnreg} for c in SELECT_CONFIGS]
 
@@ -727,3 +728,8 @@ CHECKS: list[KernelCheck] = [
         compare_attention,
     ),
 ]
+
+
+def registered() -> list[KernelCheck]:
+    """The checks of every kernel family (each arrives with its kernel)."""
+    return list(CHECKS)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 import pqattn.reference as ref
-from pqattn import ops
+from pqattn import dispatch, ops
 from pqattn.index import PQConfig, PQIndex
-from pqattn.integrations.sparse_attention_hub import _codebook_buffer, indexer_next
+from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_next
 from pqattn.lab import baselines
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
@@ -88,14 +88,8 @@ def _index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQ
 
 def _aged_index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQIndex:
     """`_index` with its buckets built REINDEX_AFTER tokens ago (those tokens are scanned)."""
-    from pqattn.kernels.select_buckets import bucket_tokens
-
     index = _index(x, M, bits, sink, window, heavy)
-    aged = (index.lengths - PQIndex.REINDEX_AFTER).clamp(min=0)
-    cand_lo = max(index.config.offset, sink)
-    bucket_tokens(
-        index.codes, aged, *index._buckets, index._cursor, C=2**bits, window=window, cand_lo=cand_lo
-    )
+    index.reindex(as_of=(index.lengths - PQIndex.REINDEX_AFTER).clamp(min=0))
     return index
 
 
@@ -105,7 +99,7 @@ def _compat_codebook(x: dict, sink: int) -> torch.Tensor:
     N = x["codes"].shape[2]
     n_q = N - sink - 1
     book = x["codes"][:, :, sink : sink + n_q].long().transpose(1, 2)
-    buf = _codebook_buffer(book, sink, n_q + 1)[0]
+    buf = codebook_buffer(book, sink, n_q + 1)[0]
     return buf[:, sink : sink + n_q]
 
 
@@ -129,18 +123,19 @@ def _compat_loop(x: dict, sink: int) -> Callable[[], object]:
 def _aged_compat_codebook(x: dict, sink: int, window: int, bits: int) -> torch.Tensor:
     """`_compat_codebook` after one call counted its buckets, regrouped as they were
     REINDEX_AFTER - 1 tokens ago (those tokens are scanned)."""
-    from pqattn.integrations.sparse_attention_hub import _STATE
-    from pqattn.kernels.select_buckets import bucket_tokens
+    from pqattn.integrations.sparse_attention_hub import STATE_ATTRIBUTE
 
     codebook = _compat_codebook(x, sink)
     x["compat"](codebook)
     buf = codebook._base
-    state = getattr(buf, _STATE)
+    state = getattr(buf, STATE_ATTRIBUTE)
     cand_lo = state.layout[1]
     aged = state.bucketed_at - (PQIndex.REINDEX_AFTER - 1)
     lengths = torch.full_like(state.lengths, aged)
     codes = buf.transpose(1, 2)[:, :, : state.bucketed_at]
-    bucket_tokens(codes, lengths, *state.buckets, state.cursor, C=2**bits, window=window, cand_lo=cand_lo)
+    dispatch.bucket_tokens(
+        codes, lengths, *state.buckets, state.cursor, C=2**bits, window=window, cand_lo=cand_lo
+    )
     state.frozen_at, state.bucketed_at = max(aged - window, cand_lo), aged
     return codebook
 

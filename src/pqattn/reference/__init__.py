@@ -8,6 +8,7 @@ from pqattn.reference.attention import dense_attention, sparse_decode
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
 from pqattn.reference.selection import (
     Selection,
+    SelectParams,
     bucket_candidates,
     code_combinations,
     dense_weights,
@@ -23,6 +24,7 @@ from pqattn.reference.selection import (
 
 __all__ = [
     "KMeansResult",
+    "SelectParams",
     "Selection",
     "bucket_candidates",
     "build_pq",

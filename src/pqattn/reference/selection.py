@@ -35,6 +35,27 @@ def selection_width(sink: int, window: int, heavy: int, short_threshold: int | N
     return base if short_threshold is None else max(base, short_threshold)
 
 
+class SelectParams(NamedTuple):
+    """What a selection keeps of a row of n tokens (SPEC §2): sink [0, sink), window [n - window, n)
+    and the `heavy` best candidates in [cand_lo, n - window); a row with n <= short_threshold keeps
+    every token. width: L, the width of its positions."""
+
+    sink: int
+    window: int
+    heavy: int
+    cand_lo: int
+    short_threshold: int
+    width: int
+
+    @classmethod
+    def make(
+        cls, *, sink: int, window: int, heavy: int, cand_lo: int, short_threshold: int, n_tokens: int
+    ) -> SelectParams:
+        """The params of rows over a token axis of n_tokens (the width covers the short rule)."""
+        width = selection_width(sink, window, heavy, min(short_threshold, n_tokens))
+        return cls(sink, window, heavy, cand_lo, short_threshold, width)
+
+
 def select_from_scores(
     scores: torch.Tensor,
     lengths: torch.Tensor,
@@ -226,7 +247,7 @@ def bucket_candidates(
     codes: torch.Tensor, lengths: torch.Tensor, *, C: int, window: int, cand_lo: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate tokens [cand_lo, lengths[b] - window) grouped by code combination (the
-    buckets of a PQ index, pqattn.kernels.select_buckets): codes [B, Hkv, N, M] ->
+    buckets of a PQ index, pqattn.kernels.select.buckets): codes [B, Hkv, N, M] ->
     order [B, Hkv, N] int64 (the candidates' positions by combination, then by position; -1 after
     them) and starts [B, Hkv, C**M + 1] int64 (where each combination's run begins)."""
     B, Hkv, N, M = codes.shape

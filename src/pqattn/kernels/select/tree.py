@@ -32,13 +32,22 @@ another must be zeroed again.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
+from pqattn.kernels.select.common import (
+    load_codes,
+    lut_base,
+    order_key,
+    probe,
+    sum_min_max,
+    write_lut,
+)
+from pqattn.limits import MAX_TREE_HEAVY
+from pqattn.reference.selection import SelectParams
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
@@ -50,7 +59,6 @@ SELECT_CONFIGS = [
     triton.Config({"TILE": tile}, num_warps=warps, maxnreg=maxnreg)
     for tile, warps, maxnreg in ((2048, 4, 128), (4096, 8, 128), (8192, 8, 128), (16384, 16, None))
 ]
-MAX_HEAVY = 8192
 # The LUTs get a launch of their own when a row has many leaves (each would re-read the
 # centroids) or the launch runs in many waves; at one wave the leaves' own LUTs overlap the codes
 # load.
@@ -80,7 +88,7 @@ def _valid_tiles(kp: int) -> list[int]:
 
 def configs_for(heavy: int, n_tokens: int) -> tuple[triton.Config, ...]:
     """The configs that serve this heavy size over n_tokens (see SELECT_CONFIGS); empty above
-    MAX_HEAVY."""
+    MAX_TREE_HEAVY."""
     return _configs_for_slot(k_pad(heavy, n_tokens))
 
 
@@ -125,52 +133,10 @@ def workspace_numel(rows: int, M: int, C: int, n_tokens: int, heavy: int) -> int
 
 
 @triton.jit
-def _load_codes(codes_row, offs, in_range, stride_kn, stride_km, M: tl.constexpr):
-    """codes[token, m] of tokens `offs` as int32 [len(offs), M] (0 outside `in_range`)."""
-    m = tl.arange(0, M)
-    return tl.load(
-        codes_row + offs[:, None] * stride_kn + m[None, :] * stride_km, mask=in_range[:, None], other=0
-    ).to(tl.int32)
-
-
-@triton.jit
 def _scores(code, lut_row, M: tl.constexpr, C: tl.constexpr):
     """Approximate scores from codes [T, M]: sum over m of LUT[m, code[t, m]]."""
     m = tl.arange(0, M)
     return tl.sum(tl.load(lut_row + m[None, :] * C + code), axis=1)
-
-
-@triton.jit
-def _write_lut(
-    q_row,
-    cent,
-    lut_row,
-    stride_cm,
-    stride_cc,
-    M: tl.constexpr,
-    C: tl.constexpr,
-    DSUB: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """LUT[m, c] = <q_m, centroid[m, c, :DSUB]> in float32."""
-    c_idx = tl.arange(0, C)
-    d_idx = tl.arange(0, BLOCK_D)
-    for m in tl.static_range(M):
-        acc = tl.zeros([C], dtype=tl.float32)
-        for d0 in tl.static_range(0, DSUB, BLOCK_D):
-            qv = tl.load(q_row + m * DSUB + d0 + d_idx).to(tl.float32)
-            cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d0 + d_idx[None, :]).to(
-                tl.float32
-            )
-            acc += tl.sum(cv * qv[None, :], axis=1)
-        tl.store(lut_row + m * C + c_idx, acc)
-
-
-@triton.jit
-def _lut_base(ws_ptr):
-    """The LUTs open the int32 workspace, as float32 (one tensor argument instead of two views:
-    slicing the workspace on every call costs host time)."""
-    return ws_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
 
 
 @triton.jit
@@ -195,10 +161,10 @@ def _pq_lut_kernel(
     row = tl.program_id(0)
     b = row // H
     h = row % H
-    _write_lut(
+    write_lut(
         q_ptr + b * stride_qb + h * stride_qh,
         cent_ptr + b * stride_cb + (h // G) * stride_ck,
-        _lut_base(ws_ptr) + row * (M * C),
+        lut_base(ws_ptr) + row * (M * C),
         stride_cm,
         stride_cc,
         M,
@@ -206,44 +172,6 @@ def _pq_lut_kernel(
         DSUB,
         BLOCK_D,
     )
-
-
-@triton.jit
-def _order_key(s):
-    """uint32 keys ordered like the float32 scores; every score maps above 0 (0 = not a candidate)."""
-    bits = s.to(tl.uint32, bitcast=True)
-    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-
-
-@triton.jit
-def _probe(lo, hi, c_lo, c_hi, aim, bisect):
-    """The next probe (uint32) of a count search, strictly inside the bracket lo < hi of int64 keys
-    with c_lo keys (or tokens) at or above lo and c_hi at or above hi: where `aim` of them would
-    lie at or above it if the count fell linearly between the two ends, or the bracket's
-    midpoint after a step that did not halve it."""
-    frac = (c_lo - aim).to(tl.float32) / (c_lo - c_hi).to(tl.float32)
-    guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
-    probe = tl.where(bisect, (lo + hi) // 2, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
-    return probe.to(tl.uint32)
-
-
-# Triton's interpreter runs a tuple reduction element by element in Python (minutes per test), so
-# under it the three reductions below run separately; compiled, one reduction carries all three.
-_SEPARATE_REDUCTIONS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@triton.jit
-def _sum_min_max_combine(a0, b0, c0, a1, b1, c1):
-    return a0 + a1, tl.minimum(b0, b1), tl.maximum(c0, c1)
-
-
-@triton.jit
-def _sum_min_max(a, b, c):
-    """(sum of a, min of b, max of c) over the tile, in one reduction when compiled."""
-    if _SEPARATE_REDUCTIONS:
-        return tl.sum(a), tl.min(b), tl.max(c)
-    else:
-        return tl.reduce((a, b, c), 0, _sum_min_max_combine)
 
 
 @triton.jit
@@ -262,7 +190,7 @@ def _top_k(key, need, cap):
     bisecting the bits needed 17-32. Keys equal to the need-th are taken in tile order until need are.
     """
     nz = key != 0
-    n_nz, lo, top = _sum_min_max(nz.to(tl.int32), tl.where(nz, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
+    n_nz, lo, top = sum_min_max(nz.to(tl.int32), tl.where(nz, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
     k = tl.minimum(need, n_nz)
     cap = tl.maximum(cap, k)
     aim = (k + cap) // 2
@@ -273,12 +201,12 @@ def _top_k(key, need, cap):
     bisect = False
     go = (k > 0) & (c_lo > cap)
     while go:
-        p32 = _probe(lo, hi, c_lo, c_hi, aim, bisect)
+        p32 = probe(lo, hi, c_lo, c_hi, aim, bisect)
         # key - probe wraps: keys at or above the probe map to [0, 2^32 - probe), the others above
         # that, so the smallest difference gives the nearest key at or above the probe and the
         # largest the nearest below it (lo < probe is one; zeros only win when nothing else is).
         diff = key - p32
-        c, d_min, d_max = _sum_min_max((key >= p32).to(tl.int32), diff, diff)
+        c, d_min, d_max = sum_min_max((key >= p32).to(tl.int32), diff, diff)
         width = hi - lo
         up = c >= k
         lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
@@ -397,11 +325,11 @@ def _pq_select_kernel(
         cand = (offs >= cand_lo) & (offs < cand_hi)
         # Row r of the codes holds token code_base + r; only tokens >= cand_lo >= code_base are read.
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
-        lut_row = _lut_base(ws_ptr) + row * (M * C)
+        code = load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
+        lut_row = lut_base(ws_ptr) + row * (M * C)
         tile_lo = leaf * TILE
         if (tl.minimum(cand_hi, tile_lo + TILE) > tl.maximum(cand_lo, tile_lo)) & (not LUT_READY):
-            _write_lut(
+            write_lut(
                 q_ptr + b * stride_qb + h * stride_qh,
                 cent_ptr + b * stride_cb + kvh * stride_ck,
                 lut_row,
@@ -413,7 +341,7 @@ def _pq_select_kernel(
                 BLOCK_D,
             )
             tl.debug_barrier()
-        key = tl.where(cand, _order_key(_scores(code, lut_row, M, C)), 0)
+        key = tl.where(cand, order_key(_scores(code, lut_row, M, C)), 0)
         pos = offs
 
         # 2. Merge tree: write this node's top keys to its slot; the last child to arrive merges.
@@ -484,14 +412,14 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["TILE"] in tiles]
 
 
-_pq_select_autotuned = triton.autotune(
+pq_select_autotuned = triton.autotune(
     configs=SELECT_CONFIGS,
     key=["n_bucket", "H", "M", "C", "HAS_W", "K_PAD", "LUT_READY"],
     prune_configs_by={"early_config_prune": _prune},
     # timed by graph replay: single timed calls after an L2 flush ranked configs inconsistently
     do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles),
 )(_pq_select_kernel)
-_pq_select_tuned = TunedLauncher(_pq_select_autotuned)
+_pq_select_tuned = TunedLauncher(pq_select_autotuned)
 _pq_select_launch = Launcher(_pq_select_kernel)
 _pq_lut_launch = Launcher(_pq_lut_kernel)
 
@@ -501,13 +429,8 @@ def pq_select(
     centroids: torch.Tensor,
     codes: torch.Tensor,
     lengths: torch.Tensor,
+    params: SelectParams,
     *,
-    sink: int,
-    window: int,
-    heavy: int,
-    cand_lo: int,
-    short_threshold: int,
-    width: int,
     positions: torch.Tensor,
     counts: torch.Tensor,
     workspace: torch.Tensor,
@@ -531,13 +454,14 @@ def pq_select(
     `lut_kernel`: compute the LUTs in a launch of their own (default: when n_tokens >
     LUT_KERNEL_ABOVE or rows * n_tokens > LUT_KERNEL_ABOVE_ROW_TOKENS; see there).
     """
+    sink, window, heavy, cand_lo, short_threshold, width = params
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
     kp = k_pad(heavy, n_tokens)
     valid = configs_for(heavy, n_tokens)
     if not valid:
-        raise ValueError(f"heavy: expected at most {MAX_HEAVY} for the selection kernel, got {heavy}")
+        raise ValueError(f"heavy: expected at most {MAX_TREE_HEAVY} for the selection kernel, got {heavy}")
     if config is not None and config not in valid:
         raise ValueError(
             f"config: TILE={config.kwargs['TILE']} does not serve heavy={heavy} over {n_tokens} tokens "

@@ -31,17 +31,18 @@ import triton.language as tl
 
 from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
-from pqattn.kernels.select import (
-    _SEPARATE_REDUCTIONS,
-    _load_codes,
-    _lut_base,
-    _order_key,
-    _probe,
-    _sum_min_max,
-    _write_lut,
+from pqattn.kernels.select.common import (
+    code_combination,
+    load_codes,
+    lut_base,
+    order_key,
+    row_need,
+    weighted_cut,
+    write_lut,
 )
+from pqattn.limits import MAX_COMBOS
+from pqattn.reference.selection import SelectParams
 
-MAX_COMBOS = 4096  # the cut kernel holds a row's P scores and counts in registers (= ops.MAX_COMBOS)
 ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
 _ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)
 
@@ -85,21 +86,6 @@ def workspace_numel(rows: int, M: int, C: int) -> int:
 
 
 @triton.jit
-def _combo(code, M: tl.constexpr, BITS: tl.constexpr):
-    """The combination index sum_m code[:, m] << (BITS * (M-1-m)) of codes [T, M] (int32)."""
-    m = tl.arange(0, M)
-    weight = tl.full([M], 1, tl.int32) << ((M - 1 - m) * BITS)
-    return tl.sum(code * weight[None, :], axis=1)
-
-
-@triton.jit
-def _need(n, heavy, window, cand_lo):
-    """Candidates [cand_lo, n - window) and how many of them the heavy part takes."""
-    hi = n - window
-    return hi, tl.minimum(heavy, tl.maximum(hi - cand_lo, 0))
-
-
-@triton.jit
 def _pq_histogram_kernel(
     codes_ptr,
     len_ptr,
@@ -127,7 +113,7 @@ def _pq_histogram_kernel(
     b = grp // Hkv
     kvh = grp % Hkv
     n = tl.load(len_ptr + b).to(tl.int32)
-    hi, need = _need(n, heavy, window, cand_lo)
+    hi, need = row_need(n, heavy, window, cand_lo)
     active = (hi > tl.maximum(cand_lo, tile * TILE)) & (cand_lo < tile * TILE + TILE)
     if SKIP_SHORT:
         active = active & (n > short_threshold) & (need > 0)
@@ -135,159 +121,9 @@ def _pq_histogram_kernel(
         offs = tile * TILE + tl.arange(0, TILE)
         cand = (offs >= cand_lo) & (offs < hi)
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
-        combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
-        # one relaxed atomic per token: tl.histogram over P bins is slower (see select.py)
+        combo = code_combination(load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
+        # one relaxed atomic per token: tl.histogram over P bins is slower (see docs/kernels/select.md)
         tl.atomic_add(hist_ptr + grp.to(tl.int64) * P + combo, 1, mask=cand, sem="relaxed")
-
-
-@triton.jit
-def _upper_probit(c, total):
-    """z with P(Z > z) = c / total for a standard normal Z (Abramowitz & Stegun 26.2.23, error
-    below 5e-4; the tail clamped at 2^-40 and 1 - 2^-23): where a normal distribution of the
-    scores would put the value that c of `total` tokens reach."""
-    p = tl.minimum(tl.maximum(c / total, 9.094947e-13), 0.99999988)
-    t = tl.sqrt(-1.3862944 * tl.log2(tl.minimum(p, 1.0 - p)))  # -2 ln
-    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (
-        1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308))
-    )
-    return tl.where(p < 0.5, z, -z)
-
-
-# The first two probes aim at k / _SPREAD and k * _SPREAD tokens under the normal model, when k
-# is at least 1 / _NORMAL_FROM of the candidates: further out in the tail the model places them
-# worse than the interpolation between the extreme keys does (below).
-_SPREAD: tl.constexpr = tl.constexpr(1.5)
-_NORMAL_FROM: tl.constexpr = tl.constexpr(128)
-# Rows of fewer combinations compile without the normal probes: few keys leave few steps to save,
-# and at P = 16 under 4 warps the bucket kernel with them wrote out of bounds once (cause not
-# found; docs/kernels/select.md).
-_NORMAL_MIN_COMBOS: tl.constexpr = tl.constexpr(1024)
-
-
-@triton.jit
-def _sum_sum_combine(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
-def _key_score(key):
-    """The float32 score of an _order_key key (the inverse map)."""
-    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _normal_probes(key, w, k, total):
-    """(p_hi, p_lo) int64: the keys of the scores that the (k / _SPREAD)-th and the (k * _SPREAD)-th
-    largest of `total` tokens would have if the tokens' scores (keys [P], w tokens each, 0 < k <
-    total) were normally distributed with their weighted mean and variance."""
-    valid = w > 0
-    # The scores decoded from the keys (cheaper in registers than keeping them); a key of 0
-    # decodes to NaN. The moments take a reduction of their own (carried by the search's first
-    # one, every selection was slower).
-    score = tl.where(valid, _key_score(key), 0.0)
-    moment = w.to(tl.float32) * score
-    if _SEPARATE_REDUCTIONS:
-        s1, s2 = tl.sum(moment), tl.sum(moment * score)
-    else:
-        s1, s2 = tl.reduce((moment, moment * score), 0, _sum_sum_combine)
-    n = total.to(tl.float32)
-    mean = s1 / n
-    kf = k.to(tl.float32)
-    sd = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
-    p_hi = _order_key(mean + _upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
-    p_lo = _order_key(mean + _upper_probit(tl.minimum(kf * _SPREAD, n - 0.5), n) * sd).to(tl.int64)
-    return p_hi, p_lo
-
-
-@triton.jit
-def _weighted_cut(key, w, need):
-    """(cut, quota, k) for keys [P] (0: no candidate; `_order_key` of the float32 scores) carrying
-    w tokens each: the k = min(need, sum w) largest tokens are all those of keys > cut plus
-    `quota` of those of key == cut.
-
-    The search of pqattn.kernels.select._top_k with token counts: a bracket lo < hi of existing
-    keys with c_lo = tokens at or above lo > k and c_hi = tokens at or above hi < k; each step
-    probes a value inside (`_probe`) and snaps the bracket to the nearest keys on either side.
-    When a row has at least _NORMAL_MIN_COMBOS combinations and k is at least 1/128 of its
-    tokens, the first step probes two values in one reduction: where a normal distribution of the
-    scores (the tokens' weighted mean and variance) puts the (k / 1.5)-th and the (1.5 k)-th
-    largest, and the bracket usually holds few keys after it. Why these numbers, and the searches
-    measured slower (four probes a step, a compacted finish): docs/kernels/select.md.
-    """
-    valid = w > 0
-    total, lo, top = _sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)
-    k = tl.minimum(need, total)
-    lo = lo.to(tl.int64)
-    hi = top.to(tl.int64) + 1
-    c_lo = total
-    c_hi = 0
-    go = (k > 0) & (c_lo > k)
-    if key.shape[0] >= _NORMAL_MIN_COMBOS:  # noqa: SIM102 (compile time; the inner test runs)
-        if go & (k * _NORMAL_FROM >= total):  # (not followed by a bisection: the probes go on from there)
-            p_hi, p_lo = _normal_probes(key, w, k, total)
-            p_hi = tl.minimum(tl.maximum(p_hi, lo + 1), hi - 1)
-            p_lo = tl.minimum(tl.maximum(tl.minimum(p_lo, p_hi), lo + 1), hi - 1)
-            lo, hi, c_lo, c_hi = _bracket_step2(
-                key, w, k, p_hi.to(tl.uint32), p_lo.to(tl.uint32), lo, hi, c_lo, c_hi
-            )
-            go = (c_lo > k) & (hi - lo > 1)
-    bisect = False
-    while go:
-        p32 = _probe(lo, hi, c_lo, c_hi, k, bisect)
-        width = hi - lo
-        lo, hi, c_lo, c_hi = _bracket_step(key, w, k, p32, lo, hi, c_lo, c_hi)
-        bisect = 2 * (hi - lo) > width
-        go = (c_lo > k) & (hi - lo > 1)
-    # c_lo == k: every key >= lo is taken (cut just below lo, no ties); else hi == lo + 1: lo is
-    # the cut, c_hi tokens lie above it and the rest of the k are ties at lo.
-    exact = c_lo == k
-    cut = tl.where(k == 0, 0xFFFFFFFF, tl.where(exact, lo - 1, lo)).to(tl.uint32)
-    quota = tl.where(exact, 0, tl.where(k == 0, 0, k - c_hi))
-    return cut, quota, k
-
-
-@triton.jit
-def _two_counts_combine(a0, b0, c0, d0, e0, f0, a1, b1, c1, d1, e1, f1):
-    return a0 + a1, tl.minimum(b0, b1), tl.maximum(c0, c1), d0 + d1, tl.minimum(e0, e1), tl.maximum(f0, f1)
-
-
-@triton.jit
-def _bracket_step2(key, w, k, p_hi, p_lo, lo, hi, c_lo, c_hi):
-    """_bracket_step with two probes lo < p_lo <= p_hi < hi counted in one reduction: the bracket
-    shrinks to the side of either, or between them."""
-    d_hi = key - p_hi  # wraps: see _top_k
-    d_lo = key - p_lo
-    w_hi = tl.where(key >= p_hi, w, 0)
-    w_lo = tl.where(key >= p_lo, w, 0)
-    if _SEPARATE_REDUCTIONS:
-        c1, min1, max1 = _sum_min_max(w_hi, d_hi, d_hi)
-        c2, min2, max2 = _sum_min_max(w_lo, d_lo, d_lo)
-    else:
-        c1, min1, max1, c2, min2, max2 = tl.reduce(
-            (w_hi, d_hi, d_hi, w_lo, d_lo, d_lo), 0, _two_counts_combine
-        )
-    up_hi = c1 >= k
-    up_lo = c2 >= k
-    lo = tl.where(up_hi, (p_hi + min1).to(tl.int64), tl.where(up_lo, (p_lo + min2).to(tl.int64), lo))
-    c_lo = tl.where(up_hi, c1, tl.where(up_lo, c2, c_lo))
-    hi = tl.where(up_hi, hi, tl.where(up_lo, (p_hi + max1).to(tl.int64) + 1, (p_lo + max2).to(tl.int64) + 1))
-    c_hi = tl.where(up_hi, c_hi, tl.where(up_lo, c1, c2))
-    return lo, hi, c_lo, c_hi
-
-
-@triton.jit
-def _bracket_step(key, w, k, p32, lo, hi, c_lo, c_hi):
-    """Count the tokens at or above the probe p32 (lo < p32 < hi) and snap the bracket's end on
-    that side to the nearest key."""
-    diff = key - p32  # wraps: see _top_k
-    c, d_min, d_max = _sum_min_max(tl.where(key >= p32, w, 0), diff, diff)
-    up = c >= k
-    lo = tl.where(up, (p32 + d_min).to(tl.int64), lo)
-    c_lo = tl.where(up, c, c_lo)
-    hi = tl.where(up, hi, (p32 + d_max).to(tl.int64) + 1)
-    c_hi = tl.where(up, c_hi, c)
-    return lo, hi, c_lo, c_hi
 
 
 @triton.jit
@@ -303,12 +139,12 @@ def _lut_and_scores(
     BLOCK_D: tl.constexpr,
 ):
     """Writes the LUT (the scan gathers from it) and returns the score of every combination
-    [C**M], indexed as _combo indexes them, in the scan's order of addition ((0 + LUT[0, c_0]) +
+    [C**M], indexed as combo indexes them, in the scan's order of addition ((0 + LUT[0, c_0]) +
     LUT[1, c_1]) + ... The sums are outer sums of the LUT's rows (M * C loads instead of a gather
     per combination and m), read back from memory: the values the scan reads, to the bit (values
     kept in registers need not be: the compiler may recompute a reduction in another layout, in
     another order)."""
-    _write_lut(q_row, cent, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
+    write_lut(q_row, cent, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
     tl.debug_barrier()  # the other threads' LUT stores are visible after it
     c_idx = tl.arange(0, C)
     score = 0.0 + tl.load(lut_row + c_idx)
@@ -358,13 +194,13 @@ def _pq_cut_kernel(
     tl.store(words + 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
     n = tl.load(len_ptr + b).to(tl.int32)
     if n > short_threshold:
-        _, need = _need(n, heavy, window, cand_lo)
+        _, need = row_need(n, heavy, window, cand_lo)
         combo = tl.arange(0, P)
         w = tl.load(hist_ptr + (row // G).to(tl.int64) * P + combo)  # in flight with the LUT's loads
         score = _lut_and_scores(
             q_ptr + b * stride_qb + h * stride_qh,
             cent_ptr + b * stride_cb + kvh * stride_ck,
-            _lut_base(ws_ptr) + lut_off + row * (M * C),
+            lut_base(ws_ptr) + lut_off + row * (M * C),
             stride_cm,
             stride_cc,
             M,
@@ -372,8 +208,8 @@ def _pq_cut_kernel(
             DSUB,
             BLOCK_D,
         )
-        key = tl.where(w > 0, _order_key(score), 0)
-        cut, quota, k = _weighted_cut(key, w, need)
+        key = tl.where(w > 0, order_key(score), 0)
+        cut, quota, k = weighted_cut(key, w, need)
         tl.store(words, k)
         tl.store(words + 1, quota)
         tl.store(words + 4, cut.to(tl.int32, bitcast=True))
@@ -427,7 +263,7 @@ def _pq_scan_kernel(
     lane = tl.arange(0, TILE)
     offs = tile * TILE + lane
     one = tl.full([TILE], 1.0, tl.float32)
-    hi, need = _need(n, heavy, window, cand_lo)
+    hi, need = row_need(n, heavy, window, cand_lo)
     tile_has = (
         (n > short_threshold)
         & (need > 0)
@@ -438,7 +274,7 @@ def _pq_scan_kernel(
     codes_row = codes_ptr + b * stride_kb + kvh * stride_kk - code_base * stride_kn
     # The codes and lengths are loaded before the wait: the cut launch, the one before this,
     # writes neither (pqattn.kernels.pdl), so under PDL these loads overlap the cut.
-    code = _load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
+    code = load_codes(codes_row, offs, cand, stride_kn, stride_km, M)
     wait_prior(PDL)
     release_next(PDL)
     if n <= short_threshold:  # short sequence: every token, as in pqattn.kernels.select
@@ -477,14 +313,14 @@ def _pq_scan_kernel(
             # Each token's score from its head's LUT, summed in the cut launch's order, so that
             # it is bit for bit the score the cut was chosen among. (The LUT is a few cache lines;
             # a table per combination was not: its gathers spread over many more lines.)
-            lut = _lut_base(ws_ptr) + lut_off + (b * H + h) * (M * C)
+            lut = lut_base(ws_ptr) + lut_off + (b * H + h) * (M * C)
             ok = g_ok[:, None] & cand[None, :]
             m_idx = tl.arange(0, M)
             score = tl.zeros([GP, TILE], tl.float32)
             for m in tl.static_range(M):
                 code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
                 score += tl.load(lut[:, None] + m * C + code_m[None, :], mask=ok, other=0.0)
-            key = _order_key(score)
+            key = order_key(score)
             above = ok & (key > cut[:, None])
             tie = ok & (key == cut[:, None]) & (quota > 0)[:, None]
             packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)  # both ranks in one scan
@@ -573,13 +409,8 @@ def pq_select_hist(
     centroids: torch.Tensor,
     codes: torch.Tensor,
     lengths: torch.Tensor,
+    params: SelectParams,
     *,
-    sink: int,
-    window: int,
-    heavy: int,
-    cand_lo: int,
-    short_threshold: int,
-    width: int,
     positions: torch.Tensor,
     counts: torch.Tensor,
     workspace: torch.Tensor,
@@ -589,13 +420,14 @@ def pq_select_hist(
     code_base: int = 0,
     config: triton.Config | None = None,
 ) -> None:
-    """Launch the histogram selection on validated inputs (arguments as pqattn.kernels.select.pq_select).
+    """Launch the histogram selection on validated inputs (arguments as pqattn.kernels.select.tree.pq_select).
 
     histogram: [B, Hkv, C**M] int32 counts of the candidate tokens [cand_lo, n - window) per
     combination for the current lengths (PQIndex keeps one); None counts them into the workspace
     first (one more launch). workspace: int32, zero-filled once, workspace_numel(B * H, M, C)
     elements. `config`: one of SCAN_CONFIGS for the scan (by default `scan_config(G)`).
     """
+    sink, window, heavy, cand_lo, short_threshold, width = params
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     if C**M > MAX_COMBOS:

@@ -1,7 +1,7 @@
 """PQ top-k selection from the index's buckets (SPEC §2): one launch, one program per query row,
 and no code of a bucketed token read.
 
-With at most MAX_COMBOS code combinations (pqattn.kernels.select_hist), PQIndex keeps the
+With at most MAX_COMBOS code combinations (pqattn.kernels.select.hist), PQIndex keeps the
 candidate tokens grouped by combination, the inverted lists of an IVF index ("buckets"):
 `order` [B, Hkv, capacity] holds the positions [cand_lo, frozen[b]) of sequence b sorted by
 combination and `starts` [B, Hkv, P + 1] where each combination's run begins (P = C**M).
@@ -30,7 +30,7 @@ selection is then:
 With NewKey the launch also does the encode launch's work for one new key per sequence and KV
 head: its codes, the histogram's change and the lengths (see NewKey).
 A selection reads the histogram, the starts, about `heavy` entries of `order` and the recent
-codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select_hist,
+codes: O(P + heavy + recent) per row instead of the O(N) scan of pqattn.kernels.select.hist,
 whose one-program-per-token-tile launch it replaces. Ties break by bucket order. No host sync,
 no allocation: the marks and the arrival counters are reset after use, so the workspace stays
 as the owner zero-filled it and the launch can be replayed from a CUDA graph. The buckets must
@@ -41,17 +41,27 @@ tokens cost a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.encode import _candidacy_changes, _sub_distances
+from pqattn.kernels.codes import candidacy_changes, sub_distances
 from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, wait_prior
-from pqattn.kernels.select import _SEPARATE_REDUCTIONS, _load_codes, _lut_base, _order_key, _write_lut
-from pqattn.kernels.select_hist import HIST_TILE, _combo, _need, _weighted_cut, count_combos
+from pqattn.kernels.select import NewKey
+from pqattn.kernels.select.common import (
+    SEPARATE_REDUCTIONS,
+    code_combination,
+    load_codes,
+    lut_base,
+    order_key,
+    row_need,
+    weighted_cut,
+    write_lut,
+)
+from pqattn.kernels.select.hist import HIST_TILE, count_combos
+from pqattn.reference.selection import SelectParams
 
 # Warps per row program (and slots or tokens per step of its loops), where the runs' bounds are
 # loaded, and a register cap. Every config is exercised by the tests and by `pqattn check`. One
@@ -92,26 +102,6 @@ def _sm_count(device: torch.device) -> int:
 _BIAS: tl.constexpr = tl.constexpr(1 << 31)
 
 
-class NewKey(NamedTuple):
-    """One new key per (sequence, KV head) that the bucket selection encodes before it selects,
-    doing the encode launch's work (pqattn.kernels.encode with T = 1) in the same launch: keys
-    [B, Hkv, 1, D] (last dim contiguous) written at row `length` - 1 over the last n_drop rows
-    of sequences `length` - 1 + n_drop tokens long (every sequence: the original's entry point
-    has one N), the histogram kept, and the lengths set to `length`. The length is a launch
-    argument rather than read from the device: no program's work waits for that load, and
-    nothing needs to know when every program has read it. phi [B, Hkv, M] (contiguous) for the
-    ip metric, else None. Needs n_drop < window (the new key is in the window: the selection
-    does not read its code) and n_drop <= 2 (at most one position changes candidacy). Under GQA
-    the G query rows of a KV head each encode its key (the same codes, stored by each) and
-    apply the histogram's change to their own copy; the last of them to have read the histogram
-    writes the change back (an arrival counter in the workspace)."""
-
-    keys: torch.Tensor
-    phi: torch.Tensor | None
-    length: int
-    n_drop: int
-
-
 def zero_programs_for(rows: int, device: torch.device) -> int:
     """Programs per row that write a row of dense weights' zeros beside its selection: as many as
     the SMs the row programs leave idle hold (at most 8), none once the rows fill the SMs: a row
@@ -149,7 +139,7 @@ def _sum3_combine(a0, b0, c0, a1, b1, c1):
 @triton.jit
 def _sum3(a, b, c):
     """The sums of three tiles, in one reduction when compiled (see select._SEPARATE_REDUCTIONS)."""
-    if _SEPARATE_REDUCTIONS:
+    if SEPARATE_REDUCTIONS:
         return tl.sum(a), tl.sum(b), tl.sum(c)
     else:
         return tl.reduce((a, b, c), 0, _sum3_combine)
@@ -212,9 +202,9 @@ def _new_codes(
     WITH_LUT: tl.constexpr,
 ):
     """Store the codes of the key at x_row (its M sub-vectors' nearest centroids) at code_out
-    (m at m * stride_om) and, WITH_LUT, the query's LUT row as _write_lut does."""
+    (m at m * stride_om) and, WITH_LUT, the query's LUT row as write_lut does."""
     for m in tl.static_range(M):
-        dist, q_dot = _sub_distances(
+        dist, q_dot = sub_distances(
             x_row + m * DSUB * stride_xd,
             stride_xd,
             True,
@@ -276,7 +266,7 @@ def _pq_bucket_kernel(
         offs = tile * TILE + tl.arange(0, TILE)
         cand = (offs >= cand_lo) & (offs < hi)
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk
-        combo = _combo(_load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
+        combo = code_combination(load_codes(codes_row, offs, cand, stride_kn, stride_km, M), M, BITS)
         slot = tl.atomic_add(cursor_ptr + grp.to(tl.int64) * P + combo, 1, mask=cand, sem="relaxed")
         tl.store(order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok + slot, offs, mask=cand)
 
@@ -396,12 +386,12 @@ def _pq_bucket_select_kernel(
         grp = b * Hkv + kvh
         pos_row = pos_ptr + b * stride_pb + h * stride_ph
         w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
-        lut_row = _lut_base(ws_ptr) + row * (M * C)
+        lut_row = lut_base(ws_ptr) + row * (M * C)
         q_row = q_ptr + b * stride_qb + h * stride_qh
         cent_row = cent_ptr + b * stride_cb + kvh * stride_ck
         codes_row = codes_ptr + b * stride_kb + kvh * stride_kk
         if PDL:  # launched early behind the encode launch: first what that one does not write
-            _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
+            write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
             if HAS_W and ZERO_PROGS == 0:
                 _zero_row(w_row, 0, n_weights, CHUNK)
             wait_prior(PDL)
@@ -420,7 +410,7 @@ def _pq_bucket_select_kernel(
             # programs of the launch read no length, so the first of each sequence's stores the
             # new one.
             x_row = x_ptr + b * stride_xb + kvh * stride_xk
-            _, old_combo, old_change = _candidacy_changes(
+            _, old_combo, old_change = candidacy_changes(
                 codes_row, stride_kn, stride_km, True, 0, 1, row0, n_drop, window, cand_lo, M, C
             )
             hist_done = ws_ptr + done_off + rows + grp
@@ -460,7 +450,7 @@ def _pq_bucket_select_kernel(
                 if G > 1:
                     last = _arrive(hist_done, G, CHUNK)
         else:
-            hi, need = _need(n, heavy, window, cand_lo)
+            hi, need = row_need(n, heavy, window, cand_lo)
             n_sink = tl.minimum(sink, n)
             win_lo = tl.maximum(hi, n_sink)
             n_win = n - win_lo
@@ -469,7 +459,7 @@ def _pq_bucket_select_kernel(
             # with the LUT's loads.
             rec_lo = tl.maximum(tl.load(frozen_ptr + b), cand_lo)
             rec_hi = tl.where(need > 0, hi, cand_lo)
-            code_next = _load_codes(codes_row, rec_lo + lane, rec_lo + lane < rec_hi, stride_kn, stride_km, M)
+            code_next = load_codes(codes_row, rec_lo + lane, rec_lo + lane < rec_hi, stride_kn, stride_km, M)
 
             # 1. The cut.
             combo = tl.arange(0, P)
@@ -481,7 +471,7 @@ def _pq_bucket_select_kernel(
                 run = tl.load(starts_row + combo)
                 run_len = tl.load(starts_row + combo + 1) - run
             if not PDL and not (ENCODE and ZERO_PROGS == 0):  # (loads in flight with the ones above)
-                _write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
+                write_lut(q_row, cent_row, lut_row, stride_cm, stride_cc, M, C, DSUB, BLOCK_D)
             tl.debug_barrier()  # the other threads' LUT stores are visible after it
             if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
                 if G > 1:  # every thread has read the histogram (w) before the barrier
@@ -499,8 +489,8 @@ def _pq_bucket_select_kernel(
             for m in tl.static_range(M):
                 digit = (combo >> (BITS * (M - 1 - m))) & (C - 1)
                 score += tl.load(lut_row + m * C + digit)
-            key = tl.where(w > 0, _order_key(score), 0)
-            cut, quota, k = _weighted_cut(key, w, need)
+            key = tl.where(w > 0, order_key(score), 0)
+            cut, quota, k = weighted_cut(key, w, need)
             if HAS_W and ZERO_PROGS > 0:
                 fast = tl.max(tl.where(lane == 0, seen, 0), 0) == ZERO_PROGS
                 with_ones = lane < tl.where(fast, CHUNK, 0)  # (a block mask: see `at_cut`)
@@ -572,14 +562,14 @@ def _pq_bucket_select_kernel(
                 offs = start + lane
                 cand = offs < rec_hi
                 code = code_next
-                code_next = _load_codes(
+                code_next = load_codes(
                     codes_row, offs + CHUNK, offs + CHUNK < rec_hi, stride_kn, stride_km, M
                 )
                 s = tl.zeros([CHUNK], tl.float32)
                 for m in tl.static_range(M):
                     code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
                     s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
-                key_t = _order_key(s)
+                key_t = order_key(s)
                 is_above = cand & (key_t > cut)
                 is_tie = cand & (key_t == cut) & (offs * 0 + ties_left > 0)
                 packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
@@ -681,13 +671,8 @@ def pq_select_buckets(
     centroids: torch.Tensor,
     codes: torch.Tensor,
     lengths: torch.Tensor,
+    params: SelectParams,
     *,
-    sink: int,
-    window: int,
-    heavy: int,
-    cand_lo: int,
-    short_threshold: int,
-    width: int,
     positions: torch.Tensor,
     counts: torch.Tensor,
     workspace: torch.Tensor,
@@ -700,7 +685,7 @@ def pq_select_buckets(
     zero_programs: int | None = None,
 ) -> None:
     """Launch the bucket selection on validated inputs (arguments as
-    pqattn.kernels.select_hist.pq_select_hist, codes row r holding token r; codes of any integer
+    pqattn.kernels.select.hist.pq_select_hist, codes row r holding token r; codes of any integer
     dtype, positions and counts int32 or int64).
 
     histogram [B, Hkv, C**M] int32: the candidate counts for the current lengths; buckets
@@ -715,6 +700,7 @@ def pq_select_buckets(
     instead of two; see NewKey). zero_programs: programs per row that write the weights' zeros
     beside the row's selection (by default `zero_programs_for`; 0: the selection writes them).
     """
+    sink, window, heavy, cand_lo, short_threshold, width = params
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     P = C**M

@@ -1,0 +1,368 @@
+"""The one layer between the public API (`pqattn.ops`, `PQIndex`, the integrations) and the kernels.
+
+It decides where a call runs (`kernel_path` and its siblings: a Triton kernel, or the PyTorch
+reference), sizes the kernels' workspaces, keeps the launch plans of the functional API, and
+launches the kernels on inputs the caller has validated. Nothing above it imports a kernel
+module; the kernel modules are imported here, when first launched, so that importing pqattn
+compiles nothing (Triton fixes a kernel's interpreter mode when it is decorated).
+
+The limits it routes by are `pqattn.limits`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from pqattn import _validate as check
+from pqattn import reference as ref
+from pqattn.kernels.launch import PlanCache
+from pqattn.kernels.select import NewKey
+from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.reference import Selection, SelectParams
+
+__all__ = [
+    "KERNEL_DEVICES",
+    "PLANS",
+    "NewKey",
+    "PQCodebook",
+    "attention_kernel_path",
+    "bucket_tokens",
+    "build",
+    "count_combos",
+    "decode_kernel_path",
+    "decode_workspace_numel",
+    "encode",
+    "flash_forward",
+    "kernel_path",
+    "select",
+    "select_workspace_numel",
+    "sparse_decode",
+    "tree_workspace_layout",
+    "uses_histogram",
+]
+
+# Devices whose tensors take the Triton kernels. Tests add "cpu" under Triton's interpreter to
+# run the kernel paths of PQIndex and the functional API on a machine without a GPU.
+KERNEL_DEVICES = ("cuda",)
+
+# The functional API's launch plans (`select_topk` and `sparse_decode` given their buffers).
+PLANS = PlanCache(64)
+
+
+class PQCodebook(NamedTuple):
+    """The product quantization of a key cache (SPEC §1)."""
+
+    centroids: torch.Tensor  # [B, Hkv, M, C, dsub] (euclidean) or [B, Hkv, M, C, dsub + 1] (ip)
+    codes: torch.Tensor  # [B, Hkv, N, M] uint8, by absolute token position
+    phi: torch.Tensor | None  # [B, Hkv, M] for ip, None for euclidean
+
+
+# ---- routes ----------------------------------------------------------------------------------------
+
+
+def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
+    """True when the selection for M sub-vectors of C centroids goes through the combination
+    histogram: C**M <= MAX_COMBOS (else the merge tree). With `heavy`, for a call that keeps no
+    histogram: also heavy > STATELESS_TREE_MAX_HEAVY (below it the tree costs less than counting)."""
+    return C**M <= MAX_COMBOS and (heavy is None or heavy > STATELESS_TREE_MAX_HEAVY)
+
+
+def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0) -> bool:
+    """True when selection / encoding of these tensors runs the Triton kernels (else the reference):
+    a device of KERNEL_DEVICES, a power-of-two sub-vector width >= 2, and C**M <= MAX_COMBOS (any
+    heavy) or heavy <= MAX_TREE_HEAVY."""
+    D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
+    dsub = D // M
+    fits = uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
+    return q_or_keys.device.type in KERNEL_DEVICES and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
+
+
+def decode_kernel_path(q: torch.Tensor) -> bool:
+    """True when sparse decode of this query runs the Triton kernel: KERNEL_DEVICES, D a power of
+    two in 16..256."""
+    D = q.shape[-1]
+    return q.device.type in KERNEL_DEVICES and 16 <= D <= 256 and D & (D - 1) == 0
+
+
+def attention_kernel_path(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when dense attention runs the Triton flash kernel: CUDA, fp16/bf16 q and k of one dtype,
+    D a power of two in 16..256 (anything else: the reference)."""
+    D = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and k.dtype == q.dtype
+        and 16 <= D <= 256
+        and D & (D - 1) == 0
+    )
+
+
+# ---- workspaces ------------------------------------------------------------------------------------
+
+
+def select_workspace_numel(
+    rows: int,
+    M: int,
+    C: int,
+    n_tokens: int,
+    heavy: int,
+    *,
+    kept_histogram: bool = False,
+    buckets: bool = False,
+) -> int:
+    """int32 elements of the selection's workspace for rows = B * H query rows over a token axis
+    of n_tokens, for calls with no histogram kept (select_topk), or with one (PQIndex:
+    `kept_histogram`, and `buckets` when it keeps those too). Histogram selection: about
+    rows * C**M * 5 bytes; from buckets: the LUTs and rows * heavy * 8 bytes; merge tree: the LUTs
+    plus the tree's slots, about rows * (n_tokens / TILE) * heavy * 8 bytes. Allocate it
+    zero-filled, once; the kernels leave it reusable by calls with the same rows, M, C, n_tokens
+    and heavy (their counters lie at places that depend on them)."""
+    if buckets:
+        from pqattn.kernels.select import buckets as kernel
+    elif uses_histogram(M, C, None if kept_histogram else heavy):
+        from pqattn.kernels.select import hist as kernel
+    else:
+        from pqattn.kernels.select import tree
+
+        return tree.workspace_numel(rows, M, C, n_tokens, heavy)
+    return kernel.workspace_numel(rows, M, C, *((heavy,) if buckets else ()))
+
+
+def tree_workspace_layout(n_tokens: int, heavy: int) -> tuple[int, int]:
+    """What the merge tree's workspace layout depends on besides rows, M and C: (its most tree
+    nodes, its slot width). A workspace serves calls whose layout is the same."""
+    from pqattn.kernels.select.tree import k_pad, max_tree_nodes
+
+    return max_tree_nodes(n_tokens, heavy), k_pad(heavy, n_tokens)
+
+
+def decode_workspace_numel(rows: int, width: int, D: int) -> int:
+    """int32 elements of the sparse decode kernel's workspace for rows = B * H, list width L, head
+    dim D. Allocate it zero-filled, once; the kernel leaves it reusable by calls of the same rows,
+    width and D (its counters lie at places that depend on all three)."""
+    from pqattn.kernels.decode import workspace_numel
+
+    return workspace_numel(rows, width, D)
+
+
+# ---- launches (validated inputs) -------------------------------------------------------------------
+
+
+def build(
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    subvectors: int,
+    bits: int,
+    metric: str,
+    init_offset: int,
+    iters: int,
+    tol: float,
+    seed: int,
+) -> PQCodebook:
+    """The index build (SPEC §1) of validated keys: CUDA keys (fp16/bf16/fp32) run the Lloyd loop
+    in Triton (one launch per iteration), anything else, float64 included, the reference; both
+    draw the same initial centres for a seed."""
+    build_pq = ref.build_pq
+    if keys.is_cuda and keys.dtype != torch.float64:
+        from pqattn.kernels.kmeans import build_pq
+    res = build_pq(
+        keys,
+        lengths,
+        subvectors=subvectors,
+        bits=bits,
+        metric=metric,
+        init_offset=init_offset,
+        iters=iters,
+        tol=tol,
+        seed=seed,
+    )
+    return PQCodebook(res.centroids, res.codes, res.phi)
+
+
+def encode(
+    keys: torch.Tensor, centroids: torch.Tensor, phi: torch.Tensor | None, out: torch.Tensor, **kw
+) -> None:
+    """The encode launch (pqattn.kernels.encode.pq_encode, its keywords): codes of keys [B, Hkv, T, D]
+    into `out`, optionally at each sequence's length with the histogram, the caches and the lengths
+    kept in the same launch."""
+    from pqattn.kernels.encode import pq_encode
+
+    pq_encode(keys, centroids, phi, out, **kw)
+
+
+def count_combos(codes: torch.Tensor, lengths: torch.Tensor, histogram: torch.Tensor, **kw) -> None:
+    """The candidates' combination histogram of the codes (pqattn.kernels.select.hist.count_combos)."""
+    from pqattn.kernels.select.hist import count_combos as launch
+
+    launch(codes, lengths, histogram, **kw)
+
+
+def bucket_tokens(codes: torch.Tensor, lengths: torch.Tensor, *buffers: torch.Tensor, **kw) -> None:
+    """Group the candidates by code combination, in place (pqattn.kernels.select.buckets.bucket_tokens)."""
+    from pqattn.kernels.select.buckets import bucket_tokens as launch
+
+    launch(codes, lengths, *buffers, **kw)
+
+
+def select(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    params: SelectParams,
+    *,
+    out: Selection | None,
+    workspace: torch.Tensor | None,
+    weights: torch.Tensor | None = None,
+    code_base: int = 0,
+    n_tokens: int | None = None,
+    histogram: torch.Tensor | None = None,
+    buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    new_key: NewKey | None = None,
+    after_encode: bool = False,
+) -> Selection:
+    """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
+
+    codes row r holds token code_base + r (the original's codebook starts at init_offset);
+    n_tokens: the token axis length N (codes.shape[-2] + code_base by default); params.width must
+    be `SelectParams.make`'s for it. histogram: the combination counts of the candidates
+    [cand_lo, n - window) that the caller keeps (histogram routes only); without it the kernels
+    count them first. buckets: the (order, starts, frozen) kept with the histogram (no weights,
+    code_base 0): the selection reads those instead of scanning the codes, and with `new_key`
+    encodes the step's key in the same launch (pqattn.kernels.select.NewKey).
+    """
+    B, H, _ = q.shape
+    M, C = centroids.shape[2], centroids.shape[3]
+    N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
+    width = params.width
+    if out is None:
+        out = Selection(
+            torch.empty(B, H, width, dtype=torch.int32, device=q.device),
+            torch.empty(B, H, dtype=torch.int32, device=q.device),
+        )
+    else:
+        check.tensor(
+            "out.positions",
+            out.positions,
+            shape=(B, H, width),
+            dims="[B, H, L]",
+            dtypes=check.INT_DTYPES,
+            device=q.device,
+        )
+        check.tensor(
+            "out.counts", out.counts, shape=(B, H), dims="[B, H]", dtypes=check.INT_DTYPES, device=q.device
+        )
+        if not out.counts.is_contiguous():
+            raise ValueError("out.counts: expected a contiguous tensor")
+    if buckets is not None and (histogram is None or code_base != 0):
+        raise ValueError("buckets: expected with a kept histogram and code_base 0")
+    need = select_workspace_numel(
+        B * H, M, C, N, params.heavy, kept_histogram=histogram is not None, buckets=buckets is not None
+    )
+    if workspace is None:
+        workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
+    elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
+        raise ValueError(
+            f"workspace: expected a zero-filled int32 tensor on {q.device} of at least "
+            f"select_workspace_numel(B*H, M, C, N, heavy)={need} elements, "
+            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
+        )
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
+    common = dict(positions=out.positions, counts=out.counts, workspace=workspace, weights=weights)
+    if buckets is not None:
+        from pqattn.kernels.select.buckets import pq_select_buckets
+
+        pq_select_buckets(
+            q,
+            centroids,
+            codes,
+            lengths,
+            params,
+            histogram=histogram,
+            buckets=buckets,
+            new_key=new_key,
+            after_encode=after_encode,
+            **common,
+        )
+    elif uses_histogram(M, C, None if histogram is not None else params.heavy):
+        from pqattn.kernels.select.hist import pq_select_hist
+
+        pq_select_hist(
+            q,
+            centroids,
+            codes,
+            lengths,
+            params,
+            histogram=histogram,
+            n_tokens=N,
+            code_base=code_base,
+            **common,
+        )
+    else:
+        from pqattn.kernels.select.tree import pq_select
+
+        pq_select(q, centroids, codes, lengths, params, n_tokens=N, code_base=code_base, **common)
+    return out
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    weights: torch.Tensor | None,
+    dense_weights: bool,
+    lse: torch.Tensor | None,
+    scale: float | None,
+) -> None:
+    """The sparse decode launch (pqattn.kernels.decode.sparse_decode) on validated inputs."""
+    from pqattn.kernels.decode import sparse_decode as launch
+
+    launch(
+        _last_contiguous(q),
+        _last_contiguous(k),
+        _last_contiguous(v),
+        positions,
+        counts,
+        out=out,
+        workspace=workspace,
+        weights=weights,
+        dense_weights=dense_weights,
+        lse=lse,
+        scale=scale,
+    )
+
+
+def flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    lse: torch.Tensor | None,
+) -> None:
+    """The flash-attention launch (pqattn.kernels.attention.flash_forward) on validated inputs."""
+    from pqattn.kernels.attention import flash_forward as launch
+
+    launch(
+        _last_contiguous(q),
+        _last_contiguous(k),
+        _last_contiguous(v),
+        out=out,
+        causal=causal,
+        scale=scale,
+        lse=lse,
+    )
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()

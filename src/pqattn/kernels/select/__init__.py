@@ -1,0 +1,39 @@
+"""The PQ top-k selection kernels (SPEC §2), one family in three routes:
+
+- `tree`: every code read, a row split into leaves that pass on their top-k, merged by a tree
+  inside one launch (more than MAX_COMBOS code combinations; heavy <= MAX_TREE_HEAVY);
+- `hist`: at most MAX_COMBOS combinations: a weighted search for the cut over the combinations'
+  scores, then one pass over the codes (no buckets kept);
+- `buckets`: the same cut, then about `heavy` positions copied from the index's inverted lists
+  (PQIndex keeps them), optionally encoding the step's new key in the same launch (`NewKey`).
+
+`common` holds the device helpers they share. `pqattn.dispatch` picks the route; the decisions
+and their figures are in docs/kernels/select.md. Importing this package compiles nothing: the
+kernels are decorated when their modules are imported, by the dispatch layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class NewKey(NamedTuple):
+    """One new key per (sequence, KV head) that the bucket selection encodes before it selects,
+    doing the encode launch's work (pqattn.kernels.encode with T = 1) in the same launch: keys
+    [B, Hkv, 1, D] (last dim contiguous) written at row `length` - 1 over the last n_drop rows
+    of sequences `length` - 1 + n_drop tokens long (every sequence: the original's entry point
+    has one N), the histogram kept, and the lengths set to `length`. The length is a launch
+    argument rather than read from the device: no program's work waits for that load, and
+    nothing needs to know when every program has read it. phi [B, Hkv, M] (contiguous) for the
+    ip metric, else None. Needs n_drop < window (the new key is in the window: the selection
+    does not read its code) and n_drop <= 2 (at most one position changes candidacy). Under GQA
+    the G query rows of a KV head each encode its key (the same codes, stored by each) and
+    apply the histogram's change to their own copy; the last of them to have read the histogram
+    writes the change back (an arrival counter in the workspace)."""
+
+    keys: torch.Tensor
+    phi: torch.Tensor | None
+    length: int
+    n_drop: int
