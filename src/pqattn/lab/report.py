@@ -256,7 +256,9 @@ def render_headline(results_dir: str | Path) -> str:
             f"D={sh['D']}, {sh['dtype']}, sink {t['sink']} + window {t['window']} + heavy = density x N; "
             "quality of the same policy on the trained model (`models/byte-llama-13m`) and on the two "
             "synthetic caches "
-            f"(`{path.name}`, git {str(env.get('git_sha'))[:10]}):",
+            f"(`{path.name}`, git {str(env.get('git_sha'))[:10]}"
+            + ("" if t.get("autotune", True) else "; autotuning off: each kernel's first config")
+            + "):",
             "",
             "| policy | density | step us | vs SDPA | passkey"
             + (f" @{_ctx(key)}" if key else "")
