@@ -154,8 +154,8 @@ def run_demo(
 
 
 # Steps per captured graph. A graph of one step, replayed between CUDA events, also times the
-# host's graph launch whenever the GPU waits for it (docs/lab.md); the bench's graphs hold at
-# least 500 us of work for the same reason.
+# host's graph launch whenever the GPU waits for it (docs/lab.md); the bench's graphs hold many
+# calls for the same reason.
 _GRAPH_CALLS = 20
 
 
