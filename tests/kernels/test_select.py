@@ -274,6 +274,8 @@ def test_large_shapes_on_gpu(device: torch.device) -> None:
 
 
 def test_ops_routes_cuda_to_the_kernel_without_sync(device: torch.device) -> None:
+    """A decode loop's call (select_topk given its buffers, after a first call that validated the
+    lengths with one host read) replays its plan: the kernel, no sync."""
     if device.type != "cuda":
         pytest.skip("the kernel path is taken for CUDA tensors")
     B, H, Hkv, N, D = 2, 32, 8, 4096, 128
@@ -282,10 +284,18 @@ def test_ops_routes_cuda_to_the_kernel_without_sync(device: torch.device) -> Non
     q = torch.randn(B, H, D, device=device, dtype=torch.bfloat16)
     lens = torch.tensor([N, 3000], device=device)
     kw = dict(sink=16, window=32, heavy=256, init_offset=16)
-    pqattn.select_topk(q, book.centroids, book.codes, lens, **kw)  # warm-up (autotune)
+    out = pqattn.Selection(
+        torch.empty(B, H, 304, dtype=torch.int32, device=device),
+        torch.empty(B, H, dtype=torch.int32, device=device),
+    )
+    ws = torch.zeros(
+        pqattn.ops.select_workspace_numel(B * H, 2, 64, N, 256), dtype=torch.int32, device=device
+    )
+    for _ in range(2):  # validates: the first autotunes, the second's launches make the plan
+        pqattn.select_topk(q, book.centroids, book.codes, lens, **kw, out=out, workspace=ws)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sel = pqattn.select_topk(q, book.centroids, book.codes, lens, **kw)
+        sel = pqattn.select_topk(q, book.centroids, book.codes, lens, **kw, out=out, workspace=ws)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     scores = ref.pq_scores(q.double(), book.centroids.double(), book.codes)
