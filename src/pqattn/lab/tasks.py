@@ -41,6 +41,9 @@ POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
 
 @dataclasses.dataclass(frozen=True)
 class TaskSettings:
+    """What `run_tasks` measures: the contexts and document counts of each part, the policy grid
+    (densities, PQ configs as (M, bits), the page size) and its sink, window and PQ build."""
+
     contexts: tuple[int, ...] = (8192, 16384, 32768)
     position_docs: int = 32
     tail_contexts: tuple[int, ...] = (8192, 16384, 32768)
