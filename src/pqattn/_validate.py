@@ -227,3 +227,14 @@ def exact_selection_inputs(
     query(q, B, Hkv, D, keys.device)
     batch_lengths(lengths, B, keys.device)
     sizes(sink, window, heavy, init_offset)
+
+
+def share_options(share: str, group_rule: str, rerank: int) -> None:
+    """A selection's sharing (SPEC §7): share in ("head", "group"), group_rule in ("sum", "max"),
+    rerank a non-negative int."""
+    if share not in ("head", "group"):
+        raise ValueError(f"share: expected 'head' or 'group', got {share!r}")
+    if group_rule not in ("sum", "max"):
+        raise ValueError(f"group_rule: expected 'sum' or 'max', got {group_rule!r}")
+    if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
+        raise ValueError(f"rerank: expected a non-negative int, got {rerank!r}")

@@ -1,5 +1,5 @@
 """The `pqattn` command line: the demo, the lab (bench, compare, check, report), and the quality
-lab (quality, tasks, train, pareto). `pqattn COMMAND --help` says what each shows."""
+lab (quality, tasks, train, pareto, fidelity). `pqattn COMMAND --help` says what each shows."""
 
 from __future__ import annotations
 
@@ -615,6 +615,46 @@ def _run_pareto(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_fidelity(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fidelity",
+        help="attention mass as a share of the oracle's beside decode-step time, per selection policy",
+        description="Measures, for per-head and group (GQA-shared) PQ selections at fine and coarse codes, "
+        "with and without re-ranking, the attention mass kept on both synthetic generators as a share of the "
+        "per-head oracle's at the same density, and (on a GPU) the selection and decode-step GPU times "
+        "against SDPA in the same run, with the selection's bytes floor.",
+    )
+    p.add_argument("--density", type=float, default=0.02, help="per-head heavy / N")
+    p.add_argument("--tokens", default="32768", help="comma-separated N of the quality measurements")
+    p.add_argument("--shapes", default="1x32768", help="comma-separated BxN of the step timings (GPU only)")
+    p.add_argument("--sink", type=int, default=64, help="sink tokens")
+    p.add_argument("--window", type=int, default=64, help="window tokens")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--json", metavar="PATH", help="write the results document here")
+    p.set_defaults(func=_run_fidelity)
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    from pqattn.lab import fidelity
+    from pqattn.lab.env import resolve_device
+
+    shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",") if item]
+    doc = fidelity.run(
+        density=args.density,
+        quality_tokens=[int(n) for n in args.tokens.split(",") if n],
+        shapes=shapes,
+        sink=args.sink,
+        window=args.window,
+        device=resolve_device(args.device),
+    )
+    print(fidelity.format_table(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pqattn` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="pqattn", description=__doc__)
@@ -629,6 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_tasks,
         _add_train,
         _add_pareto,
+        _add_fidelity,
     ):
         add(sub)
     return parser

@@ -19,7 +19,7 @@ from pqattn import _validate as check
 from pqattn import reference as ref
 from pqattn.kernels.launch import PlanCache
 from pqattn.kernels.select import NewKey
-from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.limits import FINE_MIN_COMBOS, MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
 from pqattn.reference import Selection, SelectParams
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "select_workspace_numel",
     "sparse_decode",
     "tree_workspace_layout",
+    "uses_fine",
     "uses_histogram",
 ]
 
@@ -69,13 +70,21 @@ def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
     return C**M <= MAX_COMBOS and (heavy is None or heavy > STATELESS_TREE_MAX_HEAVY)
 
 
-def kernel_path(q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0) -> bool:
+def uses_fine(M: int, C: int, share: str = "head") -> bool:
+    """True when the selection takes the fine-code route (`kernels/select/fine.py`): every group
+    selection, and per-head selections of more than FINE_MIN_COMBOS combinations."""
+    return share == "group" or C**M >= FINE_MIN_COMBOS
+
+
+def kernel_path(
+    q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0, share: str = "head"
+) -> bool:
     """True when selection / encoding of these tensors runs the Triton kernels (else the reference):
-    a device of KERNEL_DEVICES, a power-of-two sub-vector width >= 2, and C**M <= MAX_COMBOS (any
-    heavy) or heavy <= MAX_TREE_HEAVY."""
+    a device of KERNEL_DEVICES, a power-of-two sub-vector width >= 2, and a route that serves the
+    case: the fine-code route (any heavy), C**M <= MAX_COMBOS (any heavy) or heavy <= MAX_TREE_HEAVY."""
     D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
-    fits = uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
+    fits = uses_fine(M, C, share) or uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
     return q_or_keys.device.type in KERNEL_DEVICES and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
 
 
@@ -111,14 +120,22 @@ def select_workspace_numel(
     *,
     kept_histogram: bool = False,
     buckets: bool = False,
+    share: str = "head",
+    tables: int = 1,
 ) -> int:
-    """int32 elements of the selection's workspace for rows = B * H query rows over a token axis
-    of n_tokens, for calls with no histogram kept (select_topk), or with one (PQIndex:
-    `kept_histogram`, and `buckets` when it keeps those too). Histogram selection: about
-    rows * C**M * 5 bytes; from buckets: the LUTs and rows * heavy * 8 bytes; merge tree: the LUTs
-    plus the tree's slots, about rows * (n_tokens / TILE) * heavy * 8 bytes. Allocate it
-    zero-filled, once; the kernels leave it reusable by calls with the same rows, M, C, n_tokens
-    and heavy (their counters lie at places that depend on them)."""
+    """int32 elements of the selection's workspace for rows = B * H query rows (B * Hkv for
+    share="group") over a token axis of n_tokens, for calls with no histogram kept (select_topk),
+    or with one (PQIndex: `kept_histogram`, and `buckets` when it keeps those too). Fine-code
+    route: per row `tables` LUTs (G for the group max rule, else 1), the bins and the scores,
+    about rows * (n_tokens + 8192) * 4 bytes; histogram selection: about rows * C**M * 5 bytes;
+    from buckets: the LUTs and rows * heavy * 8 bytes; merge tree: the LUTs plus the tree's slots,
+    about rows * (n_tokens / TILE) * heavy * 8 bytes. Allocate it zero-filled, once; the kernels
+    leave it reusable by calls with the same rows, M, C, n_tokens and heavy (their counters lie at
+    places that depend on them)."""
+    if uses_fine(M, C, share) and not buckets:
+        from pqattn.kernels.select import fine
+
+        return fine.workspace_numel(rows, tables, M, C, n_tokens)
     if buckets:
         from pqattn.kernels.select import buckets as kernel
     elif uses_histogram(M, C, None if kept_histogram else heavy):
@@ -138,13 +155,16 @@ def tree_workspace_layout(n_tokens: int, heavy: int) -> tuple[int, int]:
     return max_tree_nodes(n_tokens, heavy), k_pad(heavy, n_tokens)
 
 
-def decode_workspace_numel(rows: int, width: int, D: int) -> int:
+def decode_workspace_numel(rows: int, width: int, D: int, group: int = 0) -> int:
     """int32 elements of the sparse decode kernel's workspace for rows = B * H, list width L, head
-    dim D. Allocate it zero-filled, once; the kernel leaves it reusable by calls of the same rows,
+    dim D; with `group` = G, of the group kernel for rows = B * Hkv selections shared by G heads.
+    Allocate it zero-filled, once; the kernel leaves it reusable by calls of the same rows,
     width and D (its counters lie at places that depend on all three)."""
-    from pqattn.kernels.decode import workspace_numel
+    from pqattn.kernels import decode
 
-    return workspace_numel(rows, width, D)
+    if group:
+        return decode.group_workspace_numel(rows, group, width, D)
+    return decode.workspace_numel(rows, width, D)
 
 
 # ---- launches (validated inputs) -------------------------------------------------------------------
@@ -222,6 +242,8 @@ def select(
     buckets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     new_key: NewKey | None = None,
     after_encode: bool = False,
+    share: str = "head",
+    group_rule: str = "sum",
 ) -> Selection:
     """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
 
@@ -231,35 +253,55 @@ def select(
     [cand_lo, n - window) that the caller keeps (histogram routes only); without it the kernels
     count them first. buckets: the (order, starts, frozen) kept with the histogram (no weights,
     code_base 0): the selection reads those instead of scanning the codes, and with `new_key`
-    encodes the step's key in the same launch (pqattn.kernels.select.NewKey).
+    encodes the step's key in the same launch (pqattn.kernels.select.NewKey). share="group":
+    one selection per KV head (rows [B, Hkv]) by the group scores of `group_rule`.
     """
     B, H, _ = q.shape
-    M, C = centroids.shape[2], centroids.shape[3]
+    Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
     width = params.width
+    # dense weights (the original's entry point) come from the tree where it serves the heavy
+    fine_route = (
+        uses_fine(M, C, share) and buckets is None and (weights is None or params.heavy > MAX_TREE_HEAVY)
+    )
+    R = Hkv if share == "group" else H  # selection rows per sequence
     if out is None:
         out = Selection(
-            torch.empty(B, H, width, dtype=torch.int32, device=q.device),
-            torch.empty(B, H, dtype=torch.int32, device=q.device),
+            torch.empty(B, R, width, dtype=torch.int32, device=q.device),
+            torch.empty(B, R, dtype=torch.int32, device=q.device),
         )
     else:
         check.tensor(
             "out.positions",
             out.positions,
-            shape=(B, H, width),
-            dims="[B, H, L]",
+            shape=(B, R, width),
+            dims="[B, H, L]" if R == H else "[B, Hkv, L]",
             dtypes=check.INT_DTYPES,
             device=q.device,
         )
         check.tensor(
-            "out.counts", out.counts, shape=(B, H), dims="[B, H]", dtypes=check.INT_DTYPES, device=q.device
+            "out.counts",
+            out.counts,
+            shape=(B, R),
+            dims="[B, H]" if R == H else "[B, Hkv]",
+            dtypes=check.INT_DTYPES,
+            device=q.device,
         )
         if not out.counts.is_contiguous():
             raise ValueError("out.counts: expected a contiguous tensor")
     if buckets is not None and (histogram is None or code_base != 0):
         raise ValueError("buckets: expected with a kept histogram and code_base 0")
+    tables = H // Hkv if share == "group" and group_rule == "max" else 1
     need = select_workspace_numel(
-        B * H, M, C, N, params.heavy, kept_histogram=histogram is not None, buckets=buckets is not None
+        B * R,
+        M,
+        C,
+        N,
+        params.heavy,
+        kept_histogram=histogram is not None,
+        buckets=buckets is not None,
+        share=share,
+        tables=tables,
     )
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
@@ -272,7 +314,27 @@ def select(
     q = q if q.stride(-1) == 1 else q.contiguous()
     centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
     common = dict(positions=out.positions, counts=out.counts, workspace=workspace, weights=weights)
-    if buckets is not None:
+    if fine_route:
+        from pqattn.kernels.select.fine import pq_select_fine
+
+        pq_select_fine(
+            q,
+            centroids,
+            codes,
+            lengths,
+            params,
+            positions=out.positions,
+            counts=out.counts,
+            workspace=workspace,
+            share=share,
+            group_rule=group_rule,
+            n_tokens=N,
+            code_base=code_base,
+        )
+        if weights is not None:  # the selection's dense weights (entries past the count add 0)
+            valid = torch.arange(width, device=q.device) < out.counts[..., None]
+            weights.zero_().scatter_add_(-1, out.positions.clamp(min=0).long(), valid.to(weights.dtype))
+    elif buckets is not None:
         from pqattn.kernels.select.buckets import pq_select_buckets
 
         pq_select_buckets(
@@ -322,7 +384,24 @@ def sparse_decode(
     lse: torch.Tensor | None,
     scale: float | None,
 ) -> None:
-    """The sparse decode launch (pqattn.kernels.decode.sparse_decode) on validated inputs."""
+    """The sparse decode launch on validated inputs: positions [B, H, L] per query head
+    (pqattn.kernels.decode.sparse_decode), or [B, Hkv, L] shared by each KV head's G query heads
+    (group_decode; no weights)."""
+    if positions.shape[1] != q.shape[1]:
+        from pqattn.kernels.decode import group_decode
+
+        group_decode(
+            _last_contiguous(q),
+            _last_contiguous(k),
+            _last_contiguous(v),
+            positions,
+            counts,
+            out=out,
+            workspace=workspace,
+            lse=lse,
+            scale=scale,
+        )
+        return
     from pqattn.kernels.decode import sparse_decode as launch
 
     launch(

@@ -30,6 +30,8 @@ that match (the same checks passed for the same shapes, dtypes and devices).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from pqattn import _validate as check
@@ -75,6 +77,13 @@ __all__ = [
 # again (the checks cost about a third of a call's host time).
 _CHECKED_ATTENTION: set[tuple] = set()
 _MAX_CHECKED = 64
+_WARNED: set[str] = set()
+
+
+def _warn_once(topic: str, message: str) -> None:
+    if topic not in _WARNED:
+        _WARNED.add(topic)
+        warnings.warn(message, stacklevel=3)
 
 
 def build_index(
@@ -202,29 +211,44 @@ def select_topk(
     window: int,
     heavy: int,
     init_offset: int = 0,
+    share: str = "head",
+    group_rule: str = "sum",
+    rerank: int = 0,
+    keys: torch.Tensor | None = None,
     out: Selection | None = None,
     workspace: torch.Tensor | None = None,
 ) -> Selection:
-    """PQ top-k selection for one decode query per sequence (SPEC §2, native rules).
+    """PQ top-k selection for one decode query per sequence (SPEC §2, §7; native rules).
 
     Keeps sink [0, sink) and window [n - window, n), and the `heavy` highest-scoring candidates in
     [max(init_offset, sink), n - window) (ties any); sequences with n <= sink + heavy + window keep
-    all their tokens. The order of positions carries no meaning.
+    all their tokens. The order of positions carries no meaning. With share="group" one selection
+    per KV head serves its G query heads, by the group score of `group_rule` ("sum": the sum of
+    the heads' PQ scores; "max": their max), and `heavy` is the group's budget. rerank=R >= 1
+    takes the top R * heavy by PQ score, then the top heavy of those by the exact <q, k> from
+    `keys` (that composition runs the PyTorch reference: no kernel yet, and it warns on a GPU).
 
     Args:
         q: [B, H, D] float, H a multiple of Hkv.
         centroids: [B, Hkv, M, C, dsub (+1)]; codes: [B, Hkv, N, M] uint8 (`build_index`).
         lengths: [B] int32/int64, tokens per sequence, in [0, N].
         sink, window, heavy, init_offset: the selection's sizes (non-negative ints).
-        out: a Selection of positions [B, H, L] and counts [B, H] to write into (kernel path).
+        share: "head" (positions per query head) or "group" (per KV head: [B, Hkv, L]).
+        group_rule: "sum" or "max", the group score (share="group").
+        rerank: R >= 1 re-ranks a shortlist of R * heavy by the exact scores (needs `keys`).
+        keys: [B, Hkv, N, D], the key cache (rerank only).
+        out: a Selection of positions [B, H, L] and counts [B, H] to write into (kernel path;
+            [B, Hkv, L] and [B, Hkv] for share="group").
         workspace: zero-filled int32 of `select_workspace_numel(B * H, M, C, N, heavy)` elements
-            (kernel path). With `out`, the call allocates nothing, its launches are kept as a plan,
+            (kernel path; for share="group" `select_workspace_numel(B * Hkv, M, C, N, heavy,
+            share="group", tables=G if group_rule == "max" else 1)`). With `out`, the call
+            allocates nothing, its launches are kept as a plan,
             and later calls of the same signature replay it; one workspace serves calls of one
             (B * H, M, C, N, heavy), which leave it ready for the next.
 
     Returns:
         Selection(positions [B, H, L] int32 with L = sink + heavy + window, -1 past the count;
-        counts [B, H] int32).
+        counts [B, H] int32), with Hkv rows for share="group".
 
     Example:
         >>> keys = torch.randn(1, 2, 256, 16)
@@ -237,7 +261,9 @@ def select_topk(
     key = tensors = None
     if out is not None and workspace is not None:
         tensors = (q, centroids, codes, lengths, *out, workspace)
-        key = dispatch.PLANS.key("select_topk", tensors, sink, window, heavy, init_offset)
+        key = dispatch.PLANS.key(
+            "select_topk", tensors, sink, window, heavy, init_offset, share, group_rule, rerank
+        )
         plan = dispatch.PLANS.get(key)
         if plan is not None:
             plan(*tensors)
@@ -246,7 +272,36 @@ def select_topk(
     check.batch_lengths(lengths, q.shape[0], q.device)
     check.sizes(sink, window, heavy, init_offset)
     check.length_values(lengths, codes.shape[2])
-    if kernel_path(q, centroids, heavy):
+    check.share_options(share, group_rule, rerank)
+    if rerank:
+        if keys is None:
+            raise ValueError("keys: expected the key cache [B, Hkv, N, D] with rerank >= 1, got None")
+        check.key_cache("keys", keys)
+        check.tensor(
+            "keys", keys, shape=(*codes.shape[:3], q.shape[-1]), dims="[B, Hkv, N, D]", device=q.device
+        )
+        if q.is_cuda:
+            _warn_once("rerank", "select_topk(rerank>=1) runs the PyTorch reference (no kernel yet): slow")
+        sel = ref.select_pq(
+            q,
+            centroids,
+            codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            init_offset=init_offset,
+            share=share,
+            group_rule=group_rule,
+            rerank=rerank,
+            keys=keys,
+        )
+        if out is not None:
+            out.positions.copy_(sel.positions)
+            out.counts.copy_(sel.counts)
+            return out
+        return sel
+    if kernel_path(q, centroids, heavy, share):
         params = SelectParams.make(
             sink=sink,
             window=window,
@@ -256,17 +311,31 @@ def select_topk(
             n_tokens=codes.shape[2],
         )
         with recording() as rec:
-            sel = dispatch.select(q, centroids, codes, lengths, params, out=out, workspace=workspace)
+            sel = dispatch.select(
+                q,
+                centroids,
+                codes,
+                lengths,
+                params,
+                out=out,
+                workspace=workspace,
+                share=share,
+                group_rule=group_rule,
+            )
         if tensors is not None:
             dispatch.PLANS.keep(key, rec, tensors)
         return sel
-    return ref.select_from_scores(
-        ref.pq_scores(q, centroids, codes),
+    return ref.select_pq(
+        q,
+        centroids,
+        codes,
         lengths,
         sink=sink,
         window=window,
         heavy=heavy,
         init_offset=init_offset,
+        share=share,
+        group_rule=group_rule,
     )
 
 
@@ -279,13 +348,15 @@ def select_oracle(
     window: int,
     heavy: int,
     init_offset: int = 0,
+    share: str = "head",
+    group_rule: str = "sum",
 ) -> Selection:
     """The exact top-k by <q, k> over the same candidates as `select_topk`: the quality yardstick
     (the PyTorch reference on every device: it reads every key).
 
     Args:
         q: [B, H, D]. keys: [B, Hkv, N, D]. lengths: [B] in [0, N].
-        sink, window, heavy, init_offset: as `select_topk`.
+        sink, window, heavy, init_offset, share, group_rule: as `select_topk`.
 
     Returns:
         Selection as `select_topk`'s.
@@ -296,7 +367,18 @@ def select_oracle(
         tensor([[28, 28, 28, 28]], dtype=torch.int32)
     """
     check.exact_selection_inputs(q, keys, lengths, sink, window, heavy, init_offset)
-    return ref.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
+    check.share_options(share, group_rule, 0)
+    return ref.select_oracle(
+        q,
+        keys,
+        lengths,
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        init_offset=init_offset,
+        share=share,
+        group_rule=group_rule,
+    )
 
 
 def select_pages(
@@ -398,14 +480,16 @@ def sparse_decode(
     Args:
         q: [B, H, D] in any floating dtype, H a multiple of Hkv.
         k, v: [B, Hkv, N, D], one floating dtype (the cache; it may differ from q's).
-        positions: [B, H, L] int32/int64, the first counts[b, h] entries in [0, N).
-        counts: [B, H] int32/int64 in [0, L].
+        positions: [B, H, L] int32/int64, the first counts[b, h] entries in [0, N); or [B, Hkv, L]
+            shared by each KV head's query heads (a group selection; no weights then).
+        counts: [B, H] int32/int64 in [0, L] ([B, Hkv] with shared positions).
         weights: [B, H, L] > 0 per entry; or [B, H, N] by token position when `dense_weights`
             (the original's weight_list: a weight of 0 drops the token); or None (all 1).
         scale: default 1/sqrt(D). return_lse: also return the log-sum-exp.
         out: [B, H, D] in q's dtype, last dim contiguous, to write into.
         workspace: zero-filled int32 of `decode_workspace_numel(B * H, L, D)` elements (kernel
-            path). With `out`, the call allocates nothing and its launches are kept as a plan that
+            path; `decode_workspace_numel(B * Hkv, L, D, group=G)` with shared positions). With
+            `out`, the call allocates nothing and its launches are kept as a plan that
             later calls of the same signature replay; one workspace serves calls of one (B * H, L, D).
 
     Returns:
@@ -430,10 +514,18 @@ def sparse_decode(
     check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
     check.query(q, B, Hkv, D, k.device)
     H = q.shape[1]
+    shared = positions.dim() == 3 and positions.shape[1] == Hkv != H  # one selection per KV head
+    R, dims = (Hkv, "[B, Hkv, L]") if shared else (H, "[B, H, L]")
     check.tensor(
-        "positions", positions, shape=(B, H, None), dims="[B, H, L]", dtypes=check.INT_DTYPES, device=k.device
+        "positions", positions, shape=(B, R, None), dims=dims, dtypes=check.INT_DTYPES, device=k.device
     )
-    check.tensor("counts", counts, shape=(B, H), dims="[B, H]", dtypes=check.INT_DTYPES, device=k.device)
+    check.tensor(
+        "counts", counts, shape=(B, R), dims=dims[:-4] + "]", dtypes=check.INT_DTYPES, device=k.device
+    )
+    if shared and weights is not None:
+        raise ValueError(
+            "weights: expected None with positions shared by a KV head's query heads [B, Hkv, L]"
+        )
     if weights is not None:
         check.tensor(
             "weights",
@@ -449,6 +541,8 @@ def sparse_decode(
             raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
     check.selection_values(positions, counts, N)
     if not decode_kernel_path(q):
+        if shared:
+            positions, counts = (t.repeat_interleave(H // Hkv, dim=1) for t in (positions, counts))
         if dense_weights and weights is not None:
             weights = weights.gather(-1, positions.long().clamp(0, N - 1))
         res = ref.sparse_decode(q, k, v, positions, counts, weights, scale=scale, return_lse=True)
@@ -458,13 +552,17 @@ def sparse_decode(
         return res if return_lse else res[0]
     if out is None:
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    need = decode_workspace_numel(B * H, positions.shape[-1], D)
+    need = (
+        decode_workspace_numel(B * Hkv, positions.shape[-1], D, group=H // Hkv)
+        if shared
+        else decode_workspace_numel(B * H, positions.shape[-1], D)
+    )
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
     elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
         raise ValueError(
             f"workspace: expected a zero-filled int32 tensor on {q.device} of at least "
-            f"decode_workspace_numel(B*H, L, D)={need} elements, "
+            f"decode_workspace_numel(B*H, L, D) (group: (B*Hkv, L, D, group=G))={need} elements, "
             f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
         )
     lse = torch.empty(B * H, dtype=torch.float32, device=q.device) if return_lse else None

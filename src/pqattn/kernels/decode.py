@@ -184,11 +184,159 @@ def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constex
         tl.store(lse_at, lse)
 
 
+# The group kernel's space (entries per split, rows gathered per step, warps): G query rows share
+# each gathered key and value row, as one [GP, BLOCK_N] tensor-core product a step.
+GROUP_DECODE_CONFIGS = [
+    triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w) for bl, bn, w in ((256, 32, 4), (512, 64, 4))
+]
+
+
+def group_workspace_numel(groups: int, G: int, width: int, D: int) -> int:
+    """int32 elements of the group decode workspace: a counter per group, then float32 partials
+    (D values, max, sum per query row) for every split of the smallest BLOCK_L."""
+    splits = split_count(width, min(c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS))
+    return groups + groups * splits * max(triton.next_power_of_2(G), 16) * (D + 2)
+
+
+@triton.jit
+def _group_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cnt_ptr,
+    out_ptr,
+    lse_ptr,
+    ws_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_pb,
+    stride_ph,
+    stride_cb,
+    stride_ch,
+    stride_ob,
+    stride_oh,
+    HKV,
+    G,
+    qk_scale,  # scale * log2(e)
+    WIDTH: tl.constexpr,
+    D: tl.constexpr,
+    GP: tl.constexpr,  # query rows of a program: G padded to a power of two of at least 16
+    F32_DOTS: tl.constexpr,  # products in float32 (a float32 cache, or q of another dtype)
+    HAS_LSE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Sparse decode over a selection shared by a KV head's G query heads (SPEC §7 group): each
+    gathered key and value row serves the G heads, as split-K flash decoding with the combine of
+    `_sparse_decode_kernel`."""
+    SPLITS: tl.constexpr = (WIDTH + BLOCK_L - 1) // BLOCK_L + (WIDTH == 0)
+    split = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // HKV
+    kvh = row % HKV
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    heads = kvh * G + g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
+    )
+    pos_row = pos_ptr + b * stride_pb + kvh * stride_ph
+    cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + kvh * stride_ch).to(tl.int32), WIDTH)
+    k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+    v_row = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    q = q.to(tl.float32) if F32_DOTS else q.to(k_ptr.dtype.element_ty)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    s_sum = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    lo = split * BLOCK_L
+    hi = tl.minimum(lo + BLOCK_L, cnt)
+    for start in range(lo, hi, BLOCK_N):
+        e = start + tl.arange(0, BLOCK_N)
+        ok = e < hi
+        at = tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
+        kt = tl.load(k_row + at[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
+        vt = tl.load(v_row + at[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
+        if F32_DOTS:
+            s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kt))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        if F32_DOTS:
+            pv = tl.dot(pr, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pr.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        s_sum = s_sum * alpha + tl.sum(pr, axis=1)
+        m = m_new
+
+    out_rows = out_ptr + b * stride_ob + heads * stride_oh
+    lse_at = lse_ptr + b * HKV * G + heads
+    if SPLITS == 1:
+        _finish_group(out_rows, lse_at, g < G, acc, m, s_sum, D, HAS_LSE)
+    else:
+        lock_ptr = ws_ptr
+        part_ptr = (ws_ptr + tl.num_programs(1)).to(tl.pointer_type(tl.float32), bitcast=True)
+        part = part_ptr + ((row.to(tl.int64) * SPLITS + split) * GP + g) * (D + 2)
+        tl.store(part[:, None] + d[None, :], acc)
+        tl.store(part + D, m)
+        tl.store(part + D + 1, s_sum)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(lock_ptr + row, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:  # the last split of the group combines
+            tl.atomic_xchg(lock_ptr + row, 0)
+            first = part_ptr + (row.to(tl.int64) * SPLITS * GP + g) * (D + 2)
+            m_all = tl.full([GP], float("-inf"), tl.float32)
+            acc = tl.zeros([GP, D], dtype=tl.float32)
+            s_sum = tl.zeros([GP], dtype=tl.float32)
+            for sp in tl.static_range(SPLITS):  # unrolled: no split's loads wait on another's sums
+                base = first + sp * GP * (D + 2)
+                ms = tl.load(base + D, cache_modifier=".cg")
+                ls = tl.load(base + D + 1, cache_modifier=".cg")
+                accs = tl.load(base[:, None] + d[None, :], cache_modifier=".cg")
+                m_new = tl.maximum(m_all, ms)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_all - m_safe)
+                f = tl.exp2(ms - m_safe)
+                acc = acc * alpha[:, None] + accs * f[:, None]
+                s_sum = s_sum * alpha + ls * f
+                m_all = m_new
+            _finish_group(out_rows, lse_at, g < G, acc, m_all, s_sum, D, HAS_LSE)
+
+
+@triton.jit
+def _finish_group(out_rows, lse_at, ok, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constexpr):
+    """`_finish` for a group's query rows (rows past G are padding)."""
+    d = tl.arange(0, D)
+    inv = tl.where(s_sum > 0, 1.0 / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
+    tl.store(
+        out_rows[:, None] + d[None, :], (acc * inv[:, None]).to(out_rows.dtype.element_ty), mask=ok[:, None]
+    )
+    if HAS_LSE:
+        lse = tl.where(s_sum > 0, (m + tl.log2(s_sum)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_at, lse, mask=ok)
+
+
 sparse_decode_autotuned = triton.autotune(
     configs=DECODE_CONFIGS, key=["WIDTH", "D", "H", "G", "HAS_W", "W_DENSE"]
 )(_sparse_decode_kernel)
 _sparse_decode_tuned = TunedLauncher(sparse_decode_autotuned)
 _sparse_decode_launch = Launcher(_sparse_decode_kernel)
+group_decode_autotuned = triton.autotune(configs=GROUP_DECODE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS"])(
+    _group_decode_kernel
+)
+_group_decode_tuned = TunedLauncher(group_decode_autotuned)
+_group_decode_launch = Launcher(_group_decode_kernel)
 
 
 def sparse_decode(
@@ -258,3 +406,57 @@ def sparse_decode(
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), rows)
         _sparse_decode_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})
+
+
+def group_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: triton.Config | None = None,
+) -> None:
+    """Launch on validated inputs: as `sparse_decode`, with positions [B, Hkv, L] and counts
+    [B, Hkv] shared by each KV head's G query heads; workspace at least
+    `group_workspace_numel(B * Hkv, G, L, D)` int32 elements, zero-filled once."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    width = positions.shape[-1]
+    need = group_workspace_numel(B * Hkv, G, width, D)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
+            f"with {workspace.numel()}"
+        )
+    if config is None and not autotuning():
+        config = GROUP_DECODE_CONFIGS[0]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    gp = max(triton.next_power_of_2(G), 16)
+    f32 = k.dtype == torch.float32 or q.dtype != k.dtype
+    tensors = (q, k, v, positions, counts, out, lse if lse is not None else workspace, workspace)
+    scalars = (
+        *q.stride()[:2],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *positions.stride()[:2],
+        *counts.stride(),
+        *out.stride()[:2],
+        Hkv,
+        G,
+        scale * _LOG2E,
+    )
+    meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None)
+    if config is None:
+        key = (width, D, gp, f32)
+        _group_decode_tuned(
+            key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta
+        )
+    else:
+        grid = (split_count(width, config.kwargs["BLOCK_L"]), B * Hkv)
+        _group_decode_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})

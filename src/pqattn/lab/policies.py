@@ -2,8 +2,11 @@
 
 A `Policy` names what picks the heavy tokens beyond sink and window (SPEC §2, §7): the exact
 top-k oracle, streaming (no heavy part: the budget widens the window), PQ top-k at a code
-resolution (M sub-vectors, bits), or Quest-style pages. `select` runs one on a cache through
-`pqattn.ops` (the kernels where they exist); `pqattn.lab.tasks` runs them inside a model.
+resolution (M sub-vectors, bits), or Quest-style pages. The oracle and PQ may share one
+selection per KV head (`share="group"`, by the group score of `group_rule`, with a budget of
+`budget` times the per-head heavy), and PQ may re-rank a shortlist of `rerank` times the heavy by
+the exact scores. `select` runs one on a cache through `pqattn.ops` (the kernels where they
+exist); `pqattn.lab.tasks` runs them inside a model.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from pqattn import ops
-from pqattn.reference import Selection
+from pqattn.reference import SHARES, Selection
 
 PQ_GRID = ((2, 6), (2, 8), (8, 6), (8, 8), (16, 6), (16, 8))
 KINDS = ("dense", "oracle", "streaming", "pq", "pages")
@@ -30,28 +33,47 @@ class Policy:
     subvectors: int = 2
     bits: int = 6
     page: int = 16
+    share: str = "head"
+    group_rule: str = "sum"
+    budget: float = 1.0  # a group selection's heavy, in per-head heavies
+    rerank: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
         if self.kind != "dense" and not 0.0 < self.density <= 1.0:
             raise ValueError(f"density: expected a value in (0, 1], got {self.density}")
+        if self.share not in SHARES or (self.share == "group" and self.kind not in ("pq", "oracle")):
+            raise ValueError(f"share: expected 'head', or 'group' for pq and oracle, got {self.share!r}")
+        if self.rerank and self.kind != "pq":
+            raise ValueError(f"rerank: only pq policies re-rank, got {self.kind!r}")
 
     @property
     def family(self) -> str:
-        """The policy without its density: dense, oracle, streaming, pq-M2-b6, pages-16."""
+        """The policy without its density: dense, oracle, streaming, pq-M2-b6, pages-16, with
+        -group-sum-x4 (a group selection of 4 heavies) and -rr4 (re-rank of 4 heavies)."""
         if self.kind == "pq":
-            return f"pq-M{self.subvectors}-b{self.bits}"
-        if self.kind == "pages":
-            return f"pages-{self.page}"
-        return self.kind
+            name = f"pq-M{self.subvectors}-b{self.bits}"
+        elif self.kind == "pages":
+            name = f"pages-{self.page}"
+        else:
+            name = self.kind
+        if self.share == "group":
+            name += f"-group-{self.group_rule}-x{self.budget:g}"
+        return name + (f"-rr{self.rerank}" if self.rerank else "")
 
     @property
     def name(self) -> str:
         return self.family if self.kind == "dense" else f"{self.family}@{self.density:g}"
 
     def heavy(self, n_tokens: int) -> int:
+        """The per-head heavy at this density."""
         return max(1, round(self.density * n_tokens))
+
+    def selection_heavy(self, n_tokens: int) -> int:
+        """The heavy a selection row keeps: the per-head heavy, times the budget for a group."""
+        h = self.heavy(n_tokens)
+        return max(1, round(self.budget * h)) if self.share == "group" else h
 
 
 def policy_grid(
@@ -79,12 +101,15 @@ def select(
 ) -> Selection:
     """The selection of a non-dense `policy` for decode queries q [B, H, D] over keys [B, Hkv, N, D]
     (`book`: the PQ codebook of the keys at the policy's M and bits; init_offset = sink); heavy =
-    round(density * n_tokens)."""
-    heavy = policy.heavy(n_tokens)
+    `policy.selection_heavy(n_tokens)`. Group selections have Hkv rows (`per_head` expands them)."""
+    heavy = policy.selection_heavy(n_tokens)
+    shared = dict(share=policy.share, group_rule=policy.group_rule)
     if policy.kind == "streaming":
         return ops.select_streaming(lengths, q.shape[1], sink=sink, window=window + heavy)
     if policy.kind == "oracle":
-        return ops.select_oracle(q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=sink)
+        return ops.select_oracle(
+            q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=sink, **shared
+        )
     if policy.kind == "pages":
         return ops.select_pages(
             q, keys, lengths, sink=sink, window=window, heavy=heavy, page=policy.page, init_offset=sink
@@ -93,6 +118,25 @@ def select(
         if book is None:
             raise ValueError(f"book: the {policy.family} policy needs the keys' PQ codebook, got None")
         return ops.select_topk(
-            q, book.centroids, book.codes, lengths, sink=sink, window=window, heavy=heavy, init_offset=sink
+            q,
+            book.centroids,
+            book.codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            init_offset=sink,
+            rerank=policy.rerank,
+            keys=keys if policy.rerank else None,
+            **shared,
         )
     raise ValueError(f"policy: expected a non-dense policy, got {policy.name}")
+
+
+def per_head(selection: Selection, num_heads: int) -> Selection:
+    """A selection with one row per query head: a group selection's rows repeated for its heads."""
+    rows = selection.positions.shape[1]
+    if rows == num_heads:
+        return selection
+    g = num_heads // rows
+    return Selection(selection.positions.repeat_interleave(g, 1), selection.counts.repeat_interleave(g, 1))

@@ -92,8 +92,11 @@ def policy_sweep(
         oracles: dict[float, Selection] = {}
         for p in policies:
             book = books.get((p.subvectors, p.bits)) if p.kind == "pq" else None
-            sel = policies_mod.select(
-                p, q, problem.keys, lengths, sink=sink, window=window, n_tokens=N, book=book
+            sel = policies_mod.per_head(
+                policies_mod.select(
+                    p, q, problem.keys, lengths, sink=sink, window=window, n_tokens=N, book=book
+                ),
+                H,
             )
             if p.density not in oracles:
                 oracles[p.density] = policies_mod.select(
@@ -108,7 +111,7 @@ def policy_sweep(
     T = len(problem.queries)
     return [
         {"problem": problem.name, "policy": p.name, "family": p.family, "kind": p.kind, "density": p.density}
-        | {"heavy": p.heavy(N)}
+        | {"heavy": p.heavy(N), "selection_heavy": p.selection_heavy(N)}
         | {k: v / T for k, v in sums[p.name].items()}
         for p in policies
     ]

@@ -7,11 +7,14 @@ exists for a case.
 from pqattn.reference.attention import dense_attention, sparse_decode
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
 from pqattn.reference.selection import (
+    GROUP_RULES,
+    SHARES,
     Selection,
     SelectParams,
     bucket_candidates,
     code_combinations,
     dense_weights,
+    group_scores,
     page_bounds,
     page_scores,
     select_from_scores,
@@ -23,6 +26,8 @@ from pqattn.reference.selection import (
 )
 
 __all__ = [
+    "GROUP_RULES",
+    "SHARES",
     "KMeansResult",
     "SelectParams",
     "Selection",
@@ -33,6 +38,7 @@ __all__ = [
     "dense_weights",
     "encode",
     "exact_scores",
+    "group_scores",
     "page_bounds",
     "page_scores",
     "pq_scores",

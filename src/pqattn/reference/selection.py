@@ -65,12 +65,14 @@ def select_from_scores(
     heavy: int,
     init_offset: int = 0,
     short_threshold: int | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> Selection:
     """Top-`heavy` candidates by score plus sink and window, per (b, h).
 
     scores: [B, H, N] (any float dtype; only the order matters), lengths: [B] token counts.
     short_threshold: sequences with n <= short_threshold select all their tokens; None means the
-    native rule sink + heavy + window.
+    native rule sink + heavy + window. allowed: [B, H, N] bool, a further bound on the heavy
+    candidates (a re-rank's shortlist).
     """
     B, H, N = scores.shape
     dev = scores.device
@@ -80,9 +82,10 @@ def select_from_scores(
     pos = torch.arange(N, device=dev)
 
     cand = (pos >= max(init_offset, sink)) & (pos < n - window)  # [B, 1, N]
+    cand = cand.expand(B, H, N) if allowed is None else cand & allowed
     k = min(heavy, N)
     top = scores.masked_fill(~cand, float("-inf")).topk(k, dim=-1, sorted=True).indices
-    top_ok = cand.expand(B, H, N).gather(-1, top)
+    top_ok = cand.gather(-1, top)
 
     sink_pos = torch.arange(sink, device=dev).expand(B, H, sink)
     win_start = torch.maximum(n - window, n.clamp(max=sink))
@@ -105,6 +108,30 @@ def select_from_scores(
     return Selection(positions.to(torch.int32), counts.to(torch.int32))
 
 
+SHARES = ("head", "group")
+GROUP_RULES = ("sum", "max")
+
+
+def group_scores(scores: torch.Tensor, num_kv_heads: int, rule: str) -> torch.Tensor:
+    """A group's token scores [B, Hkv, N] from its G = H / Hkv heads' scores [B, H, N] (SPEC §7):
+    their sum ("sum"; for PQ scores the score of the heads' summed query) or their max ("max")."""
+    B, H, N = scores.shape
+    per_group = scores.reshape(B, num_kv_heads, H // num_kv_heads, N)
+    if rule == "sum":
+        return per_group.sum(2)
+    if rule == "max":
+        return per_group.amax(2)
+    raise ValueError(f"group_rule: expected one of {GROUP_RULES}, got {rule!r}")
+
+
+def _shared(scores: torch.Tensor, num_kv_heads: int, share: str, rule: str) -> torch.Tensor:
+    if share == "head":
+        return scores
+    if share == "group":
+        return group_scores(scores, num_kv_heads, rule)
+    raise ValueError(f"share: expected one of {SHARES}, got {share!r}")
+
+
 def select_pq(
     q: torch.Tensor,
     centroids: torch.Tensor,
@@ -116,17 +143,27 @@ def select_pq(
     heavy: int,
     init_offset: int = 0,
     short_threshold: int | None = None,
+    share: str = "head",
+    group_rule: str = "sum",
+    rerank: int = 0,
+    keys: torch.Tensor | None = None,
 ) -> Selection:
-    """PQ top-k selection: q [B, H, D], centroids [B, Hkv, M, C, dsub(+1)], codes [B, Hkv, N, M]."""
-    return select_from_scores(
-        pq_scores(q, centroids, codes),
-        lengths,
-        sink=sink,
-        window=window,
-        heavy=heavy,
-        init_offset=init_offset,
-        short_threshold=short_threshold,
-    )
+    """PQ top-k selection (SPEC §2, §7): q [B, H, D], centroids [B, Hkv, M, C, dsub(+1)], codes
+    [B, Hkv, N, M]; positions [B, H, L] per head, or [B, Hkv, L] with share="group" (one set per
+    KV head by the group scores of `group_rule`, heavy = the group budget). rerank=R >= 1: the top
+    R * heavy candidates by PQ score, then the top `heavy` of those by the exact score <q, k> from
+    keys [B, Hkv, N, D] (reduced over the group alike)."""
+    Hkv = codes.shape[1]
+    scores = _shared(pq_scores(q, centroids, codes), Hkv, share, group_rule)
+    sizes = dict(sink=sink, window=window, init_offset=init_offset, short_threshold=short_threshold)
+    if rerank == 0:
+        return select_from_scores(scores, lengths, heavy=heavy, **sizes)
+    if keys is None:
+        raise ValueError("keys: expected the key cache [B, Hkv, N, D] with rerank >= 1, got None")
+    shortlist = select_from_scores(scores, lengths, heavy=rerank * heavy, **sizes)
+    allowed = dense_weights(shortlist, scores.shape[-1], torch.float32) > 0
+    exact = _shared(exact_scores(q, keys), Hkv, share, group_rule)
+    return select_from_scores(exact, lengths, heavy=heavy, allowed=allowed, **sizes)
 
 
 def select_oracle(
@@ -138,11 +175,13 @@ def select_oracle(
     window: int,
     heavy: int,
     init_offset: int = 0,
+    share: str = "head",
+    group_rule: str = "sum",
 ) -> Selection:
-    """Exact top-k by <q, k> over the same candidates as PQ: q [B, H, D], keys [B, Hkv, N, D]."""
-    return select_from_scores(
-        exact_scores(q, keys), lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset
-    )
+    """Exact top-k by <q, k> over the same candidates as PQ: q [B, H, D], keys [B, Hkv, N, D]
+    (share="group": one set per KV head by the group scores, as `select_pq`)."""
+    scores = _shared(exact_scores(q, keys), keys.shape[1], share, group_rule)
+    return select_from_scores(scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=init_offset)
 
 
 def page_bounds(keys: torch.Tensor, lengths: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:

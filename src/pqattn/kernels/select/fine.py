@@ -1,0 +1,534 @@
+"""Fine-code selection: every token's PQ score in many programs per row, then an exact top-k by
+a histogram of the scores (SPEC §2; §7 fine codes, group selection, the re-rank's shortlist).
+
+A row is what one selection serves: a query head (share="head") or a KV head and its G query
+heads (share="group"). Three launches, none of which waits on one program's chain over the row:
+1. `_lut_kernel`, a program per row: the LUTs LUT[t, m, c] = <q_t,m, centroid[m, c]> of its T
+   query vectors (one per head; the sum of the group's queries for the sum rule, whose PQ score
+   is linear in q; one per head of the group for the max rule) and the bounds of any score,
+   lo = sum_m min_c LUT and hi = sum_m max_c LUT (over the tables' maxima for the max rule).
+2. `_score_kernel`, grid (chunks of BLOCK_N tokens, rows): each candidate's score (float32) into
+   the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
+   The bins are monotone in the score, so the need-th best score lies in one known bin.
+3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
+   its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
+   to a boundary list, and writes its share of sink, window and padding. The last program of a
+   row to arrive takes the rest from the boundary list: an all-pairs rank of at most TIE_TILE
+   tokens, else a bisection over the order keys (exact for any count, slower); it then zeroes the
+   row's counts and counters for the next call.
+Linear bins over the bounds put few tokens in the boundary bin for the bell-shaped sums that PQ
+scores are; the fallback keeps any distribution exact. Design notes: docs/kernels/select.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.kernels.launch import Launcher
+from pqattn.kernels.select.common import order_key
+from pqattn.reference import SelectParams
+
+NBINS = 4096
+TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
+BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
+BLOCK_N = 1024  # tokens per program of the score and collect launches
+_CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
+
+
+@functools.cache
+def row_layout(tables: int, M: int, C: int, N: int) -> tuple[int, ...]:
+    """int32 offsets inside a row's workspace: (lut, bounds, counters, bins, scores, boundary,
+    row size). The counters and bins must be zero before a call and are zero after it."""
+    lut = 0
+    bounds = lut + tables * M * C
+    ctr = bounds + 2
+    bins = ctr + _CTR
+    scores = bins + NBINS
+    boundary = scores + N
+    size = boundary + BOUNDARY_CAP
+    return lut, bounds, ctr, bins, scores, boundary, size
+
+
+def workspace_numel(rows: int, tables: int, M: int, C: int, N: int) -> int:
+    return rows * row_layout(tables, M, C, N)[-1]
+
+
+@triton.jit
+def _lut_kernel(
+    q_ptr,
+    cent_ptr,
+    ws_ptr,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ch,
+    stride_cm,
+    stride_cc,
+    ROWS_PER_B,
+    G,
+    ROW_WS,
+    BOUNDS_AT,
+    GROUP: tl.constexpr,  # a row is a KV head (else a query head)
+    SUM_RULE: tl.constexpr,  # one table of the group's summed query (else one per head)
+    TABLES: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    NBINS_: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // ROWS_PER_B
+    r = row % ROWS_PER_B
+    kvh = r if GROUP else r // G
+    first = kvh * G if GROUP else r
+    queries = G if (GROUP and SUM_RULE) else 1
+    c_idx = tl.arange(0, C)
+    d_idx = tl.arange(0, DSUB)
+    lut_row = (ws_ptr + row.to(tl.int64) * ROW_WS).to(tl.pointer_type(tl.float32), bitcast=True)
+    cent = cent_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
+    q_b = q_ptr + b.to(tl.int64) * stride_qb
+    lo = tl.full([], float("-inf"), tl.float32)
+    hi = tl.full([], float("-inf"), tl.float32)
+    for t in range(TABLES):
+        lo_t = tl.zeros([], tl.float32)
+        hi_t = tl.zeros([], tl.float32)
+        for m in range(M):
+            qv = tl.zeros([DSUB], tl.float32)
+            for g in range(queries):
+                qv += tl.load(q_b + (first + t + g) * stride_qh + m * DSUB + d_idx).to(tl.float32)
+            cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d_idx[None, :]).to(tl.float32)
+            lut = tl.sum(cv * qv[None, :], axis=1)
+            tl.store(lut_row + (t * M + m) * C + c_idx, lut)
+            lo_t += tl.min(lut, axis=0)
+            hi_t += tl.max(lut, axis=0)
+        lo = tl.maximum(lo, lo_t)
+        hi = tl.maximum(hi, hi_t)
+    # bins: floor((s - lo) * inv) clamped to [0, NBINS); a flat table puts every score in bin 0
+    inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
+    tl.store(lut_row + BOUNDS_AT, lo)
+    tl.store(lut_row + BOUNDS_AT + 1, inv)
+
+
+@triton.jit
+def _score_bin(s, lo, inv, NBINS_: tl.constexpr):
+    """The bin of scores s: monotone in s; NaN in bin 0."""
+    x = tl.minimum(tl.maximum((s - lo) * inv, 0.0), NBINS_ - 1.0)
+    return tl.where(s == s, x.to(tl.int32), 0)
+
+
+@triton.jit
+def _row_sizes(n, sink, window, heavy, cand_lo, short_threshold):
+    """(short row, sink tokens, candidates' end, need, window's start) of a row of n tokens."""
+    short = n <= short_threshold
+    sink_n = tl.minimum(sink, n)
+    cand_hi = n - window
+    need = tl.where(short, 0, tl.minimum(heavy, tl.maximum(cand_hi - cand_lo, 0)))
+    win_lo = tl.maximum(n - window, sink_n)
+    return short, sink_n, cand_hi, need, win_lo
+
+
+@triton.jit
+def _score_kernel(
+    codes_ptr,
+    len_ptr,
+    ws_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_km,
+    ROWS_PER_B,
+    G,
+    n_codes,
+    code_base,
+    sink,
+    window,
+    heavy,
+    cand_lo,
+    short_threshold,
+    ROW_WS,
+    BOUNDS_AT,
+    CTR_AT,
+    BINS_AT,
+    SCORES_AT,
+    GROUP: tl.constexpr,
+    MAX_RULE: tl.constexpr,
+    TABLES: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    NBINS_: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // ROWS_PER_B
+    r = row % ROWS_PER_B
+    kvh = r if GROUP else r // G
+    n = tl.load(len_ptr + b).to(tl.int32)
+    _, _, cand_hi, need, _ = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
+    tok = chunk * BLOCK + tl.arange(0, BLOCK)
+    cand = (tok >= cand_lo) & (tok < tl.where(need > 0, cand_hi, cand_lo))
+    if tl.max(cand.to(tl.int32), axis=0) != 0:
+        ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
+        wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
+        lo = tl.load(wsf + BOUNDS_AT)
+        inv = tl.load(wsf + BOUNDS_AT + 1)
+        codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+        m = tl.arange(0, M)
+        at = (tok - code_base).to(tl.int64)
+        code = tl.load(
+            codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
+        ).to(tl.int32)
+        lut = wsf + m[None, :] * C + code
+        s = tl.sum(tl.load(lut), axis=1)
+        if MAX_RULE:
+            for t in range(1, TABLES):
+                s = tl.maximum(s, tl.sum(tl.load(lut + t * M * C), axis=1))
+        tl.store(wsf + SCORES_AT + tok, s, mask=cand)
+        tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=cand, sem="relaxed")
+
+
+@triton.jit
+def _kth_bin(bins_row, need, NBINS_: tl.constexpr):
+    """(the bin holding the need-th best score, tokens in higher bins) from the row's counts."""
+    idx = tl.arange(0, NBINS_)
+    h = tl.load(bins_row + idx, cache_modifier=".cg")
+    total = tl.sum(h, axis=0)
+    at_or_above = total - tl.cumsum(h, axis=0) + h
+    kth = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+    above = tl.sum(tl.where(idx == kth, at_or_above - h, 0), axis=0)
+    return kth, above
+
+
+@triton.jit
+def _collect_kernel(
+    len_ptr,
+    pos_ptr,
+    cnt_ptr,
+    ws_ptr,
+    stride_pb,
+    stride_ph,
+    stride_cb,
+    stride_ch,
+    ROWS_PER_B,
+    sink,
+    window,
+    heavy,
+    cand_lo,
+    short_threshold,
+    ROW_WS,
+    BOUNDS_AT,
+    CTR_AT,
+    BINS_AT,
+    SCORES_AT,
+    BOUNDARY_AT,
+    WIDTH: tl.constexpr,
+    ENTRIES: tl.constexpr,  # entries of the positions list each program writes (a power of two)
+    NBINS_: tl.constexpr,
+    CAP: tl.constexpr,
+    TIE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    chunks = tl.num_programs(0)
+    b = row // ROWS_PER_B
+    r = row % ROWS_PER_B
+    n = tl.load(len_ptr + b).to(tl.int32)
+    short, sink_n, cand_hi, need, win_lo = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
+    ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
+    wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
+    ctr = ws_row + CTR_AT
+    pos_row = pos_ptr + b * stride_pb + r * stride_ph
+    heavy_at = pos_row + sink_n
+
+    # this program's share of the list: sink, window, padding (and every token of a short row)
+    e = chunk * ENTRIES + tl.arange(0, ENTRIES)
+    count = tl.where(short, n, sink_n + need + (n - win_lo))
+    fixed = tl.where(e < sink_n, e, win_lo + e - sink_n - need)
+    fixed = tl.where(e < count, tl.where(short, e, fixed), -1)
+    fixed_part = (e < tl.where(short, WIDTH, sink_n)) | (e >= sink_n + need)
+    tl.store(pos_row + e, fixed, mask=(e < WIDTH) & fixed_part)
+    if chunk == 0:
+        tl.store(cnt_ptr + b * stride_cb + r * stride_ch, count)
+
+    if need > 0:
+        kth, above = _kth_bin(ws_row + BINS_AT, need, NBINS_)
+        lo = tl.load(wsf + BOUNDS_AT)
+        inv = tl.load(wsf + BOUNDS_AT + 1)
+        tok = chunk * BLOCK + tl.arange(0, BLOCK)
+        cand = (tok >= cand_lo) & (tok < cand_hi)
+        s = tl.load(wsf + SCORES_AT + tok, mask=cand, other=0.0)
+        bin_ = _score_bin(s, lo, inv, NBINS_)
+        take = cand & (bin_ > kth)
+        edge = cand & (bin_ == kth)
+        n_take = tl.sum(take.to(tl.int32), axis=0)
+        if n_take > 0:
+            slot = tl.atomic_add(ctr, n_take, sem="relaxed") + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(heavy_at + slot, tok, mask=take)
+        n_edge = tl.sum(edge.to(tl.int32), axis=0)
+        if n_edge > 0:
+            slot = tl.atomic_add(ctr + 1, n_edge, sem="relaxed") + tl.cumsum(edge.to(tl.int32), axis=0) - 1
+            tl.store(ws_row + BOUNDARY_AT + slot, tok, mask=edge & (slot < CAP))
+
+        tl.debug_barrier()  # every thread's stores precede the release below
+        if tl.atomic_add(ctr + 2, 1, sem="acq_rel") == chunks - 1:
+            rest = need - above
+            size = tl.atomic_add(ctr + 1, 0, sem="acquire")
+            _finish_boundary(
+                ws_row,
+                wsf,
+                heavy_at + above,
+                rest,
+                size,
+                kth,
+                lo,
+                inv,
+                cand_lo,
+                cand_hi,
+                SCORES_AT,
+                BOUNDARY_AT,
+                NBINS_,
+                CAP,
+                TIE,
+                BLOCK,
+            )
+            _zero_row(ws_row + BINS_AT, ctr, NBINS_)
+
+
+@triton.jit
+def _finish_boundary(
+    ws_row,
+    wsf,
+    out_at,
+    rest,
+    size,
+    kth,
+    lo,
+    inv,
+    cand_lo,
+    cand_hi,
+    SCORES_AT,
+    BOUNDARY_AT,
+    NBINS_: tl.constexpr,
+    CAP: tl.constexpr,
+    TIE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write the `rest` best of the boundary bin's `size` tokens at out_at (ties any)."""
+    if size <= TIE:
+        i = tl.arange(0, TIE)
+        p = tl.load(ws_row + BOUNDARY_AT + i, mask=i < size, other=0)
+        key = tl.where(i < size, order_key(tl.load(wsf + SCORES_AT + p, mask=i < size, other=0.0)), 0)
+        # rank = how many precede the entry: higher keys, and equal keys earlier in the list
+        before = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (i[None, :] < i[:, None]))
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(out_at + rank, p, mask=(i < size) & (rank < rest))
+    else:
+        # A bisection over the order keys for the rest-th best of the bin: from the kept list when
+        # it holds them all, else from every candidate of the row (exact, slower).
+        from_list = size <= CAP
+        span = tl.where(from_list, size, cand_hi)
+        lo_key = tl.zeros([], tl.uint32)  # invariant: >= rest keys at or above lo_key
+        hi_key = tl.full([], 0xFFFFFFFF, tl.uint32)  # and fewer than rest above hi_key
+        while lo_key < hi_key:
+            mid = lo_key + (hi_key - lo_key) // 2 + 1
+            c = tl.zeros([], tl.int32)
+            for start in range(0, span, BLOCK):
+                key, _p, ok = _edge_keys(
+                    ws_row,
+                    wsf,
+                    start,
+                    span,
+                    from_list,
+                    kth,
+                    lo,
+                    inv,
+                    cand_lo,
+                    SCORES_AT,
+                    BOUNDARY_AT,
+                    NBINS_,
+                    BLOCK,
+                )
+                c += tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
+            if c >= rest:
+                lo_key = mid
+            else:
+                hi_key = mid - 1
+        # the keys above lo_key, then ties at lo_key up to rest
+        taken = tl.zeros([], tl.int32)
+        for start in range(0, span, BLOCK):
+            key, p, ok = _edge_keys(
+                ws_row,
+                wsf,
+                start,
+                span,
+                from_list,
+                kth,
+                lo,
+                inv,
+                cand_lo,
+                SCORES_AT,
+                BOUNDARY_AT,
+                NBINS_,
+                BLOCK,
+            )
+            sel = ok & (key > lo_key)
+            slot = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out_at + slot, p, mask=sel)
+            taken += tl.sum(sel.to(tl.int32), axis=0)
+        for start in range(0, span, BLOCK):
+            key, p, ok = _edge_keys(
+                ws_row,
+                wsf,
+                start,
+                span,
+                from_list,
+                kth,
+                lo,
+                inv,
+                cand_lo,
+                SCORES_AT,
+                BOUNDARY_AT,
+                NBINS_,
+                BLOCK,
+            )
+            sel = ok & (key == lo_key)
+            slot = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out_at + slot, p, mask=sel & (slot < rest))
+            taken += tl.sum(sel.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _edge_keys(
+    ws_row,
+    wsf,
+    start,
+    span,
+    from_list,
+    kth,
+    lo,
+    inv,
+    cand_lo,
+    SCORES_AT,
+    BOUNDARY_AT,
+    NBINS_: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Order keys, positions and validity of a tile of the boundary bin's tokens: entries of the
+    kept list, or the row's candidates in [start, start + BLOCK) that fall in bin kth."""
+    i = start + tl.arange(0, BLOCK)
+    inside = i < span
+    # (scalar bools stay out of the masks: Triton's interpreter turns them into int32 masks)
+    listed = i < tl.where(from_list, span, 0)
+    p = tl.where(listed, tl.load(ws_row + BOUNDARY_AT + i, mask=listed, other=0), i)
+    s = tl.load(wsf + SCORES_AT + p, mask=inside, other=0.0)
+    ok = listed | (inside & (p >= cand_lo) & (_score_bin(s, lo, inv, NBINS_) == kth))
+    return order_key(s), p, ok
+
+
+@triton.jit
+def _zero_row(bins_row, ctr, NBINS_: tl.constexpr):
+    tl.store(bins_row + tl.arange(0, NBINS_), tl.zeros([NBINS_], tl.int32))
+    tl.store(ctr + tl.arange(0, 4), tl.zeros([4], tl.int32))
+
+
+_lut_launch = Launcher(_lut_kernel)
+_score_launch = Launcher(_score_kernel)
+_collect_launch = Launcher(_collect_kernel)
+
+
+def pq_select_fine(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    params: SelectParams,
+    *,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    workspace: torch.Tensor,
+    share: str = "head",
+    group_rule: str = "sum",
+    n_tokens: int | None = None,
+    code_base: int = 0,
+) -> None:
+    """Launch on validated inputs. q [B, H, D]; centroids [B, Hkv, M, C, dsub(+1)] (M, C and dsub
+    powers of two); codes [B, Hkv, n_codes, M] holding tokens code_base + row; positions [B, R, L]
+    and counts [B, R] with R = H (share="head") or Hkv ("group"); workspace: int32, zero-filled
+    once, at least `workspace_numel(B * R, tables, M, C, N)` elements (left zeroed where it must
+    be). params.cand_lo must be at least code_base."""
+    B, H, D = q.shape
+    Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
+    G = H // Hkv
+    N = codes.shape[2] + code_base if n_tokens is None else n_tokens
+    group = share == "group"
+    sum_rule = group_rule == "sum"
+    tables = G if group and not sum_rule else 1
+    rows_per_b = Hkv if group else H
+    rows = B * rows_per_b
+    _, bounds_at, ctr_at, bins_at, scores_at, boundary_at, row_ws = row_layout(tables, M, C, N)
+    chunks = max(-(-N // BLOCK_N), 1)
+    entries = triton.next_power_of_2(max(-(-params.width // chunks), 1))
+    _lut_launch(
+        (rows,),
+        (q, centroids, workspace),
+        (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, row_ws, bounds_at),
+        dict(GROUP=group, SUM_RULE=sum_rule, TABLES=tables, M=M, C=C, DSUB=D // M, NBINS_=NBINS, num_warps=4),
+    )
+    sizes = (params.sink, params.window, params.heavy, params.cand_lo, params.short_threshold)
+    _score_launch(
+        (chunks, rows),
+        (codes, lengths, workspace),
+        (
+            *codes.stride(),
+            rows_per_b,
+            G,
+            codes.shape[2],
+            code_base,
+            *sizes,
+            row_ws,
+            bounds_at,
+            ctr_at,
+            bins_at,
+            scores_at,
+        ),
+        dict(
+            GROUP=group,
+            MAX_RULE=group and not sum_rule,
+            TABLES=tables,
+            M=M,
+            C=C,
+            NBINS_=NBINS,
+            BLOCK=BLOCK_N,
+            num_warps=4,
+        ),
+    )
+    _collect_launch(
+        (chunks, rows),
+        (lengths, positions, counts, workspace),
+        (
+            *positions.stride()[:2],
+            *counts.stride(),
+            rows_per_b,
+            *sizes,
+            row_ws,
+            bounds_at,
+            ctr_at,
+            bins_at,
+            scores_at,
+            boundary_at,
+        ),
+        dict(
+            WIDTH=params.width,
+            ENTRIES=entries,
+            NBINS_=NBINS,
+            CAP=BOUNDARY_CAP,
+            TIE=TIE_TILE,
+            BLOCK=BLOCK_N,
+            num_warps=4,
+        ),
+    )

@@ -1,0 +1,243 @@
+"""Fidelity at speed: the attention mass a policy keeps, as a share of the per-head oracle's at
+the same density, beside its decode-step time against SDPA, in one run (issue 40's yardstick).
+
+Quality: `pqattn.lab.quality.policy_sweep` on both synthetic generators at each N (B=1, H=32,
+Hkv=8, D=128), every policy at heavy = density * N per head (a group policy keeps `budget` times
+that per KV head). Speed: one decode step of a layer (selection into kept buffers + sparse
+attention) over the `workload` cache, bf16, GPU time by CUDA-graph replay, beside SDPA over the
+whole cache and the selection alone; the codes' bytes floor of the selection at the measured copy
+bandwidth. Policies without a kernel (the oracle, re-ranking) are timed only as "reference" when
+asked: they show quality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pqattn import ops
+from pqattn.kernels.launch import autotuning
+from pqattn.lab import baselines, quality
+from pqattn.lab.env import environment
+from pqattn.lab.policies import Policy
+from pqattn.lab.timing import capture, sync, time_graph
+from pqattn.lab.workload import WorkloadSpec, make_workload
+
+GRAPH_CALLS = 20
+
+
+def default_policies(density: float = 0.02) -> list[Policy]:
+    """The per-head oracle (the yardstick), the default coarse PQ, fine PQ per head, and group
+    selections (sum and max rules, budgets of 1, 2 and 4 heavies), with and without re-ranking."""
+    pol = [
+        Policy("oracle", density),
+        Policy("oracle", density, share="group", budget=1),
+        Policy("oracle", density, share="group", budget=2),
+        Policy("pq", density, subvectors=2, bits=6),
+        Policy("pq", density, subvectors=16, bits=8),
+    ]
+    for m in (8, 16):
+        for rule in ("sum", "max"):
+            for budget in (1, 2, 4):
+                pol.append(
+                    Policy("pq", density, subvectors=m, bits=8, share="group", group_rule=rule, budget=budget)
+                )
+    pol += [
+        Policy("pq", density, subvectors=16, bits=8, rerank=4),
+        Policy("pq", density, subvectors=16, bits=8, share="group", budget=2, rerank=4),
+        Policy("pq", density, subvectors=16, bits=8, share="group", group_rule="max", budget=2, rerank=4),
+    ]
+    return pol
+
+
+def quality_rows(
+    policies: Sequence[Policy], *, tokens: int, sink: int, window: int, device: torch.device
+) -> list:
+    """policy_sweep on both generators, each row with mass_share = mass / the per-head oracle's."""
+    rows = []
+    for make in quality.GENERATORS.values():
+        problem = make(tokens, device)
+        got = quality.policy_sweep(problem, list(policies), sink=sink, window=window)
+        oracle = {r["density"]: r["mass"] for r in got if r["family"] == "oracle"}
+        for r in got:
+            r["tokens_N"] = tokens
+            r["mass_share"] = r["mass"] / oracle[r["density"]] if r["density"] in oracle else None
+        rows += got
+    return rows
+
+
+def _graph_us(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    sync(device)
+    graph = capture([fn], device, calls=GRAPH_CALLS)
+    return time_graph(graph, device, repeats=repeats, calls=GRAPH_CALLS)["median_us"]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy of `nbytes` (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = _graph_us(lambda: dst.copy_(src), device, 20)
+    return nbytes / (us * 1e-6)
+
+
+def step_rows(
+    policies: Sequence[Policy],
+    *,
+    batch: int,
+    tokens: int,
+    sink: int,
+    window: int,
+    device: torch.device,
+    bandwidth: float,
+    repeats: int = 30,
+) -> list[dict]:
+    """GPU time of SDPA and of each kernel policy's selection and step at one shape."""
+    work = make_workload(WorkloadSpec(tokens=tokens, steps=1, batch=batch)).to(device, torch.bfloat16)
+    k, v, q = work.keys[:, :, :tokens], work.values[:, :, :tokens], work.queries[0]
+    B, Hkv, N, D = k.shape
+    H = q.shape[1]
+    lengths = torch.full((B,), N, device=device, dtype=torch.int64)
+    shape = {"B": B, "H": H, "Hkv": Hkv, "D": D, "N": N}
+    dense_us = _graph_us(lambda: baselines.sdpa_decode(q, k, v), device, repeats)
+    rows = [shape | {"policy": "dense", "step_us": dense_us, "kernel": "torch SDPA"}]
+    books: dict[tuple[int, int], ops.PQCodebook] = {}
+    for p in policies:
+        if p.kind != "pq" or p.rerank:
+            continue
+        key = (p.subvectors, p.bits)
+        if key not in books:
+            books[key] = ops.build_index(k, subvectors=p.subvectors, bits=p.bits, init_offset=sink, iters=10)
+        book = books[key]
+        heavy = p.selection_heavy(N)
+        if not ops.kernel_path(q, book.centroids, heavy, p.share):
+            continue
+        rows_per_b = Hkv if p.share == "group" else H
+        tables = H // Hkv if p.share == "group" and p.group_rule == "max" else 1
+        sel = ops.select_topk(
+            q,
+            book.centroids,
+            book.codes,
+            lengths,
+            sink=sink,
+            window=window,
+            heavy=heavy,
+            init_offset=sink,
+            share=p.share,
+            group_rule=p.group_rule,
+        )
+        ws_sel = torch.zeros(
+            ops.select_workspace_numel(
+                B * rows_per_b, p.subvectors, 2**p.bits, N, heavy, share=p.share, tables=tables
+            ),
+            dtype=torch.int32,
+            device=device,
+        )
+        L = sel.positions.shape[-1]
+        group = H // Hkv if p.share == "group" else 0
+        ws_dec = torch.zeros(
+            ops.decode_workspace_numel(B * rows_per_b, L, D, group=group), dtype=torch.int32, device=device
+        )
+        out = torch.empty_like(q)
+
+        def select(sel=sel, ws=ws_sel, heavy=heavy, p=p, book=book):
+            ops.select_topk(
+                q,
+                book.centroids,
+                book.codes,
+                lengths,
+                sink=sink,
+                window=window,
+                heavy=heavy,
+                init_offset=sink,
+                share=p.share,
+                group_rule=p.group_rule,
+                out=sel,
+                workspace=ws,
+            )
+
+        def step(sel=sel, select=select, ws=ws_dec, out=out):
+            select()
+            ops.sparse_decode(q, k, v, sel.positions, sel.counts, out=out, workspace=ws)
+
+        select_us = _graph_us(select, device, repeats)
+        step_us = _graph_us(step, device, repeats)
+        codes_bytes = book.codes.numel() * (H // Hkv if p.share == "head" else 1)
+        floor_us = (codes_bytes + B * rows_per_b * (L * 4 + p.subvectors * 2**p.bits * 4)) / bandwidth * 1e6
+        rows.append(
+            shape
+            | {
+                "policy": p.name,
+                "family": p.family,
+                "heavy": heavy,
+                "route": "fine" if ops.uses_fine(p.subvectors, 2**p.bits, p.share) else "coarse",
+                "select_us": select_us,
+                "step_us": step_us,
+                "speedup_vs_dense": dense_us / step_us,
+                "select_floor_us": floor_us,
+                "kernel": "pqattn select_topk + sparse_decode",
+            }
+        )
+    return rows
+
+
+def run(
+    *,
+    density: float,
+    quality_tokens: Sequence[int],
+    shapes: Sequence[tuple[int, int]],
+    sink: int,
+    window: int,
+    device: torch.device,
+    policies: Sequence[Policy] | None = None,
+) -> dict:
+    """The fidelity document: quality rows per N, step rows per (B, N) shape."""
+    policies = list(policies or default_policies(density))
+    doc = {
+        "measures": "attention mass (share of the per-head oracle's) and one decode step of a layer",
+        "density": density,
+        "sink": sink,
+        "window": window,
+        "autotune": autotuning(),
+        "environment": environment(device),
+        "quality": [],
+        "steps": [],
+    }
+    for n in quality_tokens:
+        doc["quality"] += quality_rows(policies, tokens=n, sink=sink, window=window, device=device)
+    if device.type == "cuda":
+        doc["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
+        for b, n in shapes:
+            doc["steps"] += step_rows(
+                policies,
+                batch=b,
+                tokens=n,
+                sink=sink,
+                window=window,
+                device=device,
+                bandwidth=doc["copy_bandwidth_GBps"] * 1e9,
+            )
+    return doc
+
+
+def format_table(doc: dict) -> str:
+    """Quality (mass share per generator and N) and speed (per shape) as text tables."""
+    lines = ["policy | N | generator | mass share of oracle", "--- | --- | --- | ---"]
+    for r in doc["quality"]:
+        share = "-" if r["mass_share"] is None else f"{r['mass_share']:.3f}"
+        lines.append(f"{r['policy']} | {r['tokens_N']} | {r['problem']} | {share}")
+    lines += [
+        "",
+        "policy | B | N | select us | floor us | step us | vs SDPA",
+        "--- | --- | --- | --- | --- | --- | ---",
+    ]
+    for r in doc["steps"]:
+        if r["policy"] == "dense":
+            lines.append(f"dense SDPA | {r['B']} | {r['N']} | - | - | {r['step_us']:.1f} | 1.00")
+        else:
+            lines.append(
+                f"{r['policy']} | {r['B']} | {r['N']} | {r['select_us']:.1f} | {r['select_floor_us']:.1f} | "
+                f"{r['step_us']:.1f} | {r['speedup_vs_dense']:.2f}"
+            )
+    return "\n".join(lines)

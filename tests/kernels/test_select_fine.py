@@ -1,0 +1,211 @@
+"""The fine-code selection (kernels/select/fine.py) against the reference: per head and per group
+(sum and max rules, G in {1, 4, 8}), ragged batches, short rows, heavy beyond the candidates,
+ties, and each way the last program finishes the boundary bin (all-pairs, the kept list, a scan
+of the row). Interpreter on a CPU (small shapes), compiled on a GPU (large shapes too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pqattn import ops
+from pqattn import reference as ref
+from pqattn.kernels.select import fine
+from pqattn.lab.kernel_checks import selection_problem
+from pqattn.reference import SelectParams
+
+# (TIE_TILE, BOUNDARY_CAP): the all-pairs rank, the bisection over the kept list, over the row
+FINISHES = {"all-pairs": (256, 4096), "kept-list": (16, 4096), "row-scan": (16, 32)}
+
+
+def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, ties=False, calls=2):
+    C = 2**bits
+    q = torch.randn(B, H, D, device=device)
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    if ties:
+        q, cent = q.round(), (cent * 0.5).round()
+    codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8, device=device)
+    lengths = torch.tensor(lengths, device=device)
+    params = SelectParams.make(
+        sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
+    )
+    R = Hkv if share == "group" else H
+    tables = H // Hkv if share == "group" and rule == "max" else 1
+    positions = torch.full((B, R, params.width), -7, dtype=torch.int32, device=device)
+    counts = torch.full((B, R), -7, dtype=torch.int32, device=device)
+    ws = torch.zeros(fine.workspace_numel(B * R, tables, M, C, N), dtype=torch.int32, device=device)
+    scores = ref.pq_scores(q.double(), cent.double(), codes)
+    if share == "group":
+        scores = ref.group_scores(scores, Hkv, rule)
+    want = ref.select_from_scores(scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=sink)
+    _, _, ctr, _, scores_at, _, _ = fine.row_layout(tables, M, C, N)
+    for _ in range(calls):  # the second call reuses the workspace the first left zeroed
+        fine.pq_select_fine(
+            q, cent, codes, lengths, params, positions=positions, counts=counts, workspace=ws, share=share,
+            group_rule=rule,
+        )  # fmt: skip
+        problem = selection_problem(
+            positions, counts, scores, lengths, cand_lo=sink, window=window,
+            short_threshold=params.short_threshold, ref_sel=want,
+        )  # fmt: skip
+        assert problem is None, problem
+        assert not ws.view(B * R, -1)[:, ctr:scores_at].any(), "counters and bins not left zeroed"
+
+
+@pytest.mark.parametrize("finish", FINISHES)
+@pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "sum"), ("group", "max")])
+def test_fine_selection_matches_reference(device, monkeypatch, finish, share, rule):
+    monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
+    monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
+    _run(
+        device, B=2, H=8, Hkv=2, N=2500, D=32, M=4, bits=8, lengths=[2500, 1300], sink=4, window=16,
+        heavy=90, share=share, rule=rule,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("finish", FINISHES)
+def test_fine_selection_ties(device, monkeypatch, finish):
+    monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
+    monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
+    _run(
+        device, B=1, H=4, Hkv=2, N=3000, D=16, M=4, bits=4, lengths=[3000], sink=2, window=8, heavy=400,
+        share="head", rule="sum", ties=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G):
+    # lengths: a full row, a short row (n <= sink + heavy + window), one with heavy beyond its
+    # candidates is short by the native rule, so heavy > candidates shows with cand_lo > sink
+    _run(
+        device, B=3, H=2 * G, Hkv=2, N=1200, D=16, M=8, bits=6, lengths=[1200, 150, 0], sink=8, window=32,
+        heavy=100, share="group", rule="max" if G == 4 else "sum",
+    )  # fmt: skip
+
+
+def test_fine_code_base_and_init_offset(device):
+    """Codes that start at init_offset (the original's codebook) and a candidate range that starts
+    past the sink: heavy may exceed the candidates of a row that is not short."""
+    B, H, Hkv, N, D, M, C = 1, 4, 2, 900, 16, 4, 256
+    base, sink, window, heavy = 40, 8, 16, 360
+    q = torch.randn(B, H, D, device=device)
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    codes = torch.randint(0, C, (B, Hkv, N - base, M), dtype=torch.uint8, device=device)
+    lengths = torch.tensor([400], device=device)  # short threshold 8 + 360 + 16 = 384 < 400
+    params = SelectParams.make(
+        sink=sink, window=window, heavy=heavy, cand_lo=base, short_threshold=sink + heavy + window, n_tokens=N
+    )
+    positions = torch.full((B, H, params.width), -7, dtype=torch.int32, device=device)
+    counts = torch.full((B, H), -7, dtype=torch.int32, device=device)
+    ws = torch.zeros(fine.workspace_numel(B * H, 1, M, C, N), dtype=torch.int32, device=device)
+    fine.pq_select_fine(
+        q,
+        cent,
+        codes,
+        lengths,
+        params,
+        positions=positions,
+        counts=counts,
+        workspace=ws,
+        n_tokens=N,
+        code_base=base,
+    )
+    full = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=device)
+    full[:, :, base:] = codes
+    scores = ref.pq_scores(q.double(), cent.double(), full)
+    want = ref.select_from_scores(scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=base)
+    assert int(counts[0, 0]) == sink + (400 - window - base) + window  # every candidate
+    problem = selection_problem(
+        positions, counts, scores, lengths, cand_lo=base, window=window,
+        short_threshold=params.short_threshold, ref_sel=want,
+    )  # fmt: skip
+    assert problem is None, problem
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full shapes on the GPU")
+@pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "sum"), ("group", "max")])
+@pytest.mark.parametrize("B,N,heavy", [(1, 131072, 2621), (4, 32768, 2621), (1, 200_000, 8000)])
+def test_fine_selection_full_shapes_cuda(share, rule, B, N, heavy):
+    _run(
+        torch.device("cuda"), B=B, H=32, Hkv=8, N=N, D=128, M=16, bits=8,
+        lengths=[N - 7 * b for b in range(B)], sink=64, window=64, heavy=heavy, share=share, rule=rule,
+    )  # fmt: skip
+
+
+def test_ops_group_selection_and_decode(device, kernel_routes):
+    """The public route: select_topk(share="group") and sparse_decode over the shared rows, into
+    kept buffers (a plan replayed on the second call), against the references."""
+    B, H, Hkv, N, D = 2, 8, 2, 1500, 32
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    values = torch.randn(B, Hkv, N, D, device=device)
+    q = torch.randn(B, H, D, device=device)
+    book = ops.build_index(keys, bits=8, subvectors=4, init_offset=4, iters=2)
+    lengths = torch.tensor([1500, 700], device=device)
+    sizes = dict(sink=4, window=16, heavy=64, init_offset=4, share="group", group_rule="max")
+    assert ops.kernel_path(q, book.centroids, 64, "group")
+    width = 4 + 64 + 16
+    out = ref.Selection(
+        torch.full((B, Hkv, width), -7, dtype=torch.int32, device=device),
+        torch.zeros(B, Hkv, dtype=torch.int32, device=device),
+    )
+    ws = torch.zeros(
+        ops.select_workspace_numel(B * Hkv, 4, 256, N, 64, share="group", tables=H // Hkv),
+        dtype=torch.int32,
+        device=device,
+    )
+    want = ref.select_pq(q, book.centroids, book.codes, lengths, **sizes)
+    dec_ws = torch.zeros(
+        ops.decode_workspace_numel(B * Hkv, width, D, group=H // Hkv), dtype=torch.int32, device=device
+    )
+    o = torch.full((B, H, D), float("nan"), device=device)
+    for _ in range(2):
+        sel = ops.select_topk(q, book.centroids, book.codes, lengths, out=out, workspace=ws, **sizes)
+        assert torch.equal(sel.counts, want.counts)
+        for b in range(B):
+            for r in range(Hkv):
+                c = int(sel.counts[b, r])
+                assert set(sel.positions[b, r, :c].tolist()) == set(want.positions[b, r, :c].tolist())
+        ops.sparse_decode(q, keys, values, sel.positions, sel.counts, out=o, workspace=dec_ws)
+        expect = ref.sparse_decode(
+            q, keys, values, sel.positions.repeat_interleave(4, 1), sel.counts.repeat_interleave(4, 1), None
+        )
+        torch.testing.assert_close(o, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_select_topk_share_arguments_are_checked(device):
+    q = torch.randn(1, 4, 16, device=device)
+    keys = torch.randn(1, 2, 64, 16, device=device)
+    book = ops.build_index(keys, bits=2, subvectors=2, iters=1)
+    args = (q, book.centroids, book.codes, torch.tensor([64], device=device))
+    sizes = dict(sink=2, window=4, heavy=8)
+    with pytest.raises(ValueError, match="share"):
+        ops.select_topk(*args, share="heads", **sizes)
+    with pytest.raises(ValueError, match="group_rule"):
+        ops.select_topk(*args, share="group", group_rule="mean", **sizes)
+    with pytest.raises(ValueError, match="rerank"):
+        ops.select_topk(*args, rerank=-1, **sizes)
+    with pytest.raises(ValueError, match="keys"):
+        ops.select_topk(*args, rerank=2, **sizes)
+
+
+def test_select_topk_rerank_is_the_reference(device):
+    """rerank=R runs the reference composition (SPEC §7): the exact top-heavy of the PQ shortlist."""
+    B, H, Hkv, N, D = 1, 4, 2, 400, 16
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    q = torch.randn(B, H, D, device=device)
+    book = ops.build_index(keys, bits=4, subvectors=4, iters=2)
+    lengths = torch.tensor([N], device=device)
+    sel = ops.select_topk(
+        q, book.centroids, book.codes, lengths, sink=2, window=4, heavy=10, rerank=3, keys=keys
+    )
+    scores = ref.pq_scores(q, book.centroids, book.codes)
+    short = ref.select_from_scores(scores, lengths, sink=2, window=4, heavy=30)
+    exact = ref.exact_scores(q, keys)
+    for h in range(H):
+        shortlist = set(short.positions[0, h, 2:32].tolist())
+        heavy = (
+            set(sel.positions[0, h, : int(sel.counts[0, h])].tolist()) - set(range(2)) - set(range(N - 4, N))
+        )
+        assert heavy <= shortlist and len(heavy) == 10
+        best = sorted((float(exact[0, h, p]) for p in shortlist), reverse=True)[:10]
+        assert sorted((float(exact[0, h, p]) for p in heavy), reverse=True) == pytest.approx(best)
