@@ -44,6 +44,7 @@ from pqattn.dispatch import (
     decode_workspace_numel,
     kernel_path,
     select_workspace_numel,
+    uses_fine,
     uses_histogram,
 )
 from pqattn.kernels.launch import recording, signature
@@ -70,6 +71,7 @@ __all__ = [
     "select_workspace_numel",
     "selection_weights",
     "sparse_decode",
+    "uses_fine",
     "uses_histogram",
 ]
 
