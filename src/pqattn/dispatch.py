@@ -19,7 +19,7 @@ from pqattn import _validate as check
 from pqattn import reference as ref
 from pqattn.kernels.launch import PlanCache
 from pqattn.kernels.select import NewKey
-from pqattn.limits import FINE_MIN_COMBOS, MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
 from pqattn.reference import Selection, SelectParams
 
 __all__ = [
@@ -70,10 +70,11 @@ def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
     return C**M <= MAX_COMBOS and (heavy is None or heavy > STATELESS_TREE_MAX_HEAVY)
 
 
-def uses_fine(M: int, C: int, share: str = "head") -> bool:
+def uses_fine(M: int, C: int, share: str = "head", heavy: int = 0) -> bool:
     """True when the selection takes the fine-code route (`kernels/select/fine.py`): every group
-    selection, and per-head selections of more than FINE_MIN_COMBOS combinations."""
-    return share == "group" or C**M >= FINE_MIN_COMBOS
+    selection, and per-head selections beyond the merge tree (more than MAX_COMBOS combinations
+    and heavy > MAX_TREE_HEAVY), where the tree is faster (docs/kernels/select.md)."""
+    return share == "group" or (C**M > MAX_COMBOS and heavy > MAX_TREE_HEAVY)
 
 
 def kernel_path(
@@ -84,7 +85,7 @@ def kernel_path(
     case: the fine-code route (any heavy), C**M <= MAX_COMBOS (any heavy) or heavy <= MAX_TREE_HEAVY."""
     D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
-    fits = uses_fine(M, C, share) or uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
+    fits = uses_fine(M, C, share, heavy) or uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
     return q_or_keys.device.type in KERNEL_DEVICES and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
 
 
@@ -132,7 +133,7 @@ def select_workspace_numel(
     about rows * (n_tokens / TILE) * heavy * 8 bytes. Allocate it zero-filled, once; the kernels
     leave it reusable by calls with the same rows, M, C, n_tokens and heavy (their counters lie at
     places that depend on them)."""
-    if uses_fine(M, C, share) and not buckets:
+    if uses_fine(M, C, share, heavy) and not buckets:
         from pqattn.kernels.select import fine
 
         return fine.workspace_numel(rows, tables, M, C, n_tokens)
@@ -260,10 +261,7 @@ def select(
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
     width = params.width
-    # dense weights (the original's entry point) come from the tree where it serves the heavy
-    fine_route = (
-        uses_fine(M, C, share) and buckets is None and (weights is None or params.heavy > MAX_TREE_HEAVY)
-    )
+    fine_route = uses_fine(M, C, share, params.heavy) and buckets is None
     R = Hkv if share == "group" else H  # selection rows per sequence
     if out is None:
         out = Selection(

@@ -4,6 +4,3 @@ registers and workspaces by them. No Triton here, so reading them compiles nothi
 MAX_COMBOS = 4096  # C**M up to which a row's combination scores and counts fit the cut kernel's registers
 MAX_TREE_HEAVY = 8192  # the largest heavy the merge-tree selection serves
 STATELESS_TREE_MAX_HEAVY = 256  # a call with no histogram kept takes the merge tree up to this heavy
-FINE_MIN_COMBOS = (
-    1 << 24
-)  # per-head selections of at least this many combinations (C**M) take the fine-code route

@@ -171,7 +171,7 @@ def step_rows(
                 "policy": p.name,
                 "family": p.family,
                 "heavy": heavy,
-                "route": "fine" if ops.uses_fine(p.subvectors, 2**p.bits, p.share) else "coarse",
+                "route": "fine" if ops.uses_fine(p.subvectors, 2**p.bits, p.share, heavy) else "coarse",
                 "select_us": select_us,
                 "step_us": step_us,
                 "speedup_vs_dense": dense_us / step_us,

@@ -8,7 +8,8 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    is linear in q; one per head of the group for the max rule) and the bounds of any score,
    lo = sum_m min_c LUT and hi = sum_m max_c LUT (over the tables' maxima for the max rule).
 2. `_score_kernel`, grid (chunks of BLOCK_N tokens, rows): each candidate's score (float32) into
-   the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
+   the workspace and a count per bin of NBINS equal bins of [lo, hi] (the program's histogram,
+   then a relaxed atomic per bin it touched).
    The bins are monotone in the score, so the need-th best score lies in one known bin.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
@@ -188,7 +189,12 @@ def _score_kernel(
             for t in range(1, TABLES):
                 s = tl.maximum(s, tl.sum(tl.load(lut + t * M * C), axis=1))
         tl.store(wsf + SCORES_AT + tok, s, mask=cand)
-        tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=cand, sem="relaxed")
+        # the program's counts first, then one atomic per bin it touched: the tokens crowd a few
+        # bins near the middle, and per-token atomics on those serialize
+        counts = tl.histogram(tl.where(cand, _score_bin(s, lo, inv, NBINS_), 0), NBINS_)
+        idx = tl.arange(0, NBINS_)
+        counts -= tl.where(idx == 0, BLOCK - tl.sum(cand.to(tl.int32), axis=0), 0)  # non-candidates
+        tl.atomic_add(ws_row + BINS_AT + idx, counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
