@@ -203,6 +203,51 @@ def _pareto_section(name: str, doc: dict) -> list[str]:
     return lines
 
 
+def _fidelity_section(name: str, doc: dict) -> list[str]:
+    """`pqattn fidelity`: mass share of the per-head oracle per generator and N, then step times."""
+    lines = [
+        f"#### `{name}`: `pqattn fidelity`, density {doc['density']}, "
+        f"sink {doc['sink']} + window {doc['window']}",
+        "",
+        _env_line(doc["environment"], f"; autotune {'on' if doc.get('autotune') else 'off (first config)'}"),
+    ]
+    if doc["quality"]:
+        cols = sorted({(r["problem"], r["tokens_N"]) for r in doc["quality"]}, key=lambda c: (c[0], c[1]))
+        share: dict[str, dict] = {}
+        for r in doc["quality"]:
+            share.setdefault(r["policy"], {})[(r["problem"], r["tokens_N"])] = r["mass_share"]
+        lines += [
+            "",
+            "| policy (attention mass / the per-head oracle's) | "
+            + " | ".join(f"{p} N={n}" for p, n in cols)
+            + " |",
+            "| --- |" + " ---: |" * len(cols),
+        ]
+        for policy, v in share.items():
+            lines.append(f"| {policy} | " + " | ".join(_fmt3(v.get(c)) for c in cols) + " |")
+    if doc["steps"]:
+        lines += [
+            "",
+            "| policy | B | N | route | select us | select floor us | step us | vs SDPA |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for r in doc["steps"]:
+            if r["policy"] == "dense":
+                lines.append(
+                    f"| dense (torch SDPA) | {r['B']} | {r['N']} | | | | {_fmt(r['step_us'])} | 1.00x |"
+                )
+            else:
+                lines.append(
+                    f"| {r['policy']} | {r['B']} | {r['N']} | {r['route']} | {_fmt(r['select_us'])} | "
+                    f"{_fmt(r['select_floor_us'])} | {_fmt(r['step_us'])} | {r['speedup_vs_dense']:.2f}x |"
+                )
+    return lines
+
+
+def _fmt3(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
 def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str:
     """The generated section (markers included) for every JSON file in `results_dir`.
 
@@ -223,13 +268,15 @@ def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str
                 out += ([""] if i else []) + _demo_section(f"{path.name}, {run['generator']}", run)
         elif "settings" in doc and "model" in doc:
             out += _tasks_section(path.name, doc)
+        elif "quality" in doc and "steps" in doc:
+            out += _fidelity_section(path.name, doc)
         elif "times" in doc and "rows" in doc:
             out += _pareto_section(path.name, doc)
             if readme_dir is not None:
                 out += _plot_link(path, Path(readme_dir))
         else:
             raise ValueError(
-                f"results: {path} is neither a bench ({BENCH_SCHEMA}), demo, tasks nor pareto result"
+                f"results: {path} is not a bench ({BENCH_SCHEMA}), demo, tasks, pareto or fidelity result"
             )
         out.append("")
     out.append(END)

@@ -9,7 +9,6 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    lo = sum_m min_c LUT and hi = sum_m max_c LUT (over the tables' maxima for the max rule).
 2. `_score_kernel`, grid (chunks of BLOCK_N tokens, rows): each candidate's score (float32) into
    the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
-   A program holds its row's tables and gathers their entries on chip (`tl.gather`).
    The bins are monotone in the score, so the need-th best score lies in one known bin.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
@@ -179,18 +178,15 @@ def _score_kernel(
         inv = tl.load(wsf + BOUNDS_AT + 1)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         m = tl.arange(0, M)
-        c = tl.arange(0, C)
         at = (tok - code_base).to(tl.int64)
-        # codes [M, BLOCK]; each table [M, C] held by the program, its entries gathered on chip
         code = tl.load(
-            codes_row + at[None, :] * stride_kn + m[:, None] * stride_km, mask=cand[None, :], other=0
+            codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
         ).to(tl.int32)
-        lut = tl.load(wsf + m[:, None] * C + c[None, :])
-        s = tl.sum(tl.gather(lut, code, 1), axis=0)
+        lut = wsf + m[None, :] * C + code
+        s = tl.sum(tl.load(lut), axis=1)
         if MAX_RULE:
             for t in range(1, TABLES):
-                lut = tl.load(wsf + t * M * C + m[:, None] * C + c[None, :])
-                s = tl.maximum(s, tl.sum(tl.gather(lut, code, 1), axis=0))
+                s = tl.maximum(s, tl.sum(tl.load(lut + t * M * C), axis=1))
         tl.store(wsf + SCORES_AT + tok, s, mask=cand)
         tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=cand, sem="relaxed")
 
