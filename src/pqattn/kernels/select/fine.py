@@ -334,79 +334,38 @@ def _finish_boundary(
         span = tl.where(from_list, size, cand_hi)
         lo_key = tl.zeros([], tl.uint32)  # invariant: >= rest keys at or above lo_key
         hi_key = tl.full([], 0xFFFFFFFF, tl.uint32)  # and fewer than rest above hi_key
+        above = tl.zeros([], tl.int32)  # keys above hi_key
+        edge = (ws_row, wsf, span, from_list, kth, lo, inv, cand_lo, SCORES_AT, BOUNDARY_AT)
         while lo_key < hi_key:
             mid = lo_key + (hi_key - lo_key) // 2 + 1
             c = tl.zeros([], tl.int32)
             for start in range(0, span, BLOCK):
-                key, _p, ok = _edge_keys(
-                    ws_row,
-                    wsf,
-                    start,
-                    span,
-                    from_list,
-                    kth,
-                    lo,
-                    inv,
-                    cand_lo,
-                    SCORES_AT,
-                    BOUNDARY_AT,
-                    NBINS_,
-                    BLOCK,
-                )
+                key, _p, ok = _edge_keys(start, *edge, NBINS_, BLOCK)
                 c += tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
             if c >= rest:
                 lo_key = mid
             else:
                 hi_key = mid - 1
-        # the keys above lo_key, then ties at lo_key up to rest
+                above = c
+        # the keys above lo_key first, then ties at lo_key up to rest, in one pass
         taken = tl.zeros([], tl.int32)
+        tied = above
         for start in range(0, span, BLOCK):
-            key, p, ok = _edge_keys(
-                ws_row,
-                wsf,
-                start,
-                span,
-                from_list,
-                kth,
-                lo,
-                inv,
-                cand_lo,
-                SCORES_AT,
-                BOUNDARY_AT,
-                NBINS_,
-                BLOCK,
-            )
+            key, p, ok = _edge_keys(start, *edge, NBINS_, BLOCK)
             sel = ok & (key > lo_key)
-            slot = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(out_at + slot, p, mask=sel)
+            tie = ok & (key == lo_key)
+            tl.store(out_at + taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1, p, mask=sel)
+            slot = tied + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            tl.store(out_at + slot, p, mask=tie & (slot < rest))
             taken += tl.sum(sel.to(tl.int32), axis=0)
-        for start in range(0, span, BLOCK):
-            key, p, ok = _edge_keys(
-                ws_row,
-                wsf,
-                start,
-                span,
-                from_list,
-                kth,
-                lo,
-                inv,
-                cand_lo,
-                SCORES_AT,
-                BOUNDARY_AT,
-                NBINS_,
-                BLOCK,
-            )
-            sel = ok & (key == lo_key)
-            slot = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(out_at + slot, p, mask=sel & (slot < rest))
-            taken += tl.sum(sel.to(tl.int32), axis=0)
+            tied += tl.sum(tie.to(tl.int32), axis=0)
 
 
 @triton.jit
 def _edge_keys(
+    start,
     ws_row,
     wsf,
-    start,
     span,
     from_list,
     kth,
