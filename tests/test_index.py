@@ -302,3 +302,50 @@ def test_an_index_keeps_a_bounded_number_of_plans(kernel_routes, monkeypatch, de
     assert replayed[2:] == [1] * 18, "the select plan survived 20 appends of new signatures"
     assert index.lengths.tolist() == [n + 20 for n in lengths]
     assert len(index._plans) == _MAX_PLANS
+
+
+@pytest.mark.parametrize("routes", ["kernels", "reference"])
+@pytest.mark.parametrize("rule", ["sum", "max"])
+def test_group_selection_decode_steps(rule: str, routes: str, request, monkeypatch, device) -> None:
+    """share="group": one selection per KV head (Hkv rows, heavy the group's budget) by the group
+    score, and attention of each query head over its group's set; the steps replay their plan on
+    the kernel routes. Checked against the reference's group scores and per-head attention over
+    the repeated selection."""
+    if routes == "kernels":
+        request.getfixturevalue("kernel_routes")
+    B, H, Hkv, N, D, steps = 2, 8, 2, 400, 32, 3
+    config = pqattn.PQConfig(
+        subvectors=4, bits=8, sink=4, window=8, heavy=40, iters=2, share="group", group_rule=rule, sample=8
+    )
+    lengths = [N, N - 90]
+    keys = torch.randn(B, Hkv, N + steps, D, device=device)
+    index = pqattn.PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config)
+    assert index._hist is None  # the group route keeps no combination counts
+    k_cache = torch.zeros(B, Hkv, N + steps, D, device=device)
+    v_cache = torch.randn_like(k_cache)
+    for b, n in enumerate(lengths):
+        k_cache[b, :, :n] = keys[b, :, :n]
+    replays = count_plan_replays(monkeypatch)
+    for t in range(steps):
+        q = torch.randn(B, H, D, device=device)
+        k_new, v_new = torch.randn(2, B, Hkv, 1, D, device=device)
+        out = index.decode_step(q, k_new, v_new, k_cache, v_cache)
+        sel = index.select(q) if routes == "reference" else index._selection
+        assert sel.positions.shape == (B, Hkv, 4 + 40 + 8)
+        scores = ref.group_scores(ref.pq_scores(q.double(), index.centroids.double(), index.codes), Hkv, rule)
+        want = ref.select_from_scores(scores, index.lengths, sink=4, window=8, heavy=40, init_offset=4)
+        assert torch.equal(sel.counts, want.counts)
+        for b in range(B):
+            for r in range(Hkv):
+                c = int(sel.counts[b, r])
+                got = scores[b, r, sel.positions[b, r, :c].long()].sort().values
+                exp = scores[b, r, want.positions[b, r, :c].long()].sort().values
+                assert_close(got, exp, atol=1e-6, rtol=1e-6, what=f"group scores {b},{r}")
+        g = H // Hkv
+        expect = ref.sparse_decode(
+            q.double(), k_cache.double(), v_cache.double(), sel.positions.repeat_interleave(g, 1),
+            sel.counts.repeat_interleave(g, 1),
+        )  # fmt: skip
+        assert_close(out, expect, atol=1e-5, rtol=1e-5, what=f"step {t}")
+    if routes == "kernels":  # (a first call that compiles is not recorded)
+        assert replays[0] >= steps - 2, "the steps replay their plan"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pqattn
-from pqattn import ops
+from pqattn import dispatch, ops
 from pqattn import reference as ref
 from tests.helpers import assert_close, assert_selection_exact, count_plan_replays
 
@@ -277,3 +277,28 @@ def test_functional_calls_with_their_buffers_replay_a_plan(kernel_routes, monkey
             assert replays[0] == before + 2, "select_topk and sparse_decode replay"
     with pytest.raises(ValueError, match="out"):
         pqattn.sparse_decode(q, k, v, *sel, out=out[:, :2], workspace=attn_ws)
+
+
+def test_build_on_a_sample(device):
+    """sample=S: k-means on S * C strided keys per sequence, then every key encoded; a sequence
+    with no more keys than that builds on all of them, as without sampling."""
+    B, Hkv, N, D, bits, off = 2, 2, 600, 16, 3, 5
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    lengths = torch.tensor([600, 150], device=device)
+    book = ops.build_index(keys, lengths, subvectors=4, bits=bits, init_offset=off, iters=3, sample=4)
+    points, counts = dispatch.sampled_keys(keys, lengths, off, 4 * 2**bits)
+    assert counts.tolist() == [32, 32]
+    assert torch.equal(points[0, :, 1], keys[0, :, off + (1 * 595) // 32])
+    assert torch.equal(points[1, :, 31], keys[1, :, off + (31 * 145) // 32])
+    want = ref.build_pq(points.double(), counts, subvectors=4, bits=bits, iters=3)
+    torch.testing.assert_close(book.centroids.double(), want.centroids, atol=1e-4, rtol=1e-4)
+    codes = ref.encode(keys[:, :, off:].double(), want.centroids)
+    valid = torch.arange(off, N, device=device)[None, :] < lengths[:, None]
+    agree = (book.codes[:, :, off:] == codes).all(-1)[:, :, :][valid[:, None].expand(B, Hkv, -1)]
+    assert agree.float().mean() > 0.99  # (float32 ties of near-equidistant centroids aside)
+    assert not book.codes[1, :, 150:].any() and not book.codes[:, :, :off].any()
+    full = ops.build_index(keys, lengths, subvectors=4, bits=bits, init_offset=off, iters=3)
+    small = ops.build_index(keys, lengths, subvectors=4, bits=bits, init_offset=off, iters=3, sample=100)
+    assert torch.equal(small.codes, full.codes) and torch.equal(small.centroids, full.centroids)
+    with pytest.raises(ValueError, match="sample"):
+        ops.build_index(keys, subvectors=4, bits=bits, metric="ip", sample=4)

@@ -181,25 +181,50 @@ def build(
     iters: int,
     tol: float,
     seed: int,
+    sample: int = 0,
 ) -> PQCodebook:
     """The index build (SPEC §1) of validated keys: CUDA keys (fp16/bf16/fp32) run the Lloyd loop
     in Triton (one launch per iteration), anything else, float64 included, the reference; both
-    draw the same initial centres for a seed."""
+    draw the same initial centres for a seed. sample > 0 (euclidean): k-means on at most
+    sample * C tokens per sequence, evenly strided over [init_offset, length), then every key
+    encoded against those centroids (`sampled_keys`)."""
     build_pq = ref.build_pq
-    if keys.is_cuda and keys.dtype != torch.float64:
+    kernels = keys.is_cuda and keys.dtype != torch.float64
+    if kernels:
         from pqattn.kernels.kmeans import build_pq
-    res = build_pq(
-        keys,
-        lengths,
-        subvectors=subvectors,
-        bits=bits,
-        metric=metric,
-        init_offset=init_offset,
-        iters=iters,
-        tol=tol,
-        seed=seed,
-    )
-    return PQCodebook(res.centroids, res.codes, res.phi)
+    common = dict(subvectors=subvectors, bits=bits, metric=metric, iters=iters, tol=tol, seed=seed)
+    C = 1 << bits
+    if sample <= 0 or keys.shape[2] - init_offset <= sample * C:
+        res = build_pq(keys, lengths, init_offset=init_offset, **common)
+        return PQCodebook(res.centroids, res.codes, res.phi)
+    points, counts = sampled_keys(keys, lengths, init_offset, sample * C)
+    res = build_pq(points, counts, init_offset=0, **common)
+    B, Hkv, N, _ = keys.shape
+    codes = torch.zeros(B, Hkv, N, subvectors, dtype=torch.uint8, device=keys.device)
+    tail = keys[:, :, init_offset:]
+    if kernel_path(tail, res.centroids):
+        encode(tail, res.centroids, None, codes[:, :, init_offset:])
+    else:
+        codes[:, :, init_offset:] = ref.encode(tail, res.centroids)
+    valid = torch.arange(N, device=keys.device)[None, :] < lengths[:, None]  # [B, N]
+    codes.masked_fill_(~valid[:, None, :, None], 0)  # as the full build: 0 past each length
+    return PQCodebook(res.centroids, codes, None)
+
+
+def sampled_keys(
+    keys: torch.Tensor, lengths: torch.Tensor, init_offset: int, points: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a sampled build clusters: [B, Hkv, points, D], sequence b's first counts[b] rows
+    its tokens init_offset + (i * n_b) // counts[b] with n_b = lengths[b] - init_offset and
+    counts[b] = min(n_b, points) (every token when it has no more than `points`); no host sync."""
+    B, Hkv, _, D = keys.shape
+    n = (lengths.long() - init_offset).clamp_min(0)  # [B]
+    counts = n.clamp(max=points)
+    i = torch.arange(points, device=keys.device)[None, :]
+    at = init_offset + (i * n[:, None]) // counts.clamp_min(1)[:, None]
+    at = torch.where(i < counts[:, None], at, init_offset).clamp(max=keys.shape[2] - 1)  # [B, points]
+    picked = keys.gather(2, at[:, None, :, None].expand(B, Hkv, points, D))
+    return picked, counts
 
 
 def encode(

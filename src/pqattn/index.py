@@ -21,7 +21,10 @@ class PQConfig:
 
     subvectors (M) and bits (C = 2**bits centroids per sub-vector) shape the index; sink, window
     and heavy are the selection sizes; init_offset (default: sink) is the first quantized token;
-    iters / tol / seed drive the k-means build.
+    iters / tol / seed drive the k-means build, on a strided sample of `sample` keys per centroid
+    when sample > 0 (euclidean; 0: every key). share="group" selects one set per KV head for
+    its G query heads (heavy is then the group's budget) by the group score of `group_rule`
+    ("sum" or "max" of the heads' PQ scores; SPEC §7).
     """
 
     subvectors: int = 2
@@ -34,9 +37,18 @@ class PQConfig:
     iters: int = 10
     tol: float = 1e-4
     seed: int = 0
+    sample: int = 0
+    share: str = "head"
+    group_rule: str = "sum"
 
     def __post_init__(self) -> None:
         check.positive_int("subvectors", self.subvectors)
+        check.non_negative_int("sample", self.sample)
+        if self.sample and self.metric != "euclidean":
+            raise ValueError(
+                f"sample: the {self.metric!r} metric builds on every key, got sample={self.sample}"
+            )
+        check.share_options(self.share, self.group_rule, 0)
         check.bits(self.bits)
         check.metric(self.metric)
         for name in ("sink", "window", "heavy", "iters"):
@@ -136,10 +148,11 @@ class PQIndex:
         self._cursor: torch.Tensor | None = None
         self._bucketed_at = 0
         self._selection: Selection | None = None  # decode-step output buffers (kernel path)
+        self._selection_heads = 0  # the query heads they serve
         self._workspace: torch.Tensor | None = None
         self._attn_out: torch.Tensor | None = None  # decode_step output and attention workspace
         self._attn_workspace: torch.Tensor | None = None
-        self._attn_layout: tuple[int, int, int] | None = None
+        self._attn_layout: tuple[int, int, int, int] | None = None
         # the encode launch's arrival counters per sequence: its last program advances the length
         self._arrivals = torch.zeros((batch,), dtype=torch.int32, device=self.device)
         # recorded launches per (method, input signature): valid while the buffers above are
@@ -181,7 +194,9 @@ class PQIndex:
         lens = check.lengths(lengths, B, N, keys.device)
         check.subvectors(config.subvectors, D)
         c = config
-        built = dispatch.build(keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed)
+        built = dispatch.build(
+            keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed, c.sample
+        )
         return cls._filled(config, built, lens, capacity, D)
 
     @classmethod
@@ -257,7 +272,11 @@ class PQIndex:
         """(Re)count the histogram that the histogram selection reads, on the kernel path."""
         M, C = self.config.subvectors, 1 << self.config.bits
         probe = torch.empty(0, self.head_dim, device=self.device)
-        if not (dispatch.kernel_path(probe, self.centroids) and dispatch.uses_histogram(M, C)):
+        if not (
+            dispatch.kernel_path(probe, self.centroids)
+            and dispatch.uses_histogram(M, C)
+            and self.config.share == "head"
+        ):
             return
         self._plans.forget(self._hist, self._cursor, *(self._buckets or ()))
         B, Hkv, P = self.batch, self.kv_heads, C**M
@@ -404,8 +423,8 @@ class PQIndex:
 
         Returns:
             Selection(positions [B, H, sink + heavy + window] int32, -1 past the count; counts
-            [B, H] int32). On the kernel path it is a buffer of the index's, overwritten by the
-            next call.
+            [B, H] int32), with Hkv rows for share="group". On the kernel path it is a buffer of
+            the index's, overwritten by the next call.
 
         Example:
             >>> index = PQIndex.build(torch.randn(1, 2, 256, 16), config=PQConfig(bits=4, sink=4, window=8,
@@ -422,7 +441,7 @@ class PQIndex:
             "q", q, shape=(self.batch, None, self.head_dim), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES
         )
         c = self.config
-        kernel = dispatch.kernel_path(q, self.centroids, c.heavy)
+        kernel = dispatch.kernel_path(q, self.centroids, c.heavy, c.share)
         if not kernel:
             return ops.select_topk(
                 q,
@@ -433,23 +452,30 @@ class PQIndex:
                 window=c.window,
                 heavy=c.heavy,
                 init_offset=c.offset,
+                share=c.share,
+                group_rule=c.group_rule,
             )
         check.score_inputs(q, self.centroids, self.codes)
-        if self._selection is None or self._selection.counts.shape[1] != q.shape[1]:
+        if self._selection is None or self._selection_heads != q.shape[1]:
             H, M, C = q.shape[1], c.subvectors, 1 << c.bits
+            group = c.share == "group"
+            R = self.kv_heads if group else H
             self._plans.forget(self._workspace, *(self._selection or ()))
             self._selection = Selection(
-                torch.empty(self.batch, H, c.width, dtype=torch.int32, device=self.device),
-                torch.empty(self.batch, H, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch, R, c.width, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch, R, dtype=torch.int32, device=self.device),
             )
+            self._selection_heads = H
             n = dispatch.select_workspace_numel(
-                self.batch * H,
+                self.batch * R,
                 M,
                 C,
                 self.codes.shape[2],
                 c.heavy,
                 kept_histogram=self._hist is not None,
                 buckets=self._buckets is not None,
+                share=c.share,
+                tables=H // self.kv_heads if group and c.group_rule == "max" else 1,
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         with recording() as rec:
@@ -470,6 +496,8 @@ class PQIndex:
                 workspace=self._workspace,
                 histogram=self._hist,
                 buckets=self._buckets,
+                share=c.share,
+                group_rule=c.group_rule,
             )
         self._keep(key, rec, q)
         return self._selection
@@ -514,7 +542,7 @@ class PQIndex:
     def _kernels_only(self, q: torch.Tensor, select: bool) -> bool:
         """True when every part of an attend ran Triton launches (a plan replays only those)."""
         return dispatch.decode_kernel_path(q) and (
-            not select or dispatch.kernel_path(q, self.centroids, self.config.heavy)
+            not select or dispatch.kernel_path(q, self.centroids, self.config.heavy, self.config.share)
         )
 
     def _attend(
@@ -533,12 +561,18 @@ class PQIndex:
         if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
             self._plans.forget(self._attn_out)
             self._attn_out = torch.empty_like(q)
-        # the kernel leaves its counters at zero, at places that depend on the layout
-        if self._attn_workspace is None or self._attn_layout != (B * H, L, D):
+        # the kernel leaves its counters at zero, at places that depend on the layout; a group
+        # selection (one row per KV head) takes the group kernel
+        R = sel.positions.shape[1]
+        layout = (B * H, R, L, D)
+        if self._attn_workspace is None or self._attn_layout != layout:
             self._plans.forget(self._attn_workspace)
-            need = dispatch.decode_workspace_numel(B * H, L, D)
+            if R == H:
+                need = dispatch.decode_workspace_numel(B * H, L, D)
+            else:
+                need = dispatch.decode_workspace_numel(B * R, L, D, group=H // R)
             self._attn_workspace = torch.zeros(need, dtype=torch.int32, device=self.device)
-            self._attn_layout = (B * H, L, D)
+            self._attn_layout = layout
         return ops.sparse_decode(
             q,
             k_cache,

@@ -99,6 +99,7 @@ def build_index(
     iters: int = 10,
     tol: float = 1e-4,
     seed: int = 0,
+    sample: int = 0,
 ) -> PQCodebook:
     """Build the PQ index of a prefill key cache (SPEC §1): k-means per (sequence, KV head,
     sub-vector), then every key's codes.
@@ -116,6 +117,10 @@ def build_index(
         subvectors: M, with D % M == 0. bits: C = 2**bits centroids, 1..8.
         metric: "euclidean" or "ip" (maximum inner product through the augmented coordinate).
         init_offset, iters, tol, seed: as above.
+        sample: points per centroid, 0 for all. With sample > 0 (euclidean only), k-means runs on
+            at most sample * C keys per sequence, evenly strided over [init_offset, length), and
+            every key is then encoded against those centroids (FAISS trains on a few hundred
+            points per centroid alike); sequences with fewer keys build on all of them.
 
     Returns:
         PQCodebook(centroids [B, Hkv, M, C, dsub (+1 for ip)] float32 (float64 for float64 keys),
@@ -134,8 +139,13 @@ def build_index(
     check.metric(metric)
     check.non_negative_int("init_offset", init_offset)
     check.non_negative_int("iters", iters)
+    check.non_negative_int("sample", sample)
+    if sample and metric != "euclidean":
+        raise ValueError(
+            f"sample: the {metric!r} metric builds on every key (its augmentation needs all norms)"
+        )
     lens = check.lengths(lengths, B, N, keys.device)
-    return dispatch.build(keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed)
+    return dispatch.build(keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed, sample)
 
 
 def encode_keys(

@@ -34,16 +34,18 @@ def _states(model) -> list:
     return [m._pqattn_state for m in model.modules() if hasattr(m, "_pqattn_state")]
 
 
+@pytest.mark.parametrize("share", ["head", "group"])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_greedy_generation_equals_dense_when_heavy_covers_every_token(
-    kind: str, device: torch.device
+    kind: str, share: str, device: torch.device
 ) -> None:
     model = _model(kind, device)
     ids = torch.randint(0, 128, (2, 70), device=device)
     mask = torch.ones_like(ids)
+    config = pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3, share=share, group_rule="max")
     with torch.no_grad():
         dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-        assert pq_hf.enable(model, pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3)) == [0, 1, 2]
+        assert pq_hf.enable(model, config) == [0, 1, 2]
         sparse = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(sparse, dense)
     assert all(s.sparse_steps == 11 for s in _states(model)), "every decode step went through the index"
@@ -193,6 +195,10 @@ def test_config_is_validated() -> None:
         (dict(heavy=0), "heavy"),
         (dict(capacity=0), "capacity"),
         (dict(dense_layers=(1, -2)), "dense_layers"),
+        (dict(share="heads"), "share"),
+        (dict(group_rule="mean"), "group_rule"),
+        (dict(sample=-1), "sample"),
+        (dict(sample=8, metric="ip"), "sample"),
     ]:
         with pytest.raises((ValueError, TypeError), match=name):
             pq_hf.HFConfig(**kwargs)

@@ -37,7 +37,9 @@ class HFConfig:
 
     heavy: tokens chosen by the PQ scores, or heavy_fraction of the prompt length (at most one
     of the two; 1024 tokens when neither is given);
-    sink / window: always kept; subvectors (M), bits, metric, iters: the index (SPEC §1);
+    sink / window: always kept; subvectors (M), bits, metric, iters, sample: the index (SPEC §1,
+    `PQConfig`); share / group_rule: per-head or group (GQA-shared) selection (SPEC §7, `PQConfig`;
+    with share="group", heavy is the budget of each KV head);
     dense_layers: layer indices that never go sparse; capacity: decode tokens the index has room
     for after the prompt; prefill: "sdpa" (PyTorch's SDPA) or "pqattn" (`pqattn.dense_attention`:
     the Triton flash kernel for CUDA fp16/bf16, the reference elsewhere). Prompts with padding,
@@ -52,6 +54,9 @@ class HFConfig:
     bits: int = 6
     metric: str = "euclidean"
     iters: int = 10
+    sample: int = 0
+    share: str = "head"
+    group_rule: str = "sum"
     dense_layers: tuple[int, ...] = ()
     capacity: int = 4096
     prefill: str = "sdpa"
@@ -65,6 +70,12 @@ class HFConfig:
         check.bits(self.bits)
         check.metric(self.metric)
         check.positive_int("capacity", self.capacity)
+        check.non_negative_int("sample", self.sample)
+        if self.sample and self.metric != "euclidean":
+            raise ValueError(
+                f"sample: the {self.metric!r} metric builds on every key, got sample={self.sample}"
+            )
+        check.share_options(self.share, self.group_rule, 0)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers: expected non-negative layer indices, got {self.dense_layers!r}")
         if self.prefill not in PREFILL:
@@ -140,6 +151,9 @@ def pq_attention_forward(
             window=c.window,
             heavy=c.heavy_for(S),
             iters=c.iters,
+            sample=c.sample,
+            share=c.share,
+            group_rule=c.group_rule,
         )
         state.index = PQIndex.build(key, [S] * B, capacity=S + c.capacity, config=pq)
         return out
