@@ -625,6 +625,13 @@ def _add_fidelity(sub: argparse._SubParsersAction) -> None:
         "against SDPA in the same run, with the selection's bytes floor.",
     )
     p.add_argument("--density", type=float, default=0.02, help="per-head heavy / N")
+    p.add_argument(
+        "--policies",
+        choices=("selection", "codes"),
+        default="selection",
+        help="selection: sharing, group rules, budgets, re-ranking; codes: 4- against 8-bit codes and "
+        "builds on a sample against every key",
+    )
     p.add_argument("--tokens", default="32768", help="comma-separated N of the quality measurements")
     p.add_argument("--shapes", default="1x32768", help="comma-separated BxN of the step timings (GPU only)")
     p.add_argument("--sink", type=int, default=64, help="sink tokens")
@@ -646,6 +653,7 @@ def _run_fidelity(args: argparse.Namespace) -> int:
         sink=args.sink,
         window=args.window,
         device=resolve_device(args.device),
+        policies=fidelity.code_policies(args.density) if args.policies == "codes" else None,
     )
     print(fidelity.format_table(doc))
     if args.json:

@@ -70,22 +70,25 @@ def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
     return C**M <= MAX_COMBOS and (heavy is None or heavy > STATELESS_TREE_MAX_HEAVY)
 
 
-def uses_fine(M: int, C: int, share: str = "head", heavy: int = 0) -> bool:
+def uses_fine(M: int, C: int, share: str = "head", heavy: int = 0, rerank: int = 0) -> bool:
     """True when the selection takes the fine-code route (`kernels/select/fine.py`): every group
-    selection, and per-head selections beyond the merge tree (more than MAX_COMBOS combinations
-    and heavy > MAX_TREE_HEAVY), where the tree is faster (docs/kernels/select.md)."""
-    return share == "group" or (C**M > MAX_COMBOS and heavy > MAX_TREE_HEAVY)
+    selection and re-rank, and per-head selections beyond the merge tree (more than MAX_COMBOS
+    combinations and heavy > MAX_TREE_HEAVY), where the tree is faster (docs/kernels/select.md)."""
+    return share == "group" or rerank > 0 or (C**M > MAX_COMBOS and heavy > MAX_TREE_HEAVY)
 
 
 def kernel_path(
-    q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0, share: str = "head"
+    q_or_keys: torch.Tensor, centroids: torch.Tensor, heavy: int = 0, share: str = "head", rerank: int = 0
 ) -> bool:
     """True when selection / encoding of these tensors runs the Triton kernels (else the reference):
     a device of KERNEL_DEVICES, a power-of-two sub-vector width >= 2, and a route that serves the
-    case: the fine-code route (any heavy), C**M <= MAX_COMBOS (any heavy) or heavy <= MAX_TREE_HEAVY."""
+    case: the fine-code route (any heavy; with rerank, D a power of two in 16..256), C**M <=
+    MAX_COMBOS (any heavy) or heavy <= MAX_TREE_HEAVY."""
     D, M, C = q_or_keys.shape[-1], centroids.shape[2], centroids.shape[3]
     dsub = D // M
-    fits = uses_fine(M, C, share, heavy) or uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
+    fits = uses_fine(M, C, share, heavy, rerank) or uses_histogram(M, C) or heavy <= MAX_TREE_HEAVY
+    if rerank and not (16 <= D <= 256 and D & (D - 1) == 0):
+        return False
     return q_or_keys.device.type in KERNEL_DEVICES and dsub >= 2 and dsub & (dsub - 1) == 0 and fits
 
 
@@ -123,6 +126,7 @@ def select_workspace_numel(
     buckets: bool = False,
     share: str = "head",
     tables: int = 1,
+    rerank: int = 0,
 ) -> int:
     """int32 elements of the selection's workspace for rows = B * H query rows (B * Hkv for
     share="group") over a token axis of n_tokens, for calls with no histogram kept (select_topk),
@@ -132,11 +136,11 @@ def select_workspace_numel(
     from buckets: the LUTs and rows * heavy * 8 bytes; merge tree: the LUTs plus the tree's slots,
     about rows * (n_tokens / TILE) * heavy * 8 bytes. Allocate it zero-filled, once; the kernels
     leave it reusable by calls with the same rows, M, C, n_tokens and heavy (their counters lie at
-    places that depend on them)."""
-    if uses_fine(M, C, share, heavy) and not buckets:
+    places that depend on them). rerank=R adds the re-rank's shortlist, rows * R * heavy * 8 bytes."""
+    if uses_fine(M, C, share, heavy, rerank) and not buckets:
         from pqattn.kernels.select import fine
 
-        return fine.workspace_numel(rows, tables, M, C, n_tokens)
+        return fine.workspace_numel(rows, tables, M, C, n_tokens, rerank * heavy)
     if buckets:
         from pqattn.kernels.select import buckets as kernel
     elif uses_histogram(M, C, None if kept_histogram else heavy):
@@ -270,6 +274,8 @@ def select(
     after_encode: bool = False,
     share: str = "head",
     group_rule: str = "sum",
+    rerank: int = 0,
+    keys: torch.Tensor | None = None,
 ) -> Selection:
     """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
 
@@ -280,13 +286,14 @@ def select(
     count them first. buckets: the (order, starts, frozen) kept with the histogram (no weights,
     code_base 0): the selection reads those instead of scanning the codes, and with `new_key`
     encodes the step's key in the same launch (pqattn.kernels.select.NewKey). share="group":
-    one selection per KV head (rows [B, Hkv]) by the group scores of `group_rule`.
+    one selection per KV head (rows [B, Hkv]) by the group scores of `group_rule`. rerank=R with
+    keys [B, Hkv, N, D]: the top heavy by exact score among the top R * heavy by PQ score.
     """
     B, H, _ = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
     width = params.width
-    fine_route = uses_fine(M, C, share, params.heavy) and buckets is None
+    fine_route = uses_fine(M, C, share, params.heavy, rerank) and buckets is None
     R = Hkv if share == "group" else H  # selection rows per sequence
     if out is None:
         out = Selection(
@@ -325,6 +332,7 @@ def select(
         buckets=buckets is not None,
         share=share,
         tables=tables,
+        rerank=rerank,
     )
     if workspace is None:
         workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
@@ -353,6 +361,8 @@ def select(
             group_rule=group_rule,
             n_tokens=N,
             code_base=code_base,
+            rerank=rerank,
+            keys=None if keys is None else _last_contiguous(keys),
         )
         if weights is not None:  # the selection's dense weights (entries past the count add 0)
             valid = torch.arange(width, device=q.device) < out.counts[..., None]

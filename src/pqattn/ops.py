@@ -30,8 +30,6 @@ that match (the same checks passed for the same shapes, dtypes and devices).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from pqattn import _validate as check
@@ -79,13 +77,6 @@ __all__ = [
 # again (the checks cost about a third of a call's host time).
 _CHECKED_ATTENTION: set[tuple] = set()
 _MAX_CHECKED = 64
-_WARNED: set[str] = set()
-
-
-def _warn_once(topic: str, message: str) -> None:
-    if topic not in _WARNED:
-        _WARNED.add(topic)
-        warnings.warn(message, stacklevel=3)
 
 
 def build_index(
@@ -238,7 +229,7 @@ def select_topk(
     per KV head serves its G query heads, by the group score of `group_rule` ("sum": the sum of
     the heads' PQ scores; "max": their max), and `heavy` is the group's budget. rerank=R >= 1
     takes the top R * heavy by PQ score, then the top heavy of those by the exact <q, k> from
-    `keys` (that composition runs the PyTorch reference: no kernel yet, and it warns on a GPU).
+    `keys` (the fine-code route: three more launches).
 
     Args:
         q: [B, H, D] float, H a multiple of Hkv.
@@ -253,7 +244,8 @@ def select_topk(
             [B, Hkv, L] and [B, Hkv] for share="group").
         workspace: zero-filled int32 of `select_workspace_numel(B * H, M, C, N, heavy)` elements
             (kernel path; for share="group" `select_workspace_numel(B * Hkv, M, C, N, heavy,
-            share="group", tables=G if group_rule == "max" else 1)`). With `out`, the call
+            share="group", tables=G if group_rule == "max" else 1)`, with `rerank=R` for a
+            re-rank). With `out`, the call
             allocates nothing, its launches are kept as a plan,
             and later calls of the same signature replay it; one workspace serves calls of one
             (B * H, M, C, N, heavy), which leave it ready for the next.
@@ -272,7 +264,7 @@ def select_topk(
     """
     key = tensors = None
     if out is not None and workspace is not None:
-        tensors = (q, centroids, codes, lengths, *out, workspace)
+        tensors = (q, centroids, codes, lengths, *out, workspace, *(() if keys is None else (keys,)))
         key = dispatch.PLANS.key(
             "select_topk", tensors, sink, window, heavy, init_offset, share, group_rule, rerank
         )
@@ -292,28 +284,7 @@ def select_topk(
         check.tensor(
             "keys", keys, shape=(*codes.shape[:3], q.shape[-1]), dims="[B, Hkv, N, D]", device=q.device
         )
-        if q.is_cuda:
-            _warn_once("rerank", "select_topk(rerank>=1) runs the PyTorch reference (no kernel yet): slow")
-        sel = ref.select_pq(
-            q,
-            centroids,
-            codes,
-            lengths,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            init_offset=init_offset,
-            share=share,
-            group_rule=group_rule,
-            rerank=rerank,
-            keys=keys,
-        )
-        if out is not None:
-            out.positions.copy_(sel.positions)
-            out.counts.copy_(sel.counts)
-            return out
-        return sel
-    if kernel_path(q, centroids, heavy, share):
+    if kernel_path(q, centroids, heavy, share, rerank):
         params = SelectParams.make(
             sink=sink,
             window=window,
@@ -333,6 +304,8 @@ def select_topk(
                 workspace=workspace,
                 share=share,
                 group_rule=group_rule,
+                rerank=rerank,
+                keys=keys,
             )
         if tensors is not None:
             dispatch.PLANS.keep(key, rec, tensors)
@@ -348,6 +321,8 @@ def select_topk(
         init_offset=init_offset,
         share=share,
         group_rule=group_rule,
+        rerank=rerank,
+        keys=keys,
     )
 
 

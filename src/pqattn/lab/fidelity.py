@@ -1,13 +1,12 @@
 """Fidelity at speed: the attention mass a policy keeps, as a share of the per-head oracle's at
-the same density, beside its decode-step time against SDPA, in one run (issue 40's yardstick).
+the same density, beside its decode-step time against SDPA, in one run.
 
 Quality: `pqattn.lab.quality.policy_sweep` on both synthetic generators at each N (B=1, H=32,
 Hkv=8, D=128), every policy at heavy = density * N per head (a group policy keeps `budget` times
 that per KV head). Speed: one decode step of a layer (selection into kept buffers + sparse
 attention) over the `workload` cache, bf16, GPU time by CUDA-graph replay, beside SDPA over the
 whole cache and the selection alone; the codes' bytes floor of the selection at the measured copy
-bandwidth. Policies without a kernel (the oracle, re-ranking) are timed only as "reference" when
-asked: they show quality.
+bandwidth. The oracle has no kernel: it shows quality only.
 """
 
 from __future__ import annotations
@@ -51,6 +50,24 @@ def default_policies(density: float = 0.02) -> list[Policy]:
     return pol
 
 
+def code_policies(density: float = 0.02) -> list[Policy]:
+    """The code resolutions and builds compared at equal code bytes: 4-bit codes (whose 16-entry
+    LUT rows a warp gathers from one or two cache lines) against 8-bit ones, and the index built
+    on 64 and 256 keys per centroid against every key; group max at 4 heavies and per head."""
+    pol = [Policy("oracle", density)]
+    for m, b in ((16, 8), (32, 4), (16, 4)):
+        pol.append(Policy("pq", density, subvectors=m, bits=b))
+        pol.append(Policy("pq", density, subvectors=m, bits=b, share="group", group_rule="max", budget=4))
+    for smp in (64, 256):
+        pol.append(Policy("pq", density, subvectors=16, bits=8, sample=smp))
+        pol.append(
+            Policy(
+                "pq", density, subvectors=16, bits=8, share="group", group_rule="max", budget=4, sample=smp
+            )
+        )
+    return pol
+
+
 def quality_rows(
     policies: Sequence[Policy], *, tokens: int, sink: int, window: int, device: torch.device
 ) -> list:
@@ -64,6 +81,27 @@ def quality_rows(
             r["tokens_N"] = tokens
             r["mass_share"] = r["mass"] / oracle[r["density"]] if r["density"] in oracle else None
         rows += got
+    return rows
+
+
+def build_rows(policies: Sequence[Policy], *, tokens: int, sink: int, device: torch.device) -> list[dict]:
+    """The k-means objective of each index the PQ policies use, on both generators: the squared
+    error of every quantized key against its reconstruction, relative to the keys' energy."""
+    rows = []
+    configs = dict.fromkeys((p.subvectors, p.bits, p.sample) for p in policies if p.kind == "pq")
+    for name, make in quality.GENERATORS.items():
+        keys = make(tokens, device).keys.float()
+        B, Hkv, N, D = keys.shape
+        for m, b, smp in configs:
+            book = ops.build_index(keys, subvectors=m, bits=b, init_offset=sink, iters=10, sample=smp)
+            idx = book.codes.long().permute(0, 1, 3, 2)[..., None].expand(B, Hkv, m, N, D // m)
+            parts = book.centroids[..., : D // m].gather(3, idx)  # [B, Hkv, M, N, dsub]
+            recon = parts.permute(0, 1, 3, 2, 4).reshape(B, Hkv, N, D)[:, :, sink:]
+            tail = keys[:, :, sink:]
+            err = float(((tail - recon) ** 2).sum() / (tail**2).sum())
+            rows.append(
+                {"problem": name, "tokens_N": tokens, "M": m, "bits": b, "sample": smp, "rel_sq_error": err}
+            )
     return rows
 
 
@@ -102,16 +140,18 @@ def step_rows(
     shape = {"B": B, "H": H, "Hkv": Hkv, "D": D, "N": N}
     dense_us = _graph_us(lambda: baselines.sdpa_decode(q, k, v), device, repeats)
     rows = [shape | {"policy": "dense", "step_us": dense_us, "kernel": "torch SDPA"}]
-    books: dict[tuple[int, int], ops.PQCodebook] = {}
+    books: dict[tuple[int, int, int], ops.PQCodebook] = {}
     for p in policies:
-        if p.kind != "pq" or p.rerank:
+        if p.kind != "pq":
             continue
-        key = (p.subvectors, p.bits)
+        key = (p.subvectors, p.bits, p.sample)
         if key not in books:
-            books[key] = ops.build_index(k, subvectors=p.subvectors, bits=p.bits, init_offset=sink, iters=10)
+            books[key] = ops.build_index(
+                k, subvectors=p.subvectors, bits=p.bits, init_offset=sink, iters=10, sample=p.sample
+            )
         book = books[key]
         heavy = p.selection_heavy(N)
-        if not ops.kernel_path(q, book.centroids, heavy, p.share):
+        if not ops.kernel_path(q, book.centroids, heavy, p.share, p.rerank):
             continue
         rows_per_b = Hkv if p.share == "group" else H
         tables = H // Hkv if p.share == "group" and p.group_rule == "max" else 1
@@ -126,10 +166,19 @@ def step_rows(
             init_offset=sink,
             share=p.share,
             group_rule=p.group_rule,
+            rerank=p.rerank,
+            keys=k if p.rerank else None,
         )
         ws_sel = torch.zeros(
             ops.select_workspace_numel(
-                B * rows_per_b, p.subvectors, 2**p.bits, N, heavy, share=p.share, tables=tables
+                B * rows_per_b,
+                p.subvectors,
+                2**p.bits,
+                N,
+                heavy,
+                share=p.share,
+                tables=tables,
+                rerank=p.rerank,
             ),
             dtype=torch.int32,
             device=device,
@@ -153,6 +202,8 @@ def step_rows(
                 init_offset=sink,
                 share=p.share,
                 group_rule=p.group_rule,
+                rerank=p.rerank,
+                keys=k if p.rerank else None,
                 out=sel,
                 workspace=ws,
             )
@@ -164,7 +215,12 @@ def step_rows(
         select_us = _graph_us(select, device, repeats)
         step_us = _graph_us(step, device, repeats)
         codes_bytes = book.codes.numel() * (H // Hkv if p.share == "head" else 1)
-        floor_us = (codes_bytes + B * rows_per_b * (L * 4 + p.subvectors * 2**p.bits * 4)) / bandwidth * 1e6
+        rerank_bytes = B * rows_per_b * p.rerank * heavy * (D * k.element_size() + 8)  # the shortlist's keys
+        floor_us = (
+            (codes_bytes + rerank_bytes + B * rows_per_b * (L * 4 + p.subvectors * 2**p.bits * 4))
+            / bandwidth
+            * 1e6
+        )
         rows.append(
             shape
             | {
@@ -204,8 +260,10 @@ def run(
         "quality": [],
         "steps": [],
     }
+    doc["builds"] = []
     for n in quality_tokens:
         doc["quality"] += quality_rows(policies, tokens=n, sink=sink, window=window, device=device)
+        doc["builds"] += build_rows(policies, tokens=n, sink=sink, device=device)
     if device.type == "cuda":
         doc["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
         for b, n in shapes:
@@ -227,6 +285,12 @@ def format_table(doc: dict) -> str:
     for r in doc["quality"]:
         share = "-" if r["mass_share"] is None else f"{r['mass_share']:.3f}"
         lines.append(f"{r['policy']} | {r['tokens_N']} | {r['problem']} | {share}")
+    lines += ["", "index | N | generator | relative squared error", "--- | --- | --- | ---"]
+    for r in doc.get("builds", []):
+        smp = f", sample {r['sample']}" if r["sample"] else ""
+        lines.append(
+            f"M{r['M']} b{r['bits']}{smp} | {r['tokens_N']} | {r['problem']} | {r['rel_sq_error']:.4f}"
+        )
     lines += [
         "",
         "policy | B | N | select us | floor us | step us | vs SDPA",

@@ -37,6 +37,7 @@ class Policy:
     group_rule: str = "sum"
     budget: float = 1.0  # a group selection's heavy, in per-head heavies
     rerank: int = 0
+    sample: int = 0  # the index built on sample * C keys per sequence (0: every key)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -45,13 +46,16 @@ class Policy:
             raise ValueError(f"density: expected a value in (0, 1], got {self.density}")
         if self.share not in SHARES or (self.share == "group" and self.kind not in ("pq", "oracle")):
             raise ValueError(f"share: expected 'head', or 'group' for pq and oracle, got {self.share!r}")
-        if self.rerank and self.kind != "pq":
-            raise ValueError(f"rerank: only pq policies re-rank, got {self.kind!r}")
+        if (self.rerank or self.sample) and self.kind != "pq":
+            raise ValueError(
+                f"rerank / sample: only pq policies re-rank or build on a sample, got {self.kind!r}"
+            )
 
     @property
     def family(self) -> str:
         """The policy without its density: dense, oracle, streaming, pq-M2-b6, pages-16, with
-        -group-sum-x4 (a group selection of 4 heavies) and -rr4 (re-rank of 4 heavies)."""
+        -group-sum-x4 (a group selection of 4 heavies), -rr4 (re-rank of 4 heavies) and -s256 (an
+        index built on 256 keys per centroid)."""
         if self.kind == "pq":
             name = f"pq-M{self.subvectors}-b{self.bits}"
         elif self.kind == "pages":
@@ -60,7 +64,8 @@ class Policy:
             name = self.kind
         if self.share == "group":
             name += f"-group-{self.group_rule}-x{self.budget:g}"
-        return name + (f"-rr{self.rerank}" if self.rerank else "")
+        name += f"-rr{self.rerank}" if self.rerank else ""
+        return name + (f"-s{self.sample}" if self.sample else "")
 
     @property
     def name(self) -> str:
@@ -100,7 +105,7 @@ def select(
     book: ops.PQCodebook | None = None,
 ) -> Selection:
     """The selection of a non-dense `policy` for decode queries q [B, H, D] over keys [B, Hkv, N, D]
-    (`book`: the PQ codebook of the keys at the policy's M and bits; init_offset = sink); heavy =
+    (`book`: the PQ codebook of the keys at the policy's M, bits and sample; init_offset = sink); heavy =
     `policy.selection_heavy(n_tokens)`. Group selections have Hkv rows (`per_head` expands them)."""
     heavy = policy.selection_heavy(n_tokens)
     shared = dict(share=policy.share, group_rule=policy.group_rule)

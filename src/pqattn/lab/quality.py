@@ -72,15 +72,22 @@ def policy_sweep(
 ) -> list[dict]:
     """One row per non-dense policy: tokens, mass, recall (of the oracle's heavy tokens at the
     policy's density), rel_err (means over the problem's queries). Every query sees all N tokens;
-    PQ indexes the cache from `sink` on (one build per M and bits)."""
+    PQ indexes the cache from `sink` on (one build per M, bits and sample)."""
     B, _, N, _ = problem.keys.shape
     H = problem.queries.shape[2]
     lengths = torch.full((B,), N, device=problem.keys.device)
     books = {
-        (m, b): ops.build_index(
-            problem.keys, lengths, subvectors=m, bits=b, metric=metric, init_offset=sink, iters=iters
+        (m, b, smp): ops.build_index(
+            problem.keys,
+            lengths,
+            subvectors=m,
+            bits=b,
+            metric=metric,
+            init_offset=sink,
+            iters=iters,
+            sample=smp,
         )
-        for m, b in dict.fromkeys((p.subvectors, p.bits) for p in policies if p.kind == "pq")
+        for m, b, smp in dict.fromkeys((p.subvectors, p.bits, p.sample) for p in policies if p.kind == "pq")
     }
     keys, values = problem.keys.float(), problem.values.float()
     kept = ops.select_streaming(lengths, H, sink=sink, window=window)
@@ -91,7 +98,7 @@ def policy_sweep(
         dense = ops.dense_attention(qf[:, :, None], keys, values)[:, :, 0]
         oracles: dict[float, Selection] = {}
         for p in policies:
-            book = books.get((p.subvectors, p.bits)) if p.kind == "pq" else None
+            book = books.get((p.subvectors, p.bits, p.sample)) if p.kind == "pq" else None
             sel = policies_mod.per_head(
                 policies_mod.select(
                     p, q, problem.keys, lengths, sink=sink, window=window, n_tokens=N, book=book

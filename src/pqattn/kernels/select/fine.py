@@ -23,6 +23,7 @@ scores are; the fallback keeps any distribution exact. Design notes: docs/kernel
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,26 +36,46 @@ from pqattn.reference import SelectParams
 NBINS = 4096
 TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
-BLOCK_N = 1024  # tokens per program of the score and collect launches
+BLOCK_N = 1024  # tokens (or shortlist entries) per program of the score, bins and collect launches
+EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
 
+class RowLayout(NamedTuple):
+    """int32 offsets inside a row's workspace. The counters and bins must be zero before a call
+    and are zero after it; the rest is written before it is read."""
+
+    lut: int  # the tables, float32 [tables, M, C]
+    bounds: int  # lo and inv of the PQ scores' bins
+    list_bounds: int  # min and max of the re-rank's exact scores
+    counters: int
+    bins: int
+    scores: int  # float32 [N], by token
+    boundary: int  # indices of the boundary bin's candidates [BOUNDARY_CAP]
+    shortlist: int  # the re-rank's shortlist positions [rerank * heavy]
+    list_scores: int  # their exact scores, float32
+    size: int
+
+
 @functools.cache
-def row_layout(tables: int, M: int, C: int, N: int) -> tuple[int, ...]:
-    """int32 offsets inside a row's workspace: (lut, bounds, counters, bins, scores, boundary,
-    row size). The counters and bins must be zero before a call and are zero after it."""
+def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLayout:
+    """The workspace layout of a row with `tables` LUTs of M x C over N tokens and a re-rank
+    shortlist of `shortlist` entries."""
     lut = 0
     bounds = lut + tables * M * C
-    ctr = bounds + 2
+    list_bounds = bounds + 2
+    ctr = list_bounds + 2
     bins = ctr + _CTR
     scores = bins + NBINS
     boundary = scores + N
-    size = boundary + BOUNDARY_CAP
-    return lut, bounds, ctr, bins, scores, boundary, size
+    short = boundary + BOUNDARY_CAP
+    list_scores = short + shortlist
+    size = list_scores + shortlist
+    return RowLayout(lut, bounds, list_bounds, ctr, bins, scores, boundary, short, list_scores, size)
 
 
-def workspace_numel(rows: int, tables: int, M: int, C: int, N: int) -> int:
-    return rows * row_layout(tables, M, C, N)[-1]
+def workspace_numel(rows: int, tables: int, M: int, C: int, N: int, shortlist: int = 0) -> int:
+    return rows * row_layout(tables, M, C, N, shortlist).size
 
 
 @triton.jit
@@ -72,6 +93,7 @@ def _lut_kernel(
     G,
     ROW_WS,
     BOUNDS_AT,
+    LIST_BOUNDS_AT,
     GROUP: tl.constexpr,  # a row is a KV head (else a query head)
     SUM_RULE: tl.constexpr,  # one table of the group's summed query (else one per head)
     TABLES: tl.constexpr,
@@ -111,6 +133,9 @@ def _lut_kernel(
     inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
     tl.store(lut_row + BOUNDS_AT, lo)
     tl.store(lut_row + BOUNDS_AT + 1, inv)
+    # the re-rank's exact scores take their range by atomics: start it empty
+    tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
+    tl.store(lut_row + LIST_BOUNDS_AT + 1, float("-inf"))
 
 
 @triton.jit
@@ -118,6 +143,20 @@ def _score_bin(s, lo, inv, NBINS_: tl.constexpr):
     """The bin of scores s: monotone in s; NaN in bin 0."""
     x = tl.minimum(tl.maximum((s - lo) * inv, 0.0), NBINS_ - 1.0)
     return tl.where(s == s, x.to(tl.int32), 0)
+
+
+@triton.jit
+def _bins_of(wsf, BOUNDS_AT, LIST_BOUNDS_AT, FROM_LIST: tl.constexpr, NBINS_: tl.constexpr):
+    """(lo, inv) of the bins: the PQ scores' from the LUT bounds, or the shortlist's exact
+    scores' from their min and max (a flat range puts every score in bin 0)."""
+    if FROM_LIST:
+        lo = tl.load(wsf + LIST_BOUNDS_AT)
+        hi = tl.load(wsf + LIST_BOUNDS_AT + 1)
+        inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
+    else:
+        lo = tl.load(wsf + BOUNDS_AT)
+        inv = tl.load(wsf + BOUNDS_AT + 1)
+    return lo, inv
 
 
 @triton.jit
@@ -219,18 +258,24 @@ def _collect_kernel(
     heavy,
     cand_lo,
     short_threshold,
+    list_heavy,
     ROW_WS,
     BOUNDS_AT,
+    LIST_BOUNDS_AT,
     CTR_AT,
     BINS_AT,
     SCORES_AT,
     BOUNDARY_AT,
+    LIST_AT,
+    LIST_SCORES_AT,
     WIDTH: tl.constexpr,
     ENTRIES: tl.constexpr,  # entries of the positions list each program writes (a power of two)
     NBINS_: tl.constexpr,
     CAP: tl.constexpr,
     TIE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FROM_LIST: tl.constexpr,  # candidates: the shortlist's entries (else the tokens)
+    TO_LIST: tl.constexpr,  # the heavy part goes to the shortlist (else the output, with the rest)
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -243,36 +288,44 @@ def _collect_kernel(
     wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
     ctr = ws_row + CTR_AT
     pos_row = pos_ptr + b * stride_pb + r * stride_ph
-    heavy_at = pos_row + sink_n
+    heavy_at = ws_row + LIST_AT if TO_LIST else pos_row + sink_n
 
-    # this program's share of the list: sink, window, padding (and every token of a short row)
-    e = chunk * ENTRIES + tl.arange(0, ENTRIES)
-    count = tl.where(short, n, sink_n + need + (n - win_lo))
-    fixed = tl.where(e < sink_n, e, win_lo + e - sink_n - need)
-    fixed = tl.where(e < count, tl.where(short, e, fixed), -1)
-    fixed_part = (e < tl.where(short, WIDTH, sink_n)) | (e >= sink_n + need)
-    tl.store(pos_row + e, fixed, mask=(e < WIDTH) & fixed_part)
-    if chunk == 0:
-        tl.store(cnt_ptr + b * stride_cb + r * stride_ch, count)
+    if not TO_LIST:
+        # this program's share of the list: sink, window, padding (and every token of a short row)
+        e = chunk * ENTRIES + tl.arange(0, ENTRIES)
+        count = tl.where(short, n, sink_n + need + (n - win_lo))
+        fixed = tl.where(e < sink_n, e, win_lo + e - sink_n - need)
+        fixed = tl.where(e < count, tl.where(short, e, fixed), -1)
+        fixed_part = (e < tl.where(short, WIDTH, sink_n)) | (e >= sink_n + need)
+        tl.store(pos_row + e, fixed, mask=(e < WIDTH) & fixed_part)
+        if chunk == 0:
+            tl.store(cnt_ptr + b * stride_cb + r * stride_ch, count)
 
     if need > 0:
+        # candidates: indices [src_lo, src_hi) of the tokens or of the shortlist
+        if FROM_LIST:
+            src_lo = 0
+            src_hi = _row_sizes(n, sink, window, list_heavy, cand_lo, short_threshold)[3]
+        else:
+            src_lo = cand_lo
+            src_hi = cand_hi
         kth, above = _kth_bin(ws_row + BINS_AT, need, NBINS_)
-        lo = tl.load(wsf + BOUNDS_AT)
-        inv = tl.load(wsf + BOUNDS_AT + 1)
-        tok = chunk * BLOCK + tl.arange(0, BLOCK)
-        cand = (tok >= cand_lo) & (tok < cand_hi)
-        s = tl.load(wsf + SCORES_AT + tok, mask=cand, other=0.0)
+        lo, inv = _bins_of(wsf, BOUNDS_AT, LIST_BOUNDS_AT, FROM_LIST, NBINS_)
+        scores_at = LIST_SCORES_AT if FROM_LIST else SCORES_AT
+        i = chunk * BLOCK + tl.arange(0, BLOCK)
+        cand = (i >= src_lo) & (i < src_hi)
+        s = tl.load(wsf + scores_at + i, mask=cand, other=0.0)
         bin_ = _score_bin(s, lo, inv, NBINS_)
         take = cand & (bin_ > kth)
         edge = cand & (bin_ == kth)
         n_take = tl.sum(take.to(tl.int32), axis=0)
         if n_take > 0:
             slot = tl.atomic_add(ctr, n_take, sem="relaxed") + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(heavy_at + slot, tok, mask=take)
+            tl.store(heavy_at + slot, _position(ws_row, i, take, LIST_AT, FROM_LIST), mask=take)
         n_edge = tl.sum(edge.to(tl.int32), axis=0)
         if n_edge > 0:
             slot = tl.atomic_add(ctr + 1, n_edge, sem="relaxed") + tl.cumsum(edge.to(tl.int32), axis=0) - 1
-            tl.store(ws_row + BOUNDARY_AT + slot, tok, mask=edge & (slot < CAP))
+            tl.store(ws_row + BOUNDARY_AT + slot, i, mask=edge & (slot < CAP))
 
         tl.debug_barrier()  # every thread's stores precede the release below
         if tl.atomic_add(ctr + 2, 1, sem="acq_rel") == chunks - 1:
@@ -287,16 +340,27 @@ def _collect_kernel(
                 kth,
                 lo,
                 inv,
-                cand_lo,
-                cand_hi,
-                SCORES_AT,
+                src_lo,
+                src_hi,
+                scores_at,
                 BOUNDARY_AT,
+                LIST_AT,
                 NBINS_,
                 CAP,
                 TIE,
                 BLOCK,
+                FROM_LIST,
             )
             _zero_row(ws_row + BINS_AT, ctr, NBINS_)
+
+
+@triton.jit
+def _position(ws_row, i, ok, LIST_AT, FROM_LIST: tl.constexpr):
+    """The token positions of candidate indices i: themselves, or the shortlist's entries."""
+    if FROM_LIST:
+        return tl.load(ws_row + LIST_AT + i, mask=ok, other=0)
+    else:
+        return i
 
 
 @triton.jit
@@ -309,38 +373,42 @@ def _finish_boundary(
     kth,
     lo,
     inv,
-    cand_lo,
-    cand_hi,
-    SCORES_AT,
+    src_lo,
+    src_hi,
+    scores_at,
     BOUNDARY_AT,
+    LIST_AT,
     NBINS_: tl.constexpr,
     CAP: tl.constexpr,
     TIE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FROM_LIST: tl.constexpr,
 ):
-    """Write the `rest` best of the boundary bin's `size` tokens at out_at (ties any)."""
+    """Write the positions of the `rest` best of the boundary bin's `size` candidates at out_at
+    (ties any)."""
     if size <= TIE:
         i = tl.arange(0, TIE)
-        p = tl.load(ws_row + BOUNDARY_AT + i, mask=i < size, other=0)
-        key = tl.where(i < size, order_key(tl.load(wsf + SCORES_AT + p, mask=i < size, other=0.0)), 0)
+        idx = tl.load(ws_row + BOUNDARY_AT + i, mask=i < size, other=0)
+        key = tl.where(i < size, order_key(tl.load(wsf + scores_at + idx, mask=i < size, other=0.0)), 0)
         # rank = how many precede the entry: higher keys, and equal keys earlier in the list
         before = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (i[None, :] < i[:, None]))
         rank = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(out_at + rank, p, mask=(i < size) & (rank < rest))
+        keep = (i < size) & (rank < rest)
+        tl.store(out_at + rank, _position(ws_row, idx, keep, LIST_AT, FROM_LIST), mask=keep)
     else:
         # A bisection over the order keys for the rest-th best of the bin: from the kept list when
-        # it holds them all, else from every candidate of the row (exact, slower).
-        from_list = size <= CAP
-        span = tl.where(from_list, size, cand_hi)
+        # it holds them all, else from every candidate (exact, slower).
+        from_kept = size <= CAP
+        span = tl.where(from_kept, size, src_hi)
         lo_key = tl.zeros([], tl.uint32)  # invariant: >= rest keys at or above lo_key
         hi_key = tl.full([], 0xFFFFFFFF, tl.uint32)  # and fewer than rest above hi_key
         above = tl.zeros([], tl.int32)  # keys above hi_key
-        edge = (ws_row, wsf, span, from_list, kth, lo, inv, cand_lo, SCORES_AT, BOUNDARY_AT)
+        edge = (ws_row, wsf, span, from_kept, kth, lo, inv, src_lo, scores_at, BOUNDARY_AT)
         while lo_key < hi_key:
             mid = lo_key + (hi_key - lo_key) // 2 + 1
             c = tl.zeros([], tl.int32)
             for start in range(0, span, BLOCK):
-                key, _p, ok = _edge_keys(start, *edge, NBINS_, BLOCK)
+                key, _i, ok = _edge_keys(start, *edge, NBINS_, BLOCK)
                 c += tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
             if c >= rest:
                 lo_key = mid
@@ -351,12 +419,14 @@ def _finish_boundary(
         taken = tl.zeros([], tl.int32)
         tied = above
         for start in range(0, span, BLOCK):
-            key, p, ok = _edge_keys(start, *edge, NBINS_, BLOCK)
+            key, idx, ok = _edge_keys(start, *edge, NBINS_, BLOCK)
             sel = ok & (key > lo_key)
             tie = ok & (key == lo_key)
-            tl.store(out_at + taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1, p, mask=sel)
             slot = tied + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-            tl.store(out_at + slot, p, mask=tie & (slot < rest))
+            tie = tie & (slot < rest)
+            p = _position(ws_row, idx, sel | tie, LIST_AT, FROM_LIST)
+            tl.store(out_at + taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1, p, mask=sel)
+            tl.store(out_at + slot, p, mask=tie)
             taken += tl.sum(sel.to(tl.int32), axis=0)
             tied += tl.sum(tie.to(tl.int32), axis=0)
 
@@ -367,26 +437,26 @@ def _edge_keys(
     ws_row,
     wsf,
     span,
-    from_list,
+    from_kept,
     kth,
     lo,
     inv,
-    cand_lo,
-    SCORES_AT,
+    src_lo,
+    scores_at,
     BOUNDARY_AT,
     NBINS_: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Order keys, positions and validity of a tile of the boundary bin's tokens: entries of the
-    kept list, or the row's candidates in [start, start + BLOCK) that fall in bin kth."""
-    i = start + tl.arange(0, BLOCK)
-    inside = i < span
+    """Order keys, candidate indices and validity of a tile of the boundary bin's candidates:
+    entries of the kept list, or the candidates in [start, start + BLOCK) that fall in bin kth."""
+    j = start + tl.arange(0, BLOCK)
+    inside = j < span
     # (scalar bools stay out of the masks: Triton's interpreter turns them into int32 masks)
-    listed = i < tl.where(from_list, span, 0)
-    p = tl.where(listed, tl.load(ws_row + BOUNDARY_AT + i, mask=listed, other=0), i)
-    s = tl.load(wsf + SCORES_AT + p, mask=inside, other=0.0)
-    ok = listed | (inside & (p >= cand_lo) & (_score_bin(s, lo, inv, NBINS_) == kth))
-    return order_key(s), p, ok
+    listed = j < tl.where(from_kept, span, 0)
+    idx = tl.where(listed, tl.load(ws_row + BOUNDARY_AT + j, mask=listed, other=0), j)
+    s = tl.load(wsf + scores_at + idx, mask=inside, other=0.0)
+    ok = listed | (inside & (idx >= src_lo) & (_score_bin(s, lo, inv, NBINS_) == kth))
+    return order_key(s), idx, ok
 
 
 @triton.jit
@@ -395,9 +465,101 @@ def _zero_row(bins_row, ctr, NBINS_: tl.constexpr):
     tl.store(ctr + tl.arange(0, 4), tl.zeros([4], tl.int32))
 
 
+@triton.jit
+def _exact_kernel(
+    q_ptr,
+    k_ptr,
+    len_ptr,
+    ws_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    ROWS_PER_B,
+    G,
+    sink,
+    window,
+    cand_lo,
+    short_threshold,
+    list_heavy,
+    ROW_WS,
+    LIST_BOUNDS_AT,
+    LIST_AT,
+    LIST_SCORES_AT,
+    GROUP: tl.constexpr,
+    MAX_RULE: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The shortlist's exact scores <q, k> (float32; the group's sum or max over its heads) and
+    their range (atomic min and max)."""
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // ROWS_PER_B
+    r = row % ROWS_PER_B
+    kvh = r if GROUP else r // G
+    first = kvh * G if GROUP else r
+    heads = G if GROUP else 1
+    n = tl.load(len_ptr + b).to(tl.int32)
+    count = _row_sizes(n, sink, window, list_heavy, cand_lo, short_threshold)[3]
+    e = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = e < count
+    if tl.max(ok.to(tl.int32), axis=0) != 0:
+        ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
+        wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
+        p = tl.load(ws_row + LIST_AT + e, mask=ok, other=0).to(tl.int64)
+        d = tl.arange(0, D)
+        k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+        k = tl.load(k_row + p[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        q_b = q_ptr + b.to(tl.int64) * stride_qb
+        s = tl.sum(k * tl.load(q_b + first * stride_qh + d).to(tl.float32)[None, :], axis=1)
+        for g in range(1, heads):
+            s_g = tl.sum(k * tl.load(q_b + (first + g) * stride_qh + d).to(tl.float32)[None, :], axis=1)
+            s = tl.maximum(s, s_g) if MAX_RULE else s + s_g
+        tl.store(wsf + LIST_SCORES_AT + e, s, mask=ok)
+        tl.atomic_min(wsf + LIST_BOUNDS_AT, tl.min(tl.where(ok, s, float("inf")), axis=0), sem="relaxed")
+        tl.atomic_max(wsf + LIST_BOUNDS_AT + 1, tl.max(tl.where(ok, s, float("-inf")), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _list_bins_kernel(
+    len_ptr,
+    ws_ptr,
+    sink,
+    window,
+    cand_lo,
+    short_threshold,
+    list_heavy,
+    ROW_WS,
+    LIST_BOUNDS_AT,
+    BINS_AT,
+    LIST_SCORES_AT,
+    ROWS_PER_B,
+    NBINS_: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The bins of the shortlist's exact scores over their range."""
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // ROWS_PER_B
+    n = tl.load(len_ptr + b).to(tl.int32)
+    count = _row_sizes(n, sink, window, list_heavy, cand_lo, short_threshold)[3]
+    e = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = e < count
+    if tl.max(ok.to(tl.int32), axis=0) != 0:
+        ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
+        wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
+        lo, inv = _bins_of(wsf, 0, LIST_BOUNDS_AT, True, NBINS_)
+        s = tl.load(wsf + LIST_SCORES_AT + e, mask=ok, other=0.0)
+        tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=ok, sem="relaxed")
+
+
 _lut_launch = Launcher(_lut_kernel)
 _score_launch = Launcher(_score_kernel)
 _collect_launch = Launcher(_collect_kernel)
+_exact_launch = Launcher(_exact_kernel)
+_list_bins_launch = Launcher(_list_bins_kernel)
 
 
 def pq_select_fine(
@@ -414,12 +576,16 @@ def pq_select_fine(
     group_rule: str = "sum",
     n_tokens: int | None = None,
     code_base: int = 0,
+    rerank: int = 0,
+    keys: torch.Tensor | None = None,
 ) -> None:
     """Launch on validated inputs. q [B, H, D]; centroids [B, Hkv, M, C, dsub(+1)] (M, C and dsub
     powers of two); codes [B, Hkv, n_codes, M] holding tokens code_base + row; positions [B, R, L]
     and counts [B, R] with R = H (share="head") or Hkv ("group"); workspace: int32, zero-filled
-    once, at least `workspace_numel(B * R, tables, M, C, N)` elements (left zeroed where it must
-    be). params.cand_lo must be at least code_base."""
+    once, at least `workspace_numel(B * R, tables, M, C, N, rerank * heavy)` elements (left
+    zeroed where it must be). params.cand_lo must be at least code_base. rerank=R >= 1 with keys
+    [B, Hkv, >= N, D] (D a power of two): the top R * heavy by PQ score into the shortlist, their
+    exact scores, then the top heavy of those (three more launches)."""
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     G = H // Hkv
@@ -429,16 +595,16 @@ def pq_select_fine(
     tables = G if group and not sum_rule else 1
     rows_per_b = Hkv if group else H
     rows = B * rows_per_b
-    _, bounds_at, ctr_at, bins_at, scores_at, boundary_at, row_ws = row_layout(tables, M, C, N)
+    list_heavy = rerank * params.heavy
+    lay = row_layout(tables, M, C, N, list_heavy)
+    sink, window, heavy, cand_lo, short_threshold, width = params
     chunks = max(-(-N // BLOCK_N), 1)
-    entries = triton.next_power_of_2(max(-(-params.width // chunks), 1))
     _lut_launch(
         (rows,),
         (q, centroids, workspace),
-        (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, row_ws, bounds_at),
+        (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
         dict(GROUP=group, SUM_RULE=sum_rule, TABLES=tables, M=M, C=C, DSUB=D // M, NBINS_=NBINS, num_warps=4),
     )
-    sizes = (params.sink, params.window, params.heavy, params.cand_lo, params.short_threshold)
     _score_launch(
         (chunks, rows),
         (codes, lengths, workspace),
@@ -448,12 +614,16 @@ def pq_select_fine(
             G,
             codes.shape[2],
             code_base,
-            *sizes,
-            row_ws,
-            bounds_at,
-            ctr_at,
-            bins_at,
-            scores_at,
+            sink,
+            window,
+            list_heavy or heavy,
+            cand_lo,
+            short_threshold,
+            lay.size,
+            lay.bounds,
+            lay.counters,
+            lay.bins,
+            lay.scores,
         ),
         dict(
             GROUP=group,
@@ -466,28 +636,84 @@ def pq_select_fine(
             num_warps=4,
         ),
     )
-    _collect_launch(
-        (chunks, rows),
-        (lengths, positions, counts, workspace),
+
+    def collect(grid_chunks: int, stage_heavy: int, from_list: bool, to_list: bool) -> None:
+        _collect_launch(
+            (grid_chunks, rows),
+            (lengths, positions, counts, workspace),
+            (
+                *positions.stride()[:2],
+                *counts.stride(),
+                rows_per_b,
+                sink,
+                window,
+                stage_heavy,
+                cand_lo,
+                short_threshold,
+                list_heavy,
+                lay.size,
+                lay.bounds,
+                lay.list_bounds,
+                lay.counters,
+                lay.bins,
+                lay.scores,
+                lay.boundary,
+                lay.shortlist,
+                lay.list_scores,
+            ),
+            dict(
+                WIDTH=width,
+                ENTRIES=triton.next_power_of_2(max(-(-width // grid_chunks), 1)),
+                NBINS_=NBINS,
+                CAP=BOUNDARY_CAP,
+                TIE=TIE_TILE,
+                BLOCK=BLOCK_N,
+                FROM_LIST=from_list,
+                TO_LIST=to_list,
+                num_warps=4,
+            ),
+        )
+
+    if not rerank:
+        collect(chunks, heavy, False, False)
+        return
+    list_chunks = max(-(-list_heavy // BLOCK_N), 1)
+    collect(chunks, list_heavy, False, True)
+    _exact_launch(
+        (list_chunks, rows),
+        (q, keys, lengths, workspace),
         (
-            *positions.stride()[:2],
-            *counts.stride(),
+            *q.stride()[:2],
+            *keys.stride()[:3],
             rows_per_b,
-            *sizes,
-            row_ws,
-            bounds_at,
-            ctr_at,
-            bins_at,
-            scores_at,
-            boundary_at,
+            G,
+            sink,
+            window,
+            cand_lo,
+            short_threshold,
+            list_heavy,
+            lay.size,
+            lay.list_bounds,
+            lay.shortlist,
+            lay.list_scores,
         ),
-        dict(
-            WIDTH=params.width,
-            ENTRIES=entries,
-            NBINS_=NBINS,
-            CAP=BOUNDARY_CAP,
-            TIE=TIE_TILE,
-            BLOCK=BLOCK_N,
-            num_warps=4,
-        ),
+        dict(GROUP=group, MAX_RULE=group and not sum_rule, D=D, BLOCK=EXACT_BLOCK, num_warps=4),
     )
+    _list_bins_launch(
+        (list_chunks, rows),
+        (lengths, workspace),
+        (
+            sink,
+            window,
+            cand_lo,
+            short_threshold,
+            list_heavy,
+            lay.size,
+            lay.list_bounds,
+            lay.bins,
+            lay.list_scores,
+            rows_per_b,
+        ),
+        dict(NBINS_=NBINS, BLOCK=BLOCK_N, num_warps=4),
+    )
+    collect(list_chunks, heavy, True, False)
