@@ -305,8 +305,10 @@ def test_an_index_keeps_a_bounded_number_of_plans(kernel_routes, monkeypatch, de
 
 
 @pytest.mark.parametrize("routes", ["kernels", "reference"])
-@pytest.mark.parametrize("rule", ["sum", "max"])
-def test_group_selection_decode_steps(rule: str, routes: str, request, monkeypatch, device) -> None:
+@pytest.mark.parametrize("rule,rerank", [("sum", 0), ("max", 0), ("max", 3)])
+def test_group_selection_decode_steps(
+    rule: str, rerank: int, routes: str, request, monkeypatch, device
+) -> None:
     """share="group": one selection per KV head (Hkv rows, heavy the group's budget) by the group
     score, and attention of each query head over its group's set; the steps replay their plan on
     the kernel routes. Checked against the reference's group scores and per-head attention over
@@ -315,7 +317,16 @@ def test_group_selection_decode_steps(rule: str, routes: str, request, monkeypat
         request.getfixturevalue("kernel_routes")
     B, H, Hkv, N, D, steps = 2, 8, 2, 400, 32, 3
     config = pqattn.PQConfig(
-        subvectors=4, bits=8, sink=4, window=8, heavy=40, iters=2, share="group", group_rule=rule, sample=8
+        subvectors=4,
+        bits=8,
+        sink=4,
+        window=8,
+        heavy=40,
+        iters=2,
+        share="group",
+        group_rule=rule,
+        sample=8,
+        rerank=rerank,
     )
     lengths = [N, N - 90]
     keys = torch.randn(B, Hkv, N + steps, D, device=device)
@@ -330,9 +341,16 @@ def test_group_selection_decode_steps(rule: str, routes: str, request, monkeypat
         q = torch.randn(B, H, D, device=device)
         k_new, v_new = torch.randn(2, B, Hkv, 1, D, device=device)
         out = index.decode_step(q, k_new, v_new, k_cache, v_cache)
-        sel = index.select(q) if routes == "reference" else index._selection
+        sel = index.select(q, k_cache) if routes == "reference" else index._selection
         assert sel.positions.shape == (B, Hkv, 4 + 40 + 8)
         scores = ref.group_scores(ref.pq_scores(q.double(), index.centroids.double(), index.codes), Hkv, rule)
+        if rerank:  # the exact group scores decide within the shortlist (its own PQ ties aside)
+            scores = ref.group_scores(ref.exact_scores(q.double(), k_cache.double()), Hkv, rule)
+            short = ref.select_from_scores(
+                ref.group_scores(ref.pq_scores(q.double(), index.centroids.double(), index.codes), Hkv, rule),
+                index.lengths, sink=4, window=8, heavy=rerank * 40, init_offset=4, short_threshold=52,
+            )  # fmt: skip
+            scores = scores.masked_fill(ref.dense_weights(short, scores.shape[-1]) == 0, float("-inf"))
         want = ref.select_from_scores(scores, index.lengths, sink=4, window=8, heavy=40, init_offset=4)
         assert torch.equal(sel.counts, want.counts)
         for b in range(B):

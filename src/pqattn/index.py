@@ -24,7 +24,8 @@ class PQConfig:
     iters / tol / seed drive the k-means build, on a strided sample of `sample` keys per centroid
     when sample > 0 (euclidean; 0: every key). share="group" selects one set per KV head for
     its G query heads (heavy is then the group's budget) by the group score of `group_rule`
-    ("sum" or "max" of the heads' PQ scores; SPEC §7).
+    ("sum" or "max" of the heads' PQ scores; SPEC §7). rerank=R >= 1 takes the top heavy by the
+    exact <q, k> among the top R * heavy by PQ score (the selection then reads the key cache).
     """
 
     subvectors: int = 2
@@ -40,6 +41,7 @@ class PQConfig:
     sample: int = 0
     share: str = "head"
     group_rule: str = "sum"
+    rerank: int = 0
 
     def __post_init__(self) -> None:
         check.positive_int("subvectors", self.subvectors)
@@ -48,7 +50,7 @@ class PQConfig:
             raise ValueError(
                 f"sample: the {self.metric!r} metric builds on every key, got sample={self.sample}"
             )
-        check.share_options(self.share, self.group_rule, 0)
+        check.share_options(self.share, self.group_rule, self.rerank)
         check.bits(self.bits)
         check.metric(self.metric)
         for name in ("sink", "window", "heavy", "iters"):
@@ -415,11 +417,12 @@ class PQIndex:
         self._max_length = int(self.lengths.max()) if self.batch else 0
         self._reindex_when_due()
 
-    def select(self, q: torch.Tensor) -> Selection:
+    def select(self, q: torch.Tensor, keys: torch.Tensor | None = None) -> Selection:
         """PQ top-k selection for one decode query per sequence (SPEC §2; sizes from the config).
 
         Args:
             q: [B, H, D] float, H a multiple of Hkv, D the index's head dim.
+            keys: the key cache [B, Hkv, >= the longest length, D], for a config that re-ranks.
 
         Returns:
             Selection(positions [B, H, sink + heavy + window] int32, -1 past the count; counts
@@ -432,17 +435,41 @@ class PQIndex:
             >>> index.select(torch.randn(1, 4, 16)).counts.tolist()
             [[28, 28, 28, 28]]
         """
-        key = self._plan_key("select", q)
+        c = self.config
+        if c.rerank and keys is None:
+            raise ValueError(
+                "keys: expected the key cache [B, Hkv, N, D] for a config with rerank >= 1, got None"
+            )
+        inputs = (q,) if keys is None or not c.rerank else (q, keys)
+        key = self._plan_key("select", *inputs)
         plan = self._plans.get(key)
         if plan is not None:
-            plan(q)
+            plan(*inputs)
             return self._selection
         check.tensor(
             "q", q, shape=(self.batch, None, self.head_dim), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES
         )
-        c = self.config
-        kernel = dispatch.kernel_path(q, self.centroids, c.heavy, c.share)
+        keys = keys if c.rerank else None
+        if keys is not None:
+            check.tensor(
+                "keys",
+                keys,
+                shape=(self.batch, self.kv_heads, None, self.head_dim),
+                dims="[B, Hkv, N, D]",
+                dtypes=check.FLOAT_DTYPES,
+                device=self.device,
+            )
+            if keys.shape[2] < self._max_length:
+                raise ValueError(
+                    f"keys: expected at least {self._max_length} tokens on axis 2 (the longest sequence), "
+                    f"got {keys.shape[2]}"
+                )
+        kernel = dispatch.kernel_path(q, self.centroids, c.heavy, c.share, c.rerank)
         if not kernel:
+            if keys is not None and keys.shape[2] != self.capacity:  # the reference scores every row
+                keys = torch.nn.functional.pad(
+                    keys[:, :, : self.capacity], (0, 0, 0, self.capacity - keys.shape[2])
+                )
             return ops.select_topk(
                 q,
                 self.centroids,
@@ -454,6 +481,8 @@ class PQIndex:
                 init_offset=c.offset,
                 share=c.share,
                 group_rule=c.group_rule,
+                rerank=c.rerank,
+                keys=keys,
             )
         check.score_inputs(q, self.centroids, self.codes)
         if self._selection is None or self._selection_heads != q.shape[1]:
@@ -476,6 +505,7 @@ class PQIndex:
                 buckets=self._buckets is not None,
                 share=c.share,
                 tables=H // self.kv_heads if group and c.group_rule == "max" else 1,
+                rerank=c.rerank,
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
         with recording() as rec:
@@ -498,8 +528,10 @@ class PQIndex:
                 buckets=self._buckets,
                 share=c.share,
                 group_rule=c.group_rule,
+                rerank=c.rerank,
+                keys=keys,
             )
-        self._keep(key, rec, q)
+        self._keep(key, rec, *inputs)
         return self._selection
 
     def attend(
@@ -542,7 +574,10 @@ class PQIndex:
     def _kernels_only(self, q: torch.Tensor, select: bool) -> bool:
         """True when every part of an attend ran Triton launches (a plan replays only those)."""
         return dispatch.decode_kernel_path(q) and (
-            not select or dispatch.kernel_path(q, self.centroids, self.config.heavy, self.config.share)
+            not select
+            or dispatch.kernel_path(
+                q, self.centroids, self.config.heavy, self.config.share, self.config.rerank
+            )
         )
 
     def _attend(
@@ -553,7 +588,7 @@ class PQIndex:
         selection: Selection | None,
         scale: float | None,
     ) -> torch.Tensor:
-        sel = self.select(q) if selection is None else selection
+        sel = self.select(q, k_cache) if selection is None else selection
         if not dispatch.decode_kernel_path(q):
             return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)
         B, H, D = q.shape

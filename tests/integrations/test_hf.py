@@ -34,15 +34,17 @@ def _states(model) -> list:
     return [m._pqattn_state for m in model.modules() if hasattr(m, "_pqattn_state")]
 
 
-@pytest.mark.parametrize("share", ["head", "group"])
+@pytest.mark.parametrize("share,rerank", [("head", 0), ("group", 0), ("group", 2)])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_greedy_generation_equals_dense_when_heavy_covers_every_token(
-    kind: str, share: str, device: torch.device
+    kind: str, share: str, rerank: int, device: torch.device
 ) -> None:
     model = _model(kind, device)
     ids = torch.randint(0, 128, (2, 70), device=device)
     mask = torch.ones_like(ids)
-    config = pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3, share=share, group_rule="max")
+    config = pq_hf.HFConfig(
+        heavy=500, sink=4, window=4, bits=3, iters=3, share=share, group_rule="max", rerank=rerank
+    )
     with torch.no_grad():
         dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
         assert pq_hf.enable(model, config) == [0, 1, 2]

@@ -238,8 +238,9 @@ def _rerank_case(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, hea
             )
             allowed[b].scatter_(-1, got, True)
         want = ref.select_from_scores(exact, lengths, heavy=heavy, allowed=allowed, **sizes)
+        # (outside the shortlist a score below every other one: finite, so the tolerance stays one)
         problem = selection_problem(
-            positions, counts, exact.masked_fill(~allowed, float("-inf")), lengths, cand_lo=sink,
+            positions, counts, exact.masked_fill(~allowed, float(exact.min()) - 1.0), lengths, cand_lo=sink,
             window=window, short_threshold=sink + heavy + window, ref_sel=want,
         )  # fmt: skip
         assert problem is None, problem

@@ -38,8 +38,9 @@ class HFConfig:
     heavy: tokens chosen by the PQ scores, or heavy_fraction of the prompt length (at most one
     of the two; 1024 tokens when neither is given);
     sink / window: always kept; subvectors (M), bits, metric, iters, sample: the index (SPEC §1,
-    `PQConfig`); share / group_rule: per-head or group (GQA-shared) selection (SPEC §7, `PQConfig`;
-    with share="group", heavy is the budget of each KV head);
+    `PQConfig`); share / group_rule / rerank: per-head or group (GQA-shared) selection and the
+    exact re-rank of a PQ shortlist (SPEC §7, `PQConfig`; with share="group", heavy is the budget
+    of each KV head);
     dense_layers: layer indices that never go sparse; capacity: decode tokens the index has room
     for after the prompt; prefill: "sdpa" (PyTorch's SDPA) or "pqattn" (`pqattn.dense_attention`:
     the Triton flash kernel for CUDA fp16/bf16, the reference elsewhere). Prompts with padding,
@@ -57,6 +58,7 @@ class HFConfig:
     sample: int = 0
     share: str = "head"
     group_rule: str = "sum"
+    rerank: int = 0
     dense_layers: tuple[int, ...] = ()
     capacity: int = 4096
     prefill: str = "sdpa"
@@ -75,7 +77,7 @@ class HFConfig:
             raise ValueError(
                 f"sample: the {self.metric!r} metric builds on every key, got sample={self.sample}"
             )
-        check.share_options(self.share, self.group_rule, 0)
+        check.share_options(self.share, self.group_rule, self.rerank)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers: expected non-negative layer indices, got {self.dense_layers!r}")
         if self.prefill not in PREFILL:
@@ -154,6 +156,7 @@ def pq_attention_forward(
             sample=c.sample,
             share=c.share,
             group_rule=c.group_rule,
+            rerank=c.rerank,
         )
         state.index = PQIndex.build(key, [S] * B, capacity=S + c.capacity, config=pq)
         return out
@@ -171,7 +174,7 @@ def pq_attention_forward(
     index.append(key[:, :, -1:])
     q = query[:, :, 0]
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
-    out = index.attend(q, key, value, index.select(q), scale=scaling)
+    out = index.attend(q, key, value, index.select(q, key), scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
 

@@ -680,7 +680,7 @@ def pq_select_fine(
     list_chunks = max(-(-list_heavy // BLOCK_N), 1)
     collect(chunks, list_heavy, False, True)
     _exact_launch(
-        (list_chunks, rows),
+        (max(-(-list_heavy // EXACT_BLOCK), 1), rows),
         (q, keys, lengths, workspace),
         (
             *q.stride()[:2],
