@@ -336,48 +336,19 @@ def _pq_bucket_select_kernel(
     IP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    ONES: tl.constexpr = HAS_W and ZERO_PROGS > 0
     pid = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     zeroing = False  # (without zero programs the branch is not compiled)
     if ZERO_PROGS > 0:
         zeroing = pid >= rows
     if zeroing:  # zeros over a share of a row's dense weights
-        row = (pid - rows) // ZERO_PROGS
-        b = row // H
-        h = row % H
-        w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
-        part = (pid - rows) % ZERO_PROGS
-        z_lo = part * zero_span
-        z_hi = tl.minimum(z_lo + zero_span, n_weights)
-        _zero_row(w_row, z_lo, z_hi, CHUNK)
-        # (the zeros out first: the selection looks for them to write its ones with its positions)
-        if _arrive_at_row(ws_ptr + done_off + row, 1, _SELECTED + ZERO_PROGS - 1):
-            pos_row = pos_ptr + b * stride_pb + h * stride_ph
-            count = tl.load(cnt_ptr + row, cache_modifier=".cg").to(tl.int32)
-            first = tl.load(pos_row + lane, mask=lane < width, other=0, cache_modifier=".cg")
-            _write_ones(pos_row, count, first, w_row, CHUNK)
-            tl.store(ws_ptr + done_off + row, 0)
-        if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
-            if part == 0:  # the new key of the row's KV head: see the selection's ENCODE below
-                kvh = h // G
-                _new_codes(
-                    x_ptr + b * stride_xb + kvh * stride_xk,
-                    stride_xd,
-                    cent_ptr + b * stride_cb + kvh * stride_ck,
-                    phi_ptr + (b * Hkv + kvh) * M,
-                    codes_ptr + b * stride_kb + kvh * stride_kk + row0 * stride_kn,
-                    stride_km,
-                    stride_cm,
-                    stride_cc,
-                    q_ptr,
-                    q_ptr,
-                    M,
-                    C,
-                    DSUB,
-                    BLOCK_D,
-                    IP,
-                    False,
-                )
+        _zero_program(
+            pid, rows, H, G, Hkv, w_ptr, stride_wb, stride_wh, n_weights, zero_span, ws_ptr, done_off,
+            pos_ptr, stride_pb, stride_ph, cnt_ptr, width, x_ptr, stride_xb, stride_xk, stride_xd,
+            cent_ptr, stride_cb, stride_ck, stride_cm, stride_cc, phi_ptr, codes_ptr, stride_kb,
+            stride_kk, stride_kn, stride_km, row0, q_ptr, M, C, DSUB, BLOCK_D, CHUNK, ZERO_PROGS, ENCODE, IP,
+        )  # fmt: skip
     else:
         row = pid
         b = row // H
@@ -491,116 +462,26 @@ def _pq_bucket_select_kernel(
                 score += tl.load(lut_row + m * C + digit)
             key = tl.where(w > 0, order_key(score), 0)
             cut, quota, k = weighted_cut(key, w, need)
-            if HAS_W and ZERO_PROGS > 0:
+            # the ones of the dense weights written with the positions (ONES), where `with_ones`
+            with_ones = lane < 0
+            one = tl.full([CHUNK], 1.0, tl.float32).to(w_ptr.dtype.element_ty)
+            if ONES:
                 fast = tl.max(tl.where(lane == 0, seen, 0), 0) == ZERO_PROGS
                 with_ones = lane < tl.where(fast, CHUNK, 0)  # (a block mask: see `at_cut`)
-                one = tl.full([CHUNK], 1.0, tl.float32).to(w_ptr.dtype.element_ty)
             if LATE_RUNS:  # loaded after the search, they hold no registers through it
                 run = tl.load(starts_row + combo)
                 run_len = tl.load(starts_row + combo + 1) - run
 
-            # 2. Bucketed tokens. Slots [0, k - quota) hold the tokens above the cut, the bucketed
-            # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
-            # combination order, up to the quota) first. The runs above the cut take their offsets
-            # from an int32 cumsum; the ties' runs only need one when several combinations score
-            # exactly the cut (equal float sums), else the one run at it starts at the first tie
-            # slot.
-            above = tl.where((w > 0) & (key > cut), run_len, 0)
-            # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
-            at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
-            before = tl.cumsum(above, 0) - above
-            n_above, n_at, cut_runs = _sum3(above, at_cut, (at_cut > 0).to(tl.int32))
-            n_tie = tl.minimum(n_at, quota)
-            tie_lo = k - quota
-            tie_before = tl.zeros([P], tl.int32)
-            if cut_runs > 1:
-                tie_before = tl.cumsum(at_cut, 0) - at_cut
-            tie_run = (at_cut > 0) & (tie_before < quota)
-            first = tl.where(tie_run, tie_lo + tie_before, before)
-            marked = (above > 0) | tie_run
-            # A mark with low word 0 (no run's: those are >= 2^31 - heavy) stops the runs at the slots
-            # the recent tokens above the cut fill, [n_above, tie_lo).
-            stop = n_above < tie_lo
-            marks_ws = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-            marks = marks_ws + marks_off // 2 + row.to(tl.int64) * heavy
-            tl.store(
-                marks + first,
-                ((first + 1).to(tl.int64) << 32) | ((run - first).to(tl.int64) + _BIAS),
-                mask=marked,
-            )
-            if stop:
-                tl.store(marks + n_above, (n_above + 1).to(tl.int64) << 32)
-            tl.debug_barrier()  # every thread's marks are visible to the others after it
-            order_row = order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok
-            carry = tl.full([], 0, tl.int64)
-            for j0 in range(0, tie_lo + n_tie, CHUNK):
-                j = j0 + lane
-                v = tl.load(marks + j, mask=j < tie_lo + n_tie, other=0)
-                v = tl.maximum(tl.associative_scan(v, 0, _max_combine), carry)
-                carry = tl.max(v, 0)
-                low = v - ((v >> 32) << 32)
-                ok = (j < tie_lo + n_tie) & (low != 0)
-                token = tl.load(order_row + j + (low - _BIAS), mask=ok)
-                tl.store(pos_row + n_sink + j, token, mask=ok)
-                if HAS_W and ZERO_PROGS > 0:
-                    tl.store(w_row + token, one, mask=ok & with_ones)
-            # Zero the marks for the next call once every thread has read them (zeroing each chunk
-            # as it is read races: the scan may take the loads into another layout than the stores)
-            tl.debug_barrier()
-            tl.store(marks + first, tl.zeros([P], tl.int64), mask=marked)
-            if stop:
-                tl.store(marks + n_above, tl.zeros([], tl.int64))
-
-            # 3. Recent tokens [frozen, hi): those above the cut fill [n_above, tie_lo), ties the
-            # slots after the bucketed ones up to the quota. Each step loads the next step's codes
-            # before it scores its own, and ranks its tokens only when it takes one.
-            next_above = n_above
-            next_tie = tie_lo + n_tie
-            ties_left = quota - n_tie
-            m_idx = tl.arange(0, M)
-            for start in range(rec_lo, rec_hi, CHUNK):
-                offs = start + lane
-                cand = offs < rec_hi
-                code = code_next
-                code_next = load_codes(
-                    codes_row, offs + CHUNK, offs + CHUNK < rec_hi, stride_kn, stride_km, M
-                )
-                s = tl.zeros([CHUNK], tl.float32)
-                for m in tl.static_range(M):
-                    code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
-                    s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
-                key_t = order_key(s)
-                is_above = cand & (key_t > cut)
-                is_tie = cand & (key_t == cut) & (offs * 0 + ties_left > 0)
-                packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
-                total = tl.sum(packed, 0)
-                if total > 0:
-                    inclusive = tl.cumsum(packed, 0)
-                    tie_rank = (inclusive >> 16) - 1
-                    slot = tl.where(is_above, next_above + (inclusive & 0xFFFF) - 1, next_tie + tie_rank)
-                    taken = (is_above | (is_tie & (tie_rank < ties_left))) & (slot < k)
-                    tl.store(pos_row + n_sink + slot, offs, mask=taken)
-                    if HAS_W and ZERO_PROGS > 0:
-                        tl.store(w_row + offs, one, mask=taken & with_ones)
-                next_above += total & 0xFFFF
-                next_tie += total >> 16
-                ties_left -= total >> 16
-
-            # 4. Sink, window, count, -1 padding.
-            for start in range(0, n_sink, CHUNK):
-                o = start + lane
-                tl.store(pos_row + o, o, mask=o < n_sink)
-                if HAS_W and ZERO_PROGS > 0:
-                    tl.store(w_row + o, one, mask=(o < n_sink) & with_ones)
-            for start in range(0, n_win, CHUNK):
-                o = start + lane
-                tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
-                if HAS_W and ZERO_PROGS > 0:
-                    tl.store(w_row + win_lo + o, one, mask=(o < n_win) & with_ones)
-            count = n_sink + k + n_win
-            for start in range(count, width, CHUNK):
-                o = start + lane
-                tl.store(pos_row + o, tl.full([CHUNK], -1, tl.int32), mask=o < width)
+            # 2. Bucketed tokens; 3. recent tokens; 4. sink, window, count, -1 padding.
+            n_above, n_tie, tie_lo = _bucketed_tokens(
+                key, w, cut, quota, k, run, run_len, ws_ptr, marks_off, row, heavy, order_ptr,
+                b, kvh, stride_ob, stride_ok, pos_row, n_sink, w_row, one, with_ones, P, CHUNK, ONES,
+            )  # fmt: skip
+            _recent_tokens(
+                rec_lo, rec_hi, code_next, codes_row, stride_kn, stride_km, lut_row, cut, k, n_above,
+                tie_lo + n_tie, quota - n_tie, pos_row, n_sink, w_row, one, with_ones, M, C, CHUNK, ONES,
+            )  # fmt: skip
+            count = _fixed_parts(pos_row, n_sink, k, n_win, win_lo, width, w_row, one, with_ones, CHUNK, ONES)
         tl.store(cnt_ptr + row, count)
         if ENCODE:
             tl.debug_barrier()  # every thread has read the histogram
@@ -626,6 +507,256 @@ def _pq_bucket_select_kernel(
                 if _arrive_at_row(ws_ptr + done_off + row, _SELECTED, ZERO_PROGS):
                     _write_ones(pos_row, count, first, w_row, CHUNK)
                     tl.store(ws_ptr + done_off + row, 0)
+
+
+@triton.jit
+def _zero_program(
+    pid,
+    rows,
+    H,
+    G,
+    Hkv,
+    w_ptr,
+    stride_wb,
+    stride_wh,
+    n_weights,
+    zero_span,
+    ws_ptr,
+    done_off,
+    pos_ptr,
+    stride_pb,
+    stride_ph,
+    cnt_ptr,
+    width,
+    x_ptr,
+    stride_xb,
+    stride_xk,
+    stride_xd,
+    cent_ptr,
+    stride_cb,
+    stride_ck,
+    stride_cm,
+    stride_cc,
+    phi_ptr,
+    codes_ptr,
+    stride_kb,
+    stride_kk,
+    stride_kn,
+    stride_km,
+    row0,
+    q_ptr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ZERO_PROGS: tl.constexpr,
+    ENCODE: tl.constexpr,
+    IP: tl.constexpr,
+):
+    """A zero program: zeros over its share of a row's dense weights; the last of the row's to
+    arrive writes the ones of its positions; the row's first encodes the new key (ENCODE)."""
+    lane = tl.arange(0, CHUNK)
+    row = (pid - rows) // ZERO_PROGS
+    b = row // H
+    h = row % H
+    w_row = w_ptr + b.to(tl.int64) * stride_wb + h * stride_wh
+    part = (pid - rows) % ZERO_PROGS
+    z_lo = part * zero_span
+    z_hi = tl.minimum(z_lo + zero_span, n_weights)
+    _zero_row(w_row, z_lo, z_hi, CHUNK)
+    # (the zeros out first: the selection looks for them to write its ones with its positions)
+    if _arrive_at_row(ws_ptr + done_off + row, 1, _SELECTED + ZERO_PROGS - 1):
+        pos_row = pos_ptr + b * stride_pb + h * stride_ph
+        count = tl.load(cnt_ptr + row, cache_modifier=".cg").to(tl.int32)
+        first = tl.load(pos_row + lane, mask=lane < width, other=0, cache_modifier=".cg")
+        _write_ones(pos_row, count, first, w_row, CHUNK)
+        tl.store(ws_ptr + done_off + row, 0)
+    if ENCODE:  # noqa: SIM102 (compile time; the inner test runs)
+        if part == 0:  # the new key of the row's KV head (the selection's ENCODE in the kernel)
+            kvh = h // G
+            _new_codes(
+                x_ptr + b * stride_xb + kvh * stride_xk,
+                stride_xd,
+                cent_ptr + b * stride_cb + kvh * stride_ck,
+                phi_ptr + (b * Hkv + kvh) * M,
+                codes_ptr + b * stride_kb + kvh * stride_kk + row0 * stride_kn,
+                stride_km,
+                stride_cm,
+                stride_cc,
+                q_ptr,
+                q_ptr,
+                M,
+                C,
+                DSUB,
+                BLOCK_D,
+                IP,
+                False,
+            )
+
+
+@triton.jit
+def _bucketed_tokens(
+    key,
+    w,
+    cut,
+    quota,
+    k,
+    run,
+    run_len,
+    ws_ptr,
+    marks_off,
+    row,
+    heavy,
+    order_ptr,
+    b,
+    kvh,
+    stride_ob,
+    stride_ok,
+    pos_row,
+    n_sink,
+    w_row,
+    one,
+    with_ones,
+    P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ONES: tl.constexpr,
+):
+    """Phase 2: the bucketed tokens of the combinations above the cut and, up to the quota, at it,
+    copied from their runs of the inverted lists; returns (n_above, n_tie, tie_lo)."""
+    lane = tl.arange(0, CHUNK)
+    # Slots [0, k - quota) hold the tokens above the cut, the bucketed
+    # ones first; slots [k - quota, k) the ties, the bucketed ones (runs at the cut in
+    # combination order, up to the quota) first. The runs above the cut take their offsets
+    # from an int32 cumsum; the ties' runs only need one when several combinations score
+    # exactly the cut (equal float sums), else the one run at it starts at the first tie
+    # slot.
+    above = tl.where((w > 0) & (key > cut), run_len, 0)
+    # (a block & a scalar bool: Triton 3.9's interpreter would make it int32)
+    at_cut = tl.where((w > 0) & (key == cut) & (w * 0 + quota > 0), run_len, 0)
+    before = tl.cumsum(above, 0) - above
+    n_above, n_at, cut_runs = _sum3(above, at_cut, (at_cut > 0).to(tl.int32))
+    n_tie = tl.minimum(n_at, quota)
+    tie_lo = k - quota
+    tie_before = tl.zeros([P], tl.int32)
+    if cut_runs > 1:
+        tie_before = tl.cumsum(at_cut, 0) - at_cut
+    tie_run = (at_cut > 0) & (tie_before < quota)
+    first = tl.where(tie_run, tie_lo + tie_before, before)
+    marked = (above > 0) | tie_run
+    # A mark with low word 0 (no run's: those are >= 2^31 - heavy) stops the runs at the slots
+    # the recent tokens above the cut fill, [n_above, tie_lo).
+    stop = n_above < tie_lo
+    marks_ws = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    marks = marks_ws + marks_off // 2 + row.to(tl.int64) * heavy
+    tl.store(
+        marks + first,
+        ((first + 1).to(tl.int64) << 32) | ((run - first).to(tl.int64) + _BIAS),
+        mask=marked,
+    )
+    if stop:
+        tl.store(marks + n_above, (n_above + 1).to(tl.int64) << 32)
+    tl.debug_barrier()  # every thread's marks are visible to the others after it
+    order_row = order_ptr + b.to(tl.int64) * stride_ob + kvh * stride_ok
+    carry = tl.full([], 0, tl.int64)
+    for j0 in range(0, tie_lo + n_tie, CHUNK):
+        j = j0 + lane
+        v = tl.load(marks + j, mask=j < tie_lo + n_tie, other=0)
+        v = tl.maximum(tl.associative_scan(v, 0, _max_combine), carry)
+        carry = tl.max(v, 0)
+        low = v - ((v >> 32) << 32)
+        ok = (j < tie_lo + n_tie) & (low != 0)
+        token = tl.load(order_row + j + (low - _BIAS), mask=ok)
+        tl.store(pos_row + n_sink + j, token, mask=ok)
+        if ONES:
+            tl.store(w_row + token, one, mask=ok & with_ones)
+    # Zero the marks for the next call once every thread has read them (zeroing each chunk
+    # as it is read races: the scan may take the loads into another layout than the stores)
+    tl.debug_barrier()
+    tl.store(marks + first, tl.zeros([P], tl.int64), mask=marked)
+    if stop:
+        tl.store(marks + n_above, tl.zeros([], tl.int64))
+    return n_above, n_tie, tie_lo
+
+
+@triton.jit
+def _recent_tokens(
+    rec_lo,
+    rec_hi,
+    code_next,
+    codes_row,
+    stride_kn,
+    stride_km,
+    lut_row,
+    cut,
+    k,
+    next_above,
+    next_tie,
+    ties_left,
+    pos_row,
+    n_sink,
+    w_row,
+    one,
+    with_ones,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ONES: tl.constexpr,
+):
+    """Phase 3: the recent tokens [frozen, hi), scanned: those above the cut fill the slots from
+    next_above, ties the slots from next_tie up to ties_left of them."""
+    lane = tl.arange(0, CHUNK)
+    # Each step loads the next step's codes before it scores its own, and ranks its tokens only
+    # when it takes one.
+    m_idx = tl.arange(0, M)
+    for start in range(rec_lo, rec_hi, CHUNK):
+        offs = start + lane
+        cand = offs < rec_hi
+        code = code_next
+        code_next = load_codes(codes_row, offs + CHUNK, offs + CHUNK < rec_hi, stride_kn, stride_km, M)
+        s = tl.zeros([CHUNK], tl.float32)
+        for m in tl.static_range(M):
+            code_m = tl.sum(tl.where(m_idx[None, :] == m, code, 0), axis=1)
+            s += tl.load(lut_row + m * C + code_m, mask=cand, other=0.0)
+        key_t = order_key(s)
+        is_above = cand & (key_t > cut)
+        is_tie = cand & (key_t == cut) & (offs * 0 + ties_left > 0)
+        packed = is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16)  # both ranks in one scan
+        total = tl.sum(packed, 0)
+        if total > 0:
+            inclusive = tl.cumsum(packed, 0)
+            tie_rank = (inclusive >> 16) - 1
+            slot = tl.where(is_above, next_above + (inclusive & 0xFFFF) - 1, next_tie + tie_rank)
+            taken = (is_above | (is_tie & (tie_rank < ties_left))) & (slot < k)
+            tl.store(pos_row + n_sink + slot, offs, mask=taken)
+            if ONES:
+                tl.store(w_row + offs, one, mask=taken & with_ones)
+        next_above += total & 0xFFFF
+        next_tie += total >> 16
+        ties_left -= total >> 16
+
+
+@triton.jit
+def _fixed_parts(
+    pos_row, n_sink, k, n_win, win_lo, width, w_row, one, with_ones, CHUNK: tl.constexpr, ONES: tl.constexpr
+):
+    """Phase 4: sink, window and -1 padding; returns the count."""
+    lane = tl.arange(0, CHUNK)
+    for start in range(0, n_sink, CHUNK):
+        o = start + lane
+        tl.store(pos_row + o, o, mask=o < n_sink)
+        if ONES:
+            tl.store(w_row + o, one, mask=(o < n_sink) & with_ones)
+    for start in range(0, n_win, CHUNK):
+        o = start + lane
+        tl.store(pos_row + n_sink + k + o, win_lo + o, mask=o < n_win)
+        if ONES:
+            tl.store(w_row + win_lo + o, one, mask=(o < n_win) & with_ones)
+    count = n_sink + k + n_win
+    for start in range(count, width, CHUNK):
+        o = start + lane
+        tl.store(pos_row + o, tl.full([CHUNK], -1, tl.int32), mask=o < width)
+    return count
 
 
 _pq_bucket_launch = Launcher(_pq_bucket_kernel)
