@@ -225,6 +225,16 @@ def _fidelity_section(name: str, doc: dict) -> list[str]:
         ]
         for policy, v in share.items():
             lines.append(f"| {policy} | " + " | ".join(_fmt3(v.get(c)) for c in cols) + " |")
+    if doc.get("builds"):
+        lines += [
+            "",
+            "| index | generator | N | relative squared error of the keys |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        for r in doc["builds"]:
+            smp = f", k-means on {r['sample']} keys per centroid" if r["sample"] else ""
+            index = f"M={r['M']} bits={r['bits']}{smp}"
+            lines.append(f"| {index} | {r['problem']} | {r['tokens_N']} | {r['rel_sq_error']:.4f} |")
     if doc["steps"]:
         lines += [
             "",
