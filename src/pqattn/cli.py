@@ -633,7 +633,11 @@ def _add_fidelity(sub: argparse._SubParsersAction) -> None:
         "builds on a sample against every key",
     )
     p.add_argument("--tokens", default="32768", help="comma-separated N of the quality measurements")
-    p.add_argument("--shapes", default="1x32768", help="comma-separated BxN of the step timings (GPU only)")
+    p.add_argument(
+        "--shapes",
+        default="1x32768",
+        help="comma-separated BxN of the step timings (eager wall-clock on a CPU)",
+    )
     p.add_argument("--sink", type=int, default=64, help="sink tokens")
     p.add_argument("--window", type=int, default=64, help="window tokens")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")

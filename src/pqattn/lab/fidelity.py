@@ -20,7 +20,7 @@ from pqattn.kernels.launch import autotuning
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
 from pqattn.lab.policies import Policy
-from pqattn.lab.timing import capture, sync, time_graph
+from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 GRAPH_CALLS = 20
@@ -106,8 +106,11 @@ def build_rows(policies: Sequence[Policy], *, tokens: int, sink: int, device: to
 
 
 def _graph_us(fn, device: torch.device, repeats: int) -> float:
+    """GPU time of fn from CUDA-graph replay; on a CPU eager wall-clock (the rows say which)."""
     fn()
     sync(device)
+    if device.type != "cuda":
+        return wall_us(fn, device, repeats=repeats)["median_us"]
     graph = capture([fn], device, calls=GRAPH_CALLS)
     return time_graph(graph, device, repeats=repeats, calls=GRAPH_CALLS)["median_us"]
 
@@ -155,20 +158,12 @@ def step_rows(
             continue
         rows_per_b = Hkv if p.share == "group" else H
         tables = H // Hkv if p.share == "group" and p.group_rule == "max" else 1
-        sel = ops.select_topk(
-            q,
-            book.centroids,
-            book.codes,
-            lengths,
-            sink=sink,
-            window=window,
-            heavy=heavy,
-            init_offset=sink,
-            share=p.share,
-            group_rule=p.group_rule,
-            rerank=p.rerank,
-            keys=k if p.rerank else None,
+        args = (q, book.centroids, book.codes, lengths)
+        kw = dict(
+            sink=sink, window=window, heavy=heavy, init_offset=sink, share=p.share, group_rule=p.group_rule
         )
+        kw |= dict(rerank=p.rerank, keys=k if p.rerank else None)
+        sel = ops.select_topk(*args, **kw)
         ws_sel = torch.zeros(
             ops.select_workspace_numel(
                 B * rows_per_b,
@@ -190,23 +185,8 @@ def step_rows(
         )
         out = torch.empty_like(q)
 
-        def select(sel=sel, ws=ws_sel, heavy=heavy, p=p, book=book):
-            ops.select_topk(
-                q,
-                book.centroids,
-                book.codes,
-                lengths,
-                sink=sink,
-                window=window,
-                heavy=heavy,
-                init_offset=sink,
-                share=p.share,
-                group_rule=p.group_rule,
-                rerank=p.rerank,
-                keys=k if p.rerank else None,
-                out=sel,
-                workspace=ws,
-            )
+        def select(sel=sel, ws=ws_sel, args=args, kw=kw):
+            ops.select_topk(*args, **kw, out=sel, workspace=ws)
 
         def step(sel=sel, select=select, ws=ws_dec, out=out):
             select()
@@ -247,8 +227,10 @@ def run(
     window: int,
     device: torch.device,
     policies: Sequence[Policy] | None = None,
+    repeats: int = 30,
 ) -> dict:
-    """The fidelity document: quality rows per N, step rows per (B, N) shape."""
+    """The fidelity document: quality rows per N, step rows per (B, N) shape (`repeats` timed
+    samples each)."""
     policies = list(policies or default_policies(density))
     doc = {
         "measures": "attention mass (share of the per-head oracle's) and one decode step of a layer",
@@ -264,7 +246,8 @@ def run(
     for n in quality_tokens:
         doc["quality"] += quality_rows(policies, tokens=n, sink=sink, window=window, device=device)
         doc["builds"] += build_rows(policies, tokens=n, sink=sink, device=device)
-    if device.type == "cuda":
+    doc["timing"] = "graph" if device.type == "cuda" else "eager"
+    if shapes:
         doc["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
         for b, n in shapes:
             doc["steps"] += step_rows(
@@ -275,6 +258,7 @@ def run(
                 window=window,
                 device=device,
                 bandwidth=doc["copy_bandwidth_GBps"] * 1e9,
+                repeats=repeats,
             )
     return doc
 
