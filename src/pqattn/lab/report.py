@@ -286,7 +286,8 @@ def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str
                 out += _plot_link(path, Path(readme_dir))
         else:
             raise ValueError(
-                f"results: {path} is not a bench ({BENCH_SCHEMA}), demo, tasks, pareto or fidelity result"
+                f"results: {path} is neither a bench ({BENCH_SCHEMA}), demo, tasks, pareto "
+                "nor fidelity result"
             )
         out.append("")
     out.append(END)

@@ -17,7 +17,10 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    tokens, else a bisection over the order keys (exact for any count, slower); it then zeroes the
    row's counts and counters for the next call.
 Linear bins over the bounds put few tokens in the boundary bin for the bell-shaped sums that PQ
-scores are; the fallback keeps any distribution exact. Design notes: docs/kernels/select.md.
+scores are; the fallback keeps any distribution exact. A re-rank (rerank=R) runs the collect into
+a shortlist of the top R * heavy, then `_exact_kernel` (the shortlist's exact scores and their
+range), `_list_bins_kernel` (their bins over that range) and the collect over the shortlist.
+Design notes: docs/kernels/select.md.
 """
 
 from __future__ import annotations
