@@ -64,8 +64,15 @@ def test_attention_propagates_what_a_row_reads(route: str, request, device) -> N
     out = pqattn.sparse_decode(q, k, v, positions, counts)
     assert torch.isnan(out[0, 0]).all(), "a row that reads a NaN key is NaN"
     assert torch.isfinite(out[0, 1:]).all(), "... rows that do not read it are not"
+    # heads 2 and 3 read KV head 1's tokens 0-5, all positive in channel 0: an inf query entry
+    # there gives +inf logits (a non-finite row), a -inf one only -inf logits (a zero row, as an
+    # empty selection's: SPEC §9)
+    k[0, 1, :6, 0] = k[0, 1, :6, 0].abs() + 0.1
     q[0, 3, 0] = float("inf")
-    assert not torch.isfinite(pqattn.sparse_decode(q, k, v, positions, counts)[0, 3]).all()
+    q[0, 2, 0] = float("-inf")
+    out = pqattn.sparse_decode(q, k, v, positions, counts)
+    assert not torch.isfinite(out[0, 3]).all()
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))
 
 
 def test_dense_attention_propagates_to_every_row_that_sees_it() -> None:

@@ -215,7 +215,7 @@ def _spied(monkeypatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("Hkv", [4, 8], ids=["gqa", "mha"])
+@pytest.mark.parametrize("Hkv", [2, 4], ids=["gqa", "mha"])
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
 def test_a_decode_loop_selects_from_buckets(
     kernel_routes, metric: str, Hkv: int, device: torch.device, monkeypatch
@@ -233,7 +233,7 @@ def test_a_decode_loop_selects_from_buckets(
     monkeypatch.setattr(PQIndex, "REINDEX_AFTER", 5)
     sink, window, io = 8, 8, 8
     args, keys, _ = make_call(
-        device, N=420, H=8, Hkv=Hkv, fresh=40, sink=sink, window=window, io=io, heavy=24, metric=metric
+        device, N=420, H=4, Hkv=Hkv, fresh=40, sink=sink, window=window, io=io, heavy=24, metric=metric
     )
     args = list(args)
     args[1] = keys[:, :, :381]  # 372 rows quantized: one new key

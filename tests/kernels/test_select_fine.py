@@ -58,8 +58,8 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
     monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
     _run(
-        device, B=2, H=8, Hkv=2, N=2500, D=32, M=4, bits=8, lengths=[2500, 1300], sink=4, window=16,
-        heavy=90, share=share, rule=rule,
+        device, B=2, H=8 if share == "group" else 4, Hkv=2, N=2500, D=32, M=4, bits=8, lengths=[2500, 1300],
+        sink=4, window=16, heavy=90, share=share, rule=rule,
     )  # fmt: skip
 
 
@@ -256,8 +256,8 @@ def test_fine_rerank_matches_reference(device, monkeypatch, finish, share, rule)
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
     monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
     _rerank_case(
-        device, B=3, H=8, Hkv=2, N=1500, D=32, M=4, bits=8, lengths=[1500, 300, 40], sink=4, window=16,
-        heavy=60, rerank=4, share=share, rule=rule,
+        device, B=3, H=8 if share == "group" else 4, Hkv=2, N=1500, D=32, M=4, bits=8,
+        lengths=[1500, 300, 40], sink=4, window=16, heavy=60, rerank=4, share=share, rule=rule,
     )  # fmt: skip
 
 

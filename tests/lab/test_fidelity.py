@@ -29,9 +29,9 @@ def test_step_rows_time_the_kernel_policies(kernel_routes, device):
     """A group re-rank policy's selection and step beside SDPA, with the selection's bytes floor."""
     if device.type == "cuda":
         return  # (the GPU run is `pqattn fidelity` itself)
-    policy = Policy("pq", 0.02, subvectors=16, bits=4, share="group", group_rule="max", budget=2, rerank=2)
+    policy = Policy("pq", 0.02, subvectors=8, bits=4, share="group", group_rule="max", budget=2, rerank=2)
     rows = fidelity.step_rows(
-        [policy], batch=1, tokens=512, sink=16, window=16, device=device, bandwidth=1e11, repeats=1
+        [policy], batch=1, tokens=256, sink=8, window=8, device=device, bandwidth=1e11, repeats=1
     )
     assert [r["policy"] for r in rows] == ["dense", policy.name]
     assert rows[1]["route"] == "fine" and rows[1]["step_us"] > 0 and rows[1]["select_floor_us"] > 0
