@@ -420,36 +420,14 @@ def sparse_decode(
     """The sparse decode launch on validated inputs: positions [B, H, L] per query head
     (pqattn.kernels.decode.sparse_decode), or [B, Hkv, L] shared by each KV head's G query heads
     (group_decode; no weights)."""
+    from pqattn.kernels import decode
+
+    qkv = (_last_contiguous(q), _last_contiguous(k), _last_contiguous(v))
+    common = dict(out=out, workspace=workspace, lse=lse, scale=scale)
     if positions.shape[1] != q.shape[1]:
-        from pqattn.kernels.decode import group_decode
-
-        group_decode(
-            _last_contiguous(q),
-            _last_contiguous(k),
-            _last_contiguous(v),
-            positions,
-            counts,
-            out=out,
-            workspace=workspace,
-            lse=lse,
-            scale=scale,
-        )
-        return
-    from pqattn.kernels.decode import sparse_decode as launch
-
-    launch(
-        _last_contiguous(q),
-        _last_contiguous(k),
-        _last_contiguous(v),
-        positions,
-        counts,
-        out=out,
-        workspace=workspace,
-        weights=weights,
-        dense_weights=dense_weights,
-        lse=lse,
-        scale=scale,
-    )
+        decode.group_decode(*qkv, positions, counts, **common)
+    else:
+        decode.sparse_decode(*qkv, positions, counts, weights=weights, dense_weights=dense_weights, **common)
 
 
 def flash_forward(
