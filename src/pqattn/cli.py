@@ -627,10 +627,10 @@ def _add_fidelity(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--density", type=float, default=0.02, help="per-head heavy / N")
     p.add_argument(
         "--policies",
-        choices=("selection", "codes"),
         default="selection",
         help="selection: sharing, group rules, budgets, re-ranking; codes: 4- against 8-bit codes and "
-        "builds on a sample against every key",
+        "builds on a sample against every key; or comma-separated families such as "
+        "oracle,pq-M32-b4-rr4,pq-M16-b8-group-max-x4 (the oracle is added when missing)",
     )
     p.add_argument("--tokens", default="32768", help="comma-separated N of the quality measurements")
     p.add_argument(
@@ -650,6 +650,13 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     from pqattn.lab.env import resolve_device
 
     shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",") if item]
+
+    def on_part(doc: dict, part: str) -> None:
+        print(f"fidelity: {part} done", file=sys.stderr, flush=True)
+        if args.json:  # partial results survive an interrupted run
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+
     doc = fidelity.run(
         density=args.density,
         quality_tokens=[int(n) for n in args.tokens.split(",") if n],
@@ -657,7 +664,8 @@ def _run_fidelity(args: argparse.Namespace) -> int:
         sink=args.sink,
         window=args.window,
         device=resolve_device(args.device),
-        policies=fidelity.code_policies(args.density) if args.policies == "codes" else None,
+        policies=fidelity.named_policies(args.policies, args.density),
+        on_part=on_part,
     )
     print(fidelity.format_table(doc))
     if args.json:

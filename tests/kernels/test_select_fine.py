@@ -52,14 +52,15 @@ def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, shar
         assert not ws.view(B * R, -1)[:, lay.counters : lay.scores].any(), "counters and bins not left zeroed"
 
 
+@pytest.mark.parametrize("bits", [4, 8])  # tables gathered from registers (C <= 32), from memory
 @pytest.mark.parametrize("finish", FINISHES)
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "sum"), ("group", "max")])
-def test_fine_selection_matches_reference(device, monkeypatch, finish, share, rule):
+def test_fine_selection_matches_reference(device, monkeypatch, finish, share, rule, bits):
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
     monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
     _run(
-        device, B=2, H=8 if share == "group" else 4, Hkv=2, N=2500, D=32, M=4, bits=8, lengths=[2500, 1300],
-        sink=4, window=16, heavy=90, share=share, rule=rule,
+        device, B=2, H=8 if share == "group" else 4, Hkv=2, N=2500, D=32, M=4, bits=bits,
+        lengths=[2500, 1300], sink=4, window=16, heavy=90, share=share, rule=rule,
     )  # fmt: skip
 
 
@@ -73,20 +74,21 @@ def test_fine_selection_ties(device, monkeypatch, finish):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("G", [1, 4, 8])
-def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G):
+@pytest.mark.parametrize("G,bits", [(1, 6), (4, 4), (8, 5)])
+def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G, bits):
     # lengths: a full row, a short row (n <= sink + heavy + window), one with heavy beyond its
     # candidates is short by the native rule, so heavy > candidates shows with cand_lo > sink
     _run(
-        device, B=3, H=2 * G, Hkv=2, N=1200, D=16, M=8, bits=6, lengths=[1200, 150, 0], sink=8, window=32,
-        heavy=100, share="group", rule="max" if G == 4 else "sum",
+        device, B=3, H=2 * G, Hkv=2, N=1200, D=16, M=8, bits=bits, lengths=[1200, 150, 0], sink=8,
+        window=32, heavy=100, share="group", rule="max" if G == 4 else "sum",
     )  # fmt: skip
 
 
-def test_fine_code_base_and_init_offset(device):
+@pytest.mark.parametrize("C", [16, 256])
+def test_fine_code_base_and_init_offset(device, C):
     """Codes that start at init_offset (the original's codebook) and a candidate range that starts
     past the sink: heavy may exceed the candidates of a row that is not short."""
-    B, H, Hkv, N, D, M, C = 1, 4, 2, 900, 16, 4, 256
+    B, H, Hkv, N, D, M = 1, 4, 2, 900, 16, 4
     base, sink, window, heavy = 40, 8, 16, 360
     q = torch.randn(B, H, D, device=device)
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
@@ -124,10 +126,11 @@ def test_fine_code_base_and_init_offset(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="full shapes on the GPU")
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "sum"), ("group", "max")])
+@pytest.mark.parametrize("M,bits", [(16, 8), (32, 4)])
 @pytest.mark.parametrize("B,N,heavy", [(1, 131072, 2621), (4, 32768, 2621), (1, 200_000, 8000)])
-def test_fine_selection_full_shapes_cuda(share, rule, B, N, heavy):
+def test_fine_selection_full_shapes_cuda(share, rule, B, N, heavy, M, bits):
     _run(
-        torch.device("cuda"), B=B, H=32, Hkv=8, N=N, D=128, M=16, bits=8,
+        torch.device("cuda"), B=B, H=32, Hkv=8, N=N, D=128, M=M, bits=bits,
         lengths=[N - 7 * b for b in range(B)], sink=64, window=64, heavy=heavy, share=share, rule=rule,
     )  # fmt: skip
 
@@ -262,10 +265,12 @@ def test_fine_rerank_matches_reference(device, monkeypatch, finish, share, rule)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="full shapes on the GPU")
-@pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
-def test_fine_rerank_full_shapes_cuda(share, rule):
+@pytest.mark.parametrize(
+    "share,rule,M,bits", [("head", "sum", 16, 8), ("group", "max", 16, 8), ("head", "sum", 32, 4)]
+)
+def test_fine_rerank_full_shapes_cuda(share, rule, M, bits):
     _rerank_case(
-        torch.device("cuda"), B=2, H=32, Hkv=8, N=131072, D=128, M=16, bits=8, lengths=[131072, 100_000],
+        torch.device("cuda"), B=2, H=32, Hkv=8, N=131072, D=128, M=M, bits=bits, lengths=[131072, 100_000],
         sink=64, window=64, heavy=2621, rerank=4, share=share, rule=rule,
     )  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pqattn.lab import fidelity
 from pqattn.lab.policies import Policy
 
@@ -35,3 +37,18 @@ def test_step_rows_time_the_kernel_policies(kernel_routes, device):
     )
     assert [r["policy"] for r in rows] == ["dense", policy.name]
     assert rows[1]["route"] == "fine" and rows[1]["step_us"] > 0 and rows[1]["select_floor_us"] > 0
+
+
+def test_named_policies_parse_the_families():
+    """Every family name parses back to its policy; the oracle comes first; bad names are refused."""
+    policies = fidelity.default_policies(0.02) + fidelity.code_policies(0.02)
+    names = ",".join(p.family for p in policies)
+    assert fidelity.named_policies(names, 0.02)[: len(policies)] == policies
+    got = fidelity.named_policies("pq-M32-b4-group-max-x4-rr2", 0.05)
+    assert got == [
+        Policy("oracle", 0.05),
+        Policy("pq", 0.05, subvectors=32, bits=4, share="group", group_rule="max", budget=4, rerank=2),
+    ]
+    assert fidelity.named_policies("dense,pages-16", 0.02)[1:] == [Policy("dense"), Policy("pages", 0.02)]
+    with pytest.raises(ValueError, match="policy"):
+        fidelity.named_policies("pq-M16", 0.02)

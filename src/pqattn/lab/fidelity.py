@@ -11,7 +11,7 @@ bandwidth. The oracle has no kernel: it shows quality only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ from pqattn import ops
 from pqattn.kernels.launch import autotuning
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
-from pqattn.lab.policies import Policy
+from pqattn.lab.policies import Policy, from_family
 from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
@@ -66,6 +66,18 @@ def code_policies(density: float = 0.02) -> list[Policy]:
             )
         )
     return pol
+
+
+def named_policies(names: str, density: float) -> list[Policy]:
+    """`selection` (default_policies), `codes` (code_policies), or comma-separated families, the
+    per-head oracle first (every mass share is relative to it)."""
+    if names == "selection":
+        return default_policies(density)
+    if names == "codes":
+        return code_policies(density)
+    pol = [from_family(f.strip(), density) for f in names.split(",") if f.strip()]
+    oracle = Policy("oracle", density)
+    return pol if oracle in pol else [oracle, *pol]
 
 
 def quality_rows(
@@ -207,7 +219,9 @@ def step_rows(
                 "policy": p.name,
                 "family": p.family,
                 "heavy": heavy,
-                "route": "fine" if ops.uses_fine(p.subvectors, 2**p.bits, p.share, heavy) else "coarse",
+                "route": "fine"
+                if ops.uses_fine(p.subvectors, 2**p.bits, p.share, heavy, p.rerank)
+                else "coarse",
                 "select_us": select_us,
                 "step_us": step_us,
                 "speedup_vs_dense": dense_us / step_us,
@@ -228,9 +242,12 @@ def run(
     device: torch.device,
     policies: Sequence[Policy] | None = None,
     repeats: int = 30,
+    on_part: Callable[[dict, str], None] | None = None,
 ) -> dict:
     """The fidelity document: quality rows per N, step rows per (B, N) shape (`repeats` timed
-    samples each)."""
+    samples each). on_part(doc, part) is called after each N and each shape, with the document
+    so far (for progress and partial results)."""
+    on_part = on_part or (lambda doc, part: None)
     policies = list(policies or default_policies(density))
     doc = {
         "measures": "attention mass (share of the per-head oracle's) and one decode step of a layer",
@@ -246,6 +263,7 @@ def run(
     for n in quality_tokens:
         doc["quality"] += quality_rows(policies, tokens=n, sink=sink, window=window, device=device)
         doc["builds"] += build_rows(policies, tokens=n, sink=sink, device=device)
+        on_part(doc, f"quality N={n}")
     doc["timing"] = "graph" if device.type == "cuda" else "eager"
     if shapes:
         doc["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
@@ -260,6 +278,7 @@ def run(
                 bandwidth=doc["copy_bandwidth_GBps"] * 1e9,
                 repeats=repeats,
             )
+            on_part(doc, f"steps {b}x{n}")
     return doc
 
 

@@ -12,6 +12,7 @@ exist); `pqattn.lab.tasks` runs them inside a model.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import torch
@@ -79,6 +80,29 @@ class Policy:
         """The heavy a selection row keeps: the per-head heavy, times the budget for a group."""
         h = self.heavy(n_tokens)
         return max(1, round(self.budget * h)) if self.share == "group" else h
+
+
+_FAMILY = re.compile(
+    r"(?P<kind>dense|oracle|streaming|pq-M(?P<m>\d+)-b(?P<b>\d+)|pages-(?P<page>\d+))"
+    r"(?:-group-(?P<rule>sum|max)-x(?P<budget>[0-9.]+))?(?:-rr(?P<rr>\d+))?(?:-s(?P<s>\d+))?"
+)
+
+
+def from_family(family: str, density: float) -> Policy:
+    """The policy that `Policy.family` names (e.g. pq-M32-b4-group-max-x4-rr2) at a density."""
+    got = _FAMILY.fullmatch(family)
+    if got is None:
+        raise ValueError(f"policy: expected a family such as pq-M16-b8-group-max-x4-rr2, got {family!r}")
+    kind = got["kind"].split("-")[0]
+    fields: dict = {"density": 0.0 if kind == "dense" else density}
+    if got["m"]:
+        fields |= {"subvectors": int(got["m"]), "bits": int(got["b"])}
+    if got["page"]:
+        fields["page"] = int(got["page"])
+    if got["rule"]:
+        fields |= {"share": "group", "group_rule": got["rule"], "budget": float(got["budget"])}
+    fields |= {"rerank": int(got["rr"] or 0), "sample": int(got["s"] or 0)}
+    return Policy(kind, **fields)
 
 
 def policy_grid(

@@ -40,6 +40,8 @@ NBINS = 4096
 TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the score, bins and collect launches
+REG_LUT_MAX_C = 32  # tables of at most this many centroids are gathered from registers
+REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
@@ -174,6 +176,12 @@ def _row_sizes(n, sink, window, heavy, cand_lo, short_threshold):
 
 
 @triton.jit
+def _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_: tl.constexpr):
+    tl.store(wsf + SCORES_AT + tok, s, mask=cand)
+    tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=cand, sem="relaxed")
+
+
+@triton.jit
 def _score_kernel(
     codes_ptr,
     len_ptr,
@@ -203,6 +211,8 @@ def _score_kernel(
     C: tl.constexpr,
     NBINS_: tl.constexpr,
     BLOCK: tl.constexpr,
+    REG_LUT: tl.constexpr,  # C <= REG_LUT_MAX_C: the tables gathered from registers
+    SUB: tl.constexpr,  # tokens per step of the register-LUT loop
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -211,26 +221,50 @@ def _score_kernel(
     kvh = r if GROUP else r // G
     n = tl.load(len_ptr + b).to(tl.int32)
     _, _, cand_hi, need, _ = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
-    tok = chunk * BLOCK + tl.arange(0, BLOCK)
-    cand = (tok >= cand_lo) & (tok < tl.where(need > 0, cand_hi, cand_lo))
-    if tl.max(cand.to(tl.int32), axis=0) != 0:
+    cand_end = tl.where(need > 0, cand_hi, cand_lo)
+    first = chunk * BLOCK
+    if (first + BLOCK > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
         lo = tl.load(wsf + BOUNDS_AT)
         inv = tl.load(wsf + BOUNDS_AT + 1)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
-        m = tl.arange(0, M)
-        at = (tok - code_base).to(tl.int64)
-        code = tl.load(
-            codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
-        ).to(tl.int32)
-        lut = wsf + m[None, :] * C + code
-        s = tl.sum(tl.load(lut), axis=1)
-        if MAX_RULE:
-            for t in range(1, TABLES):
-                s = tl.maximum(s, tl.sum(tl.load(lut + t * M * C), axis=1))
-        tl.store(wsf + SCORES_AT + tok, s, mask=cand)
-        tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=cand, sem="relaxed")
+        if REG_LUT:
+            # Tables of at most a warp's width live in registers, a sub-quantizer's C entries
+            # across C lanes: tl.gather along the token axis lowers to one warp shuffle a code.
+            m3 = tl.arange(0, M)[:, None, None]
+            j3 = tl.arange(0, C)[None, None, :]
+            t3 = tl.arange(0, SUB // C)[None, :, None]
+            table = tl.broadcast_to(tl.load(wsf + m3 * C + j3), [M, SUB // C, C])
+            tok2 = tl.arange(0, SUB // C)[:, None] * C + tl.arange(0, C)[None, :]
+            for step in range(0, BLOCK, SUB):
+                base = first + step
+                tok3 = base + t3 * C + j3
+                cand3 = (tok3 >= cand_lo) & (tok3 < cand_end)
+                at3 = (tok3 - code_base).to(tl.int64)
+                code = tl.load(codes_row + at3 * stride_kn + m3 * stride_km, mask=cand3, other=0).to(tl.int32)
+                s = tl.sum(tl.gather(table, code, axis=2), axis=0)
+                if MAX_RULE:
+                    for t in range(1, TABLES):
+                        other = tl.broadcast_to(tl.load(wsf + t * M * C + m3 * C + j3), [M, SUB // C, C])
+                        s = tl.maximum(s, tl.sum(tl.gather(other, code, axis=2), axis=0))
+                tok = base + tok2
+                cand = (tok >= cand_lo) & (tok < cand_end)
+                _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
+        else:
+            tok = first + tl.arange(0, BLOCK)
+            cand = (tok >= cand_lo) & (tok < cand_end)
+            m = tl.arange(0, M)
+            at = (tok - code_base).to(tl.int64)
+            code = tl.load(
+                codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
+            ).to(tl.int32)
+            lut = wsf + m[None, :] * C + code
+            s = tl.sum(tl.load(lut), axis=1)
+            if MAX_RULE:
+                for t in range(1, TABLES):
+                    s = tl.maximum(s, tl.sum(tl.load(lut + t * M * C), axis=1))
+            _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
 
 
 @triton.jit
@@ -636,6 +670,8 @@ def pq_select_fine(
             C=C,
             NBINS_=NBINS,
             BLOCK=BLOCK_N,
+            REG_LUT=C <= REG_LUT_MAX_C,
+            SUB=max(REG_LUT_SUB, C),
             num_warps=4,
         ),
     )
