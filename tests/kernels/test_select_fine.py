@@ -52,7 +52,7 @@ def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, shar
         assert not ws.view(B * R, -1)[:, lay.counters : lay.scores].any(), "counters and bins not left zeroed"
 
 
-@pytest.mark.parametrize("bits", [4, 8])  # tables gathered from registers (C <= 32), from memory
+@pytest.mark.parametrize("bits", [4, 8])  # max-rule tables gathered from registers (C <= 32), from memory
 @pytest.mark.parametrize("finish", FINISHES)
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "sum"), ("group", "max")])
 def test_fine_selection_matches_reference(device, monkeypatch, finish, share, rule, bits):

@@ -9,7 +9,9 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    lo = sum_m min_c LUT and hi = sum_m max_c LUT (over the tables' maxima for the max rule).
 2. `_score_kernel`, grid (chunks of BLOCK_N tokens, rows): each candidate's score (float32) into
    the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
-   The bins are monotone in the score, so the need-th best score lies in one known bin.
+   The bins are monotone in the score, so the need-th best score lies in one known bin. LUT
+   entries are gathered from memory (L1), or, for the max rule's G tables of at most 32 entries,
+   from registers (`tl.gather` along the token axis: a warp shuffle a code).
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
    to a boundary list, and writes its share of sink, window and padding. The last program of a
@@ -40,7 +42,9 @@ NBINS = 4096
 TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the score, bins and collect launches
-REG_LUT_MAX_C = 32  # tables of at most this many centroids are gathered from registers
+# The max rule's G tables of at most this many centroids are gathered from registers (faster
+# there; one table gathers as fast from memory: docs/kernels/select.md)
+REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
@@ -211,7 +215,7 @@ def _score_kernel(
     C: tl.constexpr,
     NBINS_: tl.constexpr,
     BLOCK: tl.constexpr,
-    REG_LUT: tl.constexpr,  # C <= REG_LUT_MAX_C: the tables gathered from registers
+    REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
 ):
     chunk = tl.program_id(0)
@@ -670,7 +674,7 @@ def pq_select_fine(
             C=C,
             NBINS_=NBINS,
             BLOCK=BLOCK_N,
-            REG_LUT=C <= REG_LUT_MAX_C,
+            REG_LUT=C <= REG_LUT_MAX_C and tables > 1,
             SUB=max(REG_LUT_SUB, C),
             num_warps=4,
         ),
