@@ -138,6 +138,31 @@ def key_cache(name: str, keys: torch.Tensor) -> torch.Tensor:
     return keys
 
 
+def paged_cache(
+    k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, batch: int | None
+) -> tuple[int, int, int, int]:
+    """k, v paged [num_blocks, P, Hkv, D] of one floating dtype and a block table [B, max_blocks]
+    of block indices in [0, num_blocks) (SPEC §8). Returns (B, Hkv, N = max_blocks * P, D)."""
+    tensor("k", k, shape=(None,) * 4, dims="[num_blocks, P, Hkv, D]", dtypes=FLOAT_DTYPES)
+    blocks, P, Hkv, D = k.shape
+    tensor("v", v, shape=k.shape, dims="[num_blocks, P, Hkv, D]", dtypes=(k.dtype,), device=k.device)
+    tensor("block_table", block_table, shape=(batch, None), dims="[B, max_blocks]", dtypes=INT_DTYPES)
+    if block_table.device != k.device:
+        raise ValueError(f"block_table: expected device {k.device} (the cache's), got {block_table.device}")
+    B, max_blocks = block_table.shape
+    if B == 0 or P == 0:
+        raise ValueError(f"block_table, k: expected B >= 1 and P >= 1, got B={B}, P={P}")
+    if checking_values(block_table):
+        bad = (block_table < 0) | (block_table >= blocks)
+        if bool(bad.any()):
+            at = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"block_table: expected block indices in [0, {blocks}) (num_blocks), "
+                f"got {int(block_table[at])} at {at}"
+            )
+    return B, Hkv, max_blocks * P, D
+
+
 def checking_values(t: torch.Tensor) -> bool:
     """Whether a validating call reads `t`'s values to check them: always on the CPU; on a GPU (one
     host sync) unless a CUDA graph is being captured, which cannot sync."""

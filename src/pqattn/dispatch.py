@@ -276,6 +276,7 @@ def select(
     group_rule: str = "sum",
     rerank: int = 0,
     keys: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> Selection:
     """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
 
@@ -287,7 +288,8 @@ def select(
     code_base 0): the selection reads those instead of scanning the codes, and with `new_key`
     encodes the step's key in the same launch (pqattn.kernels.select.NewKey). share="group":
     one selection per KV head (rows [B, Hkv]) by the group scores of `group_rule`. rerank=R with
-    keys [B, Hkv, N, D]: the top heavy by exact score among the top R * heavy by PQ score.
+    keys [B, Hkv, N, D] (or paged [num_blocks, P, Hkv, D] with `block_table`): the top heavy
+    by exact score among the top R * heavy by PQ score.
     """
     B, H, _ = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -363,6 +365,7 @@ def select(
             code_base=code_base,
             rerank=rerank,
             keys=None if keys is None else _last_contiguous(keys),
+            block_table=block_table,
         )
         if weights is not None:  # the selection's dense weights (entries past the count add 0)
             valid = torch.arange(width, device=q.device) < out.counts[..., None]
@@ -416,14 +419,15 @@ def sparse_decode(
     dense_weights: bool,
     lse: torch.Tensor | None,
     scale: float | None,
+    block_table: torch.Tensor | None = None,
 ) -> None:
     """The sparse decode launch on validated inputs: positions [B, H, L] per query head
     (pqattn.kernels.decode.sparse_decode), or [B, Hkv, L] shared by each KV head's G query heads
-    (group_decode; no weights)."""
+    (group_decode; no weights); k and v paged [num_blocks, P, Hkv, D] with a block table."""
     from pqattn.kernels import decode
 
     qkv = (_last_contiguous(q), _last_contiguous(k), _last_contiguous(v))
-    common = dict(out=out, workspace=workspace, lse=lse, scale=scale)
+    common = dict(out=out, workspace=workspace, lse=lse, scale=scale, block_table=block_table)
     if positions.shape[1] != q.shape[1]:
         decode.group_decode(*qkv, positions, counts, **common)
     else:

@@ -220,6 +220,7 @@ def select_topk(
     keys: torch.Tensor | None = None,
     out: Selection | None = None,
     workspace: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> Selection:
     """PQ top-k selection for one decode query per sequence (SPEC §2, §7; native rules).
 
@@ -239,7 +240,8 @@ def select_topk(
         share: "head" (positions per query head) or "group" (per KV head: [B, Hkv, L]).
         group_rule: "sum" or "max", the group score (share="group").
         rerank: R >= 1 re-ranks a shortlist of R * heavy by the exact scores (needs `keys`).
-        keys: [B, Hkv, N, D], the key cache (rerank only).
+        keys: [B, Hkv, N, D], the key cache (rerank only); paged [num_blocks, P, Hkv, D] with
+            `block_table` [B, max_blocks] (SPEC §8).
         out: a Selection of positions [B, H, L] and counts [B, H] to write into (kernel path;
             [B, Hkv, L] and [B, Hkv] for share="group").
         workspace: zero-filled int32 of `select_workspace_numel(B * H, M, C, N, heavy)` elements
@@ -264,7 +266,8 @@ def select_topk(
     """
     key = tensors = None
     if out is not None and workspace is not None:
-        tensors = (q, centroids, codes, lengths, *out, workspace, *(() if keys is None else (keys,)))
+        tensors = (q, centroids, codes, lengths, *out, workspace)
+        tensors += tuple(t for t in (keys, block_table) if t is not None)
         key = dispatch.PLANS.key(
             "select_topk", tensors, sink, window, heavy, init_offset, share, group_rule, rerank
         )
@@ -280,10 +283,20 @@ def select_topk(
     if rerank:
         if keys is None:
             raise ValueError("keys: expected the key cache [B, Hkv, N, D] with rerank >= 1, got None")
-        check.key_cache("keys", keys)
-        check.tensor(
-            "keys", keys, shape=(*codes.shape[:3], q.shape[-1]), dims="[B, Hkv, N, D]", device=q.device
-        )
+        if block_table is None:
+            check.key_cache("keys", keys)
+            check.tensor(
+                "keys", keys, shape=(*codes.shape[:3], q.shape[-1]), dims="[B, Hkv, N, D]", device=q.device
+            )
+        else:
+            _, Hkv, N, D = check.paged_cache(keys, keys, block_table, q.shape[0])
+            if (Hkv, D) != (codes.shape[1], q.shape[-1]) or codes.shape[2] > N:
+                raise ValueError(
+                    f"keys: expected a paged cache of Hkv={codes.shape[1]}, D={q.shape[-1]} and at least "
+                    f"N={codes.shape[2]} token slots (max_blocks * P), got Hkv={Hkv}, D={D}, {N} slots"
+                )
+    elif block_table is not None:
+        raise ValueError("block_table: expected None without rerank (the selection reads only the index)")
     if kernel_path(q, centroids, heavy, share, rerank):
         params = SelectParams.make(
             sink=sink,
@@ -306,10 +319,13 @@ def select_topk(
                 group_rule=group_rule,
                 rerank=rerank,
                 keys=keys,
+                block_table=block_table,
             )
         if tensors is not None:
             dispatch.PLANS.keep(key, rec, tensors)
         return sel
+    if block_table is not None:
+        keys = ref.unpage(keys, block_table)[:, :, : codes.shape[2]]
     return ref.select_pq(
         q,
         centroids,
@@ -459,6 +475,7 @@ def sparse_decode(
     dense_weights: bool = False,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Weighted attention of one query per sequence over its selected tokens (SPEC §3):
     out = sum_i w_i exp(a_i) v_i / sum_i w_i exp(a_i) over the first counts[b, h] positions, with
@@ -478,6 +495,9 @@ def sparse_decode(
             path; `decode_workspace_numel(B * Hkv, L, D, group=G)` with shared positions). With
             `out`, the call allocates nothing and its launches are kept as a plan that
             later calls of the same signature replay; one workspace serves calls of one (B * H, L, D).
+        block_table: [B, max_blocks] int32/int64 block indices: k and v are then paged caches
+            [num_blocks, P, Hkv, D] as vLLM and FlashInfer keep them (SPEC §8); positions stay
+            logical, in [0, max_blocks * P).
 
     Returns:
         out [B, H, D] in q's dtype, and lse [B, H] float32 when `return_lse`.
@@ -490,15 +510,19 @@ def sparse_decode(
     """
     key = tensors = None
     if out is not None and workspace is not None and not return_lse:
-        tensors = (q, k, v, positions, counts, out, workspace, *(() if weights is None else (weights,)))
-        key = dispatch.PLANS.key("sparse_decode", tensors, scale, dense_weights)
+        tensors = (q, k, v, positions, counts, out, workspace)
+        tensors += tuple(t for t in (weights, block_table) if t is not None)
+        key = dispatch.PLANS.key("sparse_decode", tensors, scale, dense_weights, weights is None)
         plan = dispatch.PLANS.get(key)
         if plan is not None:
             plan(*tensors)
             return out
-    check.key_cache("k", k)
-    B, Hkv, N, D = k.shape
-    check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
+    if block_table is None:
+        check.key_cache("k", k)
+        B, Hkv, N, D = k.shape
+        check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
+    else:
+        B, Hkv, N, D = check.paged_cache(k, v, block_table, q.shape[0] if q.dim() == 3 else None)
     check.query(q, B, Hkv, D, k.device)
     H = q.shape[1]
     shared = positions.dim() == 3 and positions.shape[1] == Hkv != H  # one selection per KV head
@@ -528,6 +552,8 @@ def sparse_decode(
             raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
     check.selection_values(positions, counts, N)
     if not decode_kernel_path(q):
+        if block_table is not None:
+            k, v = ref.unpage(k, block_table), ref.unpage(v, block_table)
         if shared:
             positions, counts = (t.repeat_interleave(H // Hkv, dim=1) for t in (positions, counts))
         if dense_weights and weights is not None:
@@ -566,10 +592,49 @@ def sparse_decode(
             dense_weights=dense_weights,
             lse=lse,
             scale=scale,
+            block_table=block_table,
         )
     if tensors is not None:
         dispatch.PLANS.keep(key, rec, tensors)
     return (out, lse.view(B, H)) if return_lse else out
+
+
+def paged_append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> None:
+    """Write each sequence's new key and value into a paged cache at its length (SPEC §8), in
+    place; the caller advances `lengths` after. Capturable in a CUDA graph (the block indices and
+    lengths are checked on the host outside a capture only).
+
+    Args:
+        k_cache, v_cache: [num_blocks, P, Hkv, D], one floating dtype.
+        block_table: [B, max_blocks] int32/int64 block indices in [0, num_blocks).
+        lengths: [B] int32/int64 in [0, max_blocks * P): the slot each new token takes.
+        k_new, v_new: [B, Hkv, D] (cast to the cache's dtype).
+
+    Example:
+        >>> k = torch.zeros(4, 2, 1, 8); v = torch.zeros(4, 2, 1, 8)
+        >>> table = torch.tensor([[2, 0]]); n = torch.tensor([3])
+        >>> paged_append(k, v, table, n, torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+        >>> float(k[0, 1].sum())  # token 3: block table[0, 1] = 0, slot 1
+        8.0
+    """
+    B, Hkv, N, D = check.paged_cache(k_cache, v_cache, block_table, None)
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        check.tensor(
+            name, t, shape=(B, Hkv, D), dims="[B, Hkv, D]", dtypes=check.FLOAT_DTYPES, device=k_cache.device
+        )
+    check.tensor("lengths", lengths, shape=(B,), dims="[B]", dtypes=check.INT_DTYPES, device=k_cache.device)
+    if check.checking_values(lengths):
+        host = lengths.detach().cpu()
+        if bool(((host < 0) | (host >= N)).any()):
+            raise ValueError(f"lengths: expected slots in [0, {N}) (max_blocks * P), got {host.tolist()}")
+    ref.paged_append(k_cache, v_cache, block_table, lengths, k_new, v_new)
 
 
 def dense_attention(

@@ -14,7 +14,13 @@ import triton
 
 import pqattn
 from pqattn import reference as ref
-from pqattn.kernels.decode import DECODE_CONFIGS, GROUP_DECODE_CONFIGS, group_decode, group_workspace_numel
+from pqattn.kernels.decode import (
+    DECODE_CONFIGS,
+    GROUP_DECODE_CONFIGS,
+    group_decode,
+    group_workspace_numel,
+    sparse_decode,
+)
 from pqattn.lab.kernel_checks import compare_decode, draw_decode, reference_decode, run_decode
 
 CONFIG_IDS = [f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in DECODE_CONFIGS]
@@ -202,3 +208,120 @@ def test_group_decode_bf16_full_shape_cuda(config):
         None,
     )
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _paged(cache: torch.Tensor, page: int, table: torch.Tensor, blocks: int) -> torch.Tensor:
+    """cache [B, Hkv, N, D] laid out in `blocks` pages of `page` tokens through `table`
+    [B, max_blocks]; the pages no sequence uses hold NaN (a read of one shows in the output)."""
+    B, Hkv, N, D = cache.shape
+    paged = torch.full((blocks, page, Hkv, D), float("nan"), dtype=cache.dtype, device=cache.device)
+    padded = torch.zeros(B, Hkv, table.shape[1] * page, D, dtype=cache.dtype, device=cache.device)
+    padded[:, :, :N] = cache
+    paged[table.reshape(-1).long()] = padded.transpose(1, 2).reshape(-1, page, Hkv, D)
+    return paged
+
+
+def _paged_case(device, *, B, H, Hkv, N, L, D, page, dtype=torch.float32, shared=False):
+    max_blocks = -(-N // page)
+    blocks = B * max_blocks + 3
+    table = torch.randperm(blocks)[: B * max_blocks].reshape(B, max_blocks).to(torch.int32).to(device)
+    k = (3 * torch.randn(B, Hkv, N, D)).to(dtype).to(device)
+    v = torch.randn(B, Hkv, N, D).to(dtype).to(device)
+    R = Hkv if shared else H
+    counts = torch.randint(0, L + 1, (B, R), dtype=torch.int32)
+    counts[0, 0] = L
+    positions = torch.rand(B, R, N).argsort(-1)[..., :L]
+    positions = torch.where(torch.arange(L) < counts[..., None], positions, -1).to(torch.int32)
+    q = torch.randn(B, H, D).to(dtype).to(device)
+    kp, vp = _paged(k, page, table, blocks), _paged(v, page, table, blocks)
+    return q, k, v, kp, vp, table, positions.to(device), counts.to(device)
+
+
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("page", [16, 5])
+def test_paged_decode_matches_the_contiguous_cache(device, config, page):
+    """A paged cache (SPEC §8: shuffled blocks, unused blocks of NaN, a page size that does not
+    divide N) gives the contiguous cache's answer, with entry and dense weights."""
+    q, k, v, kp, vp, table, positions, counts = _paged_case(
+        device, B=2, H=4, Hkv=2, N=301, L=2 * config.kwargs["BLOCK_L"] + 3, D=32, page=page
+    )
+    B, H, D, L = *q.shape, positions.shape[-1]
+    for weights, dense in ((None, False), (torch.rand(B, H, L, device=device) + 0.1, False),
+                           (torch.rand(B, H, 301, device=device) + 0.1, True)):  # fmt: skip
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((B * H,), float("nan"), device=device)
+        ws = torch.zeros(pqattn.ops.decode_workspace_numel(B * H, L, D), dtype=torch.int32, device=device)
+        sparse_decode(
+            q, kp, vp, positions, counts, out=out, workspace=ws, weights=weights, dense_weights=dense,
+            lse=lse, block_table=table, config=config,
+        )  # fmt: skip
+        w = weights.gather(-1, positions.long().clamp_min(0)) if dense else weights
+        want, want_lse = ref.sparse_decode(
+            q.double(), k.double(), v.double(), positions, counts, w, return_lse=True
+        )
+        torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse.view(B, H).double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", GROUP_DECODE_CONFIGS, ids=GROUP_IDS)
+def test_paged_group_decode_matches_the_contiguous_cache(device, config):
+    q, k, v, kp, vp, table, positions, counts = _paged_case(
+        device, B=2, H=8, Hkv=2, N=700, L=600, D=32, page=16, shared=True
+    )
+    G = 4
+    out = torch.full_like(q, float("nan"))
+    ws = torch.zeros(group_workspace_numel(4, G, 600, 32), dtype=torch.int32, device=device)
+    group_decode(q, kp, vp, positions, counts, out=out, workspace=ws, block_table=table, config=config)
+    want = ref.sparse_decode(
+        q.double(), k.double(), v.double(), positions.repeat_interleave(G, 1), counts.repeat_interleave(G, 1)
+    )
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("route", ["reference", "kernel"])
+def test_paged_through_the_api_with_append(device, route, request):
+    """ops.paged_append writes each sequence's token at its length through its table; then
+    ops.sparse_decode over the paged cache equals it over the contiguous one (per head and
+    shared), on the reference route and on the kernels (a kept plan replayed too)."""
+    if route == "kernel":
+        request.getfixturevalue("kernel_routes")
+    B, H, Hkv, N, D, page = 2, 4, 2, 90, 16, 8
+    q, k, v, kp, vp, table, positions, counts = _paged_case(
+        device, B=B, H=H, Hkv=Hkv, N=N, L=40, D=D, page=page
+    )
+    lengths = torch.tensor([N - 1, 50], device=device)
+    k_new, v_new = torch.randn(B, Hkv, D, device=device), torch.randn(B, Hkv, D, device=device)
+    pqattn.paged_append(kp, vp, table, lengths, k_new, v_new)
+    for b in range(B):
+        k[b, :, int(lengths[b])], v[b, :, int(lengths[b])] = k_new[b], v_new[b]
+    torch.testing.assert_close(ref.unpage(kp, table)[:, :, :N], k)
+    want = ref.sparse_decode(q, k, v, positions, counts)
+    out = torch.empty_like(q)
+    ws = torch.zeros(pqattn.ops.decode_workspace_numel(B * H, 40, D), dtype=torch.int32, device=device)
+    for _ in range(2):
+        got = pqattn.sparse_decode(q, kp, vp, positions, counts, block_table=table, out=out, workspace=ws)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    shared_pos, shared_cnt = positions[:, ::2], counts[:, ::2]
+    got = pqattn.sparse_decode(q, kp, vp, shared_pos, shared_cnt, block_table=table)
+    want = ref.sparse_decode(q, k, v, shared_pos.repeat_interleave(2, 1), shared_cnt.repeat_interleave(2, 1))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_inputs_are_checked(device):
+    q, _, _, kp, vp, table, positions, counts = _paged_case(device, B=2, H=4, Hkv=2, N=64, L=8, D=16, page=8)
+    args = (q, kp, vp, positions, counts)
+    with pytest.raises(ValueError, match=r"block_table: expected block indices in \[0, 19\)"):
+        pqattn.sparse_decode(*args, block_table=torch.where(table == table[1, 2], 19, table))
+    with pytest.raises(TypeError, match="block_table: expected dtype"):
+        pqattn.sparse_decode(*args, block_table=table.float())
+    with pytest.raises(ValueError, match=r"block_table: expected shape \[B, max_blocks\]"):
+        pqattn.sparse_decode(*args, block_table=table[:1])
+    with pytest.raises(ValueError, match="v: expected shape"):
+        pqattn.sparse_decode(q, kp, vp[:, :4], positions, counts, block_table=table)
+    with pytest.raises(ValueError, match="positions"):
+        pqattn.sparse_decode(q, kp, vp, positions.masked_fill(positions >= 0, 64), counts, block_table=table)
+    new = torch.zeros(2, 2, 16, device=device)
+    with pytest.raises(ValueError, match=r"lengths: expected slots in \[0, 64\)"):
+        pqattn.paged_append(kp, vp, table, torch.tensor([3, 64], device=device), new, new)
+    with pytest.raises(ValueError, match="k_new"):
+        pqattn.paged_append(kp, vp, table, torch.tensor([3, 4], device=device), new[:, :1], new)

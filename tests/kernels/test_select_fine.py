@@ -299,3 +299,35 @@ def test_select_topk_rerank_through_the_api(device, kernel_routes):
         best = sorted((float(exact[0, h, p]) for p in shortlist), reverse=True)[:10]
         got = sorted((float(exact[0, h, p]) for p in heavy), reverse=True)
         assert got == pytest.approx(best, abs=1e-5) or not heavy <= shortlist  # (a PQ tie at the cut)
+
+
+@pytest.mark.parametrize("route", ["reference", "kernel"])
+def test_rerank_reads_a_paged_key_cache(device, route, request):
+    """rerank with keys paged behind a block table (SPEC §8) selects what it selects from the
+    contiguous keys; a block table without rerank is refused."""
+    if route == "kernel":
+        request.getfixturevalue("kernel_routes")
+    B, H, Hkv, N, D, page = 2, 4, 2, 300, 16, 16
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    q = torch.randn(B, H, D, device=device)
+    book = ops.build_index(keys, bits=4, subvectors=4, iters=2)
+    lengths = torch.tensor([N, 200], device=device)
+    blocks = B * -(-N // page) + 2
+    table = torch.randperm(blocks)[: blocks - 2].reshape(B, -1).to(torch.int32).to(device)
+    paged = torch.full((blocks, page, Hkv, D), float("nan"), device=device)
+    padded = torch.zeros(B, Hkv, table.shape[1] * page, D, device=device)
+    padded[:, :, :N] = keys
+    paged[table.reshape(-1).long()] = padded.transpose(1, 2).reshape(-1, page, Hkv, D)
+    args = (q, book.centroids, book.codes, lengths)
+    sizes = dict(sink=2, window=4, heavy=10, rerank=3)
+    want = ops.select_topk(*args, keys=keys, **sizes)
+    got = ops.select_topk(*args, keys=paged, block_table=table, **sizes)
+    assert torch.equal(got.counts, want.counts)
+    for b in range(B):
+        for h in range(H):
+            n = int(want.counts[b, h])
+            assert sorted(got.positions[b, h, :n].tolist()) == sorted(want.positions[b, h, :n].tolist())
+    with pytest.raises(ValueError, match="block_table: expected None without rerank"):
+        ops.select_topk(*args, sink=2, window=4, heavy=10, block_table=table)
+    with pytest.raises(ValueError, match="keys: expected a paged cache"):
+        ops.select_topk(*args, keys=paged[:, :, :1], block_table=table, **sizes)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pqattn.kernels import paged
 from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
@@ -55,6 +56,7 @@ def _sparse_decode_kernel(
     out_ptr,
     lse_ptr,
     ws_ptr,
+    bt_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -72,6 +74,7 @@ def _sparse_decode_kernel(
     stride_wl,
     stride_ob,
     stride_oh,
+    stride_tb,
     H,
     G,
     qk_scale,  # scale * log2(e): the logits live in base 2
@@ -80,6 +83,7 @@ def _sparse_decode_kernel(
     HAS_W: tl.constexpr,
     W_DENSE: tl.constexpr,  # weights indexed by token position [B, H, N] instead of by entry [B, H, L]
     HAS_LSE: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per block of a paged cache (SPEC §8); 0: contiguous [B, Hkv, N, D]
     COMBINE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -99,8 +103,9 @@ def _sparse_decode_kernel(
     cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + h * stride_ch).to(tl.int32), WIDTH)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d).to(tl.float32) * qk_scale
-    k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
-    v_row = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    k_row = paged.cache_base(k_ptr, b, kvh, stride_kb, stride_kh, PAGE)
+    v_row = paged.cache_base(v_ptr, b, kvh, stride_vb, stride_vh, PAGE)
+    bt_row = bt_ptr + b * stride_tb
     w_row = w_ptr + b * stride_wb + h * stride_wh
 
     # The workspace: a counter per row, then the float32 partials (one tensor argument instead of
@@ -115,9 +120,10 @@ def _sparse_decode_kernel(
         e = start + tl.arange(0, BLOCK_N)
         ok = e < hi
         at = p.to(tl.int64)  # (past the count p may hold anything: every use below is masked)
+        ko, vo = paged.kv_offsets(at, ok, bt_row, stride_kb, stride_kn, stride_vb, stride_vn, PAGE)
         # Both gathers are issued before any reduction: the value rows' latency overlaps the keys'.
-        kt = tl.load(k_row + at[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
-        vt = tl.load(v_row + at[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
+        kt = tl.load(k_row + ko[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        vt = tl.load(v_row + vo[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         # the next step's positions, in flight while this step computes
         p = tl.load(pos_row + e + BLOCK_N, mask=e + BLOCK_N < hi, other=0)
         s = tl.sum(kt.to(tl.float32) * q[None, :], axis=1)
@@ -208,6 +214,7 @@ def _group_decode_kernel(
     out_ptr,
     lse_ptr,
     ws_ptr,
+    bt_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -222,6 +229,7 @@ def _group_decode_kernel(
     stride_ch,
     stride_ob,
     stride_oh,
+    stride_tb,
     HKV,
     G,
     qk_scale,  # scale * log2(e)
@@ -230,6 +238,7 @@ def _group_decode_kernel(
     GP: tl.constexpr,  # query rows of a program: G padded to a power of two of at least 16
     F32_DOTS: tl.constexpr,  # products in float32 (a float32 cache, or q of another dtype)
     HAS_LSE: tl.constexpr,
+    PAGE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -249,8 +258,9 @@ def _group_decode_kernel(
     )
     pos_row = pos_ptr + b * stride_pb + kvh * stride_ph
     cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + kvh * stride_ch).to(tl.int32), WIDTH)
-    k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
-    v_row = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
+    k_row = paged.cache_base(k_ptr, b, kvh, stride_kb, stride_kh, PAGE)
+    v_row = paged.cache_base(v_ptr, b, kvh, stride_vb, stride_vh, PAGE)
+    bt_row = bt_ptr + b * stride_tb
     q = q.to(tl.float32) if F32_DOTS else q.to(k_ptr.dtype.element_ty)
     m = tl.full([GP], float("-inf"), tl.float32)
     s_sum = tl.zeros([GP], dtype=tl.float32)
@@ -261,8 +271,9 @@ def _group_decode_kernel(
         e = start + tl.arange(0, BLOCK_N)
         ok = e < hi
         at = tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
-        kt = tl.load(k_row + at[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0)
-        vt = tl.load(v_row + at[:, None] * stride_vn + d[None, :], mask=ok[:, None], other=0.0)
+        ko, vo = paged.kv_offsets(at, ok, bt_row, stride_kb, stride_kn, stride_vb, stride_vn, PAGE)
+        kt = tl.load(k_row + ko[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        vt = tl.load(v_row + vo[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         if F32_DOTS:
             s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
         else:
@@ -328,13 +339,13 @@ def _finish_group(out_rows, lse_at, ok, acc, m, s_sum, D: tl.constexpr, HAS_LSE:
 
 
 sparse_decode_autotuned = triton.autotune(
-    configs=DECODE_CONFIGS, key=["WIDTH", "D", "H", "G", "HAS_W", "W_DENSE"]
+    configs=DECODE_CONFIGS, key=["WIDTH", "D", "H", "G", "HAS_W", "W_DENSE", "PAGE"]
 )(_sparse_decode_kernel)
 _sparse_decode_tuned = TunedLauncher(sparse_decode_autotuned)
 _sparse_decode_launch = Launcher(_sparse_decode_kernel)
-group_decode_autotuned = triton.autotune(configs=GROUP_DECODE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS"])(
-    _group_decode_kernel
-)
+group_decode_autotuned = triton.autotune(
+    configs=GROUP_DECODE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS", "PAGE"]
+)(_group_decode_kernel)
 _group_decode_tuned = TunedLauncher(group_decode_autotuned)
 _group_decode_launch = Launcher(_group_decode_kernel)
 
@@ -352,6 +363,7 @@ def sparse_decode(
     dense_weights: bool = False,
     lse: torch.Tensor | None = None,
     scale: float | None = None,
+    block_table: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> None:
     """Launch on validated inputs, writing `out` (and `lse`).
@@ -361,12 +373,13 @@ def sparse_decode(
     [B, H, D] (last dim contiguous); workspace: int32, zero-filled once, at least
     workspace_numel(B * H, L, D) elements (the kernel leaves its counters at zero); weights
     [B, H, L] per entry, or [B, H, N] by token position when `dense_weights`; lse [B * H] float32
-    contiguous or None. `config` forces one config of DECODE_CONFIGS (the first when not
+    contiguous or None. With `block_table` [B, max_blocks] int32/int64, k and v are paged caches
+    [num_blocks, P, Hkv, D] (SPEC §8). `config` forces one config of DECODE_CONFIGS (the first when not
     `autotuning()`); by default the autotuner picks. L is a compile-time constant: each list width
     compiles once (a model's sink + heavy + window is fixed).
     """
     B, H, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = k.shape[2] if block_table is not None else k.shape[1]
     width = positions.shape[-1]
     need = workspace_numel(B * H, width, D)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
@@ -379,15 +392,17 @@ def sparse_decode(
     rows = B * H
     w = weights if weights is not None else positions  # (not read without weights)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    tensors = (q, k, v, positions, counts, w, out, lse if lse is not None else workspace, workspace)
+    bt = block_table if block_table is not None else counts  # (not read unpaged)
+    tensors = (q, k, v, positions, counts, w, out, lse if lse is not None else workspace, workspace, bt)
     scalars = (
         *q.stride()[:2],
-        *k.stride()[:3],
-        *v.stride()[:3],
+        *paged.cache_strides(k, block_table),
+        *paged.cache_strides(v, block_table),
         *positions.stride()[:2],
         *counts.stride(),
         *w.stride(),
         *out.stride()[:2],
+        bt.stride(0),
         H,
         H // Hkv,
         scale * _LOG2E,
@@ -398,10 +413,11 @@ def sparse_decode(
         HAS_W=weights is not None,
         W_DENSE=dense_weights,
         HAS_LSE=lse is not None,
+        PAGE=k.shape[1] if block_table is not None else 0,
         COMBINE=_COMBINE,
     )
     if config is None:
-        key = (width, D, H, H // Hkv, weights is not None, dense_weights)
+        key = (width, D, H, H // Hkv, weights is not None, dense_weights, meta["PAGE"])
         _sparse_decode_tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), rows), tensors, scalars, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), rows)
@@ -419,13 +435,14 @@ def group_decode(
     workspace: torch.Tensor,
     lse: torch.Tensor | None = None,
     scale: float | None = None,
+    block_table: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> None:
     """Launch on validated inputs: as `sparse_decode`, with positions [B, Hkv, L] and counts
     [B, Hkv] shared by each KV head's G query heads; workspace at least
     `group_workspace_numel(B * Hkv, G, L, D)` int32 elements, zero-filled once."""
     B, H, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = k.shape[2] if block_table is not None else k.shape[1]
     G = H // Hkv
     width = positions.shape[-1]
     need = group_workspace_numel(B * Hkv, G, width, D)
@@ -439,21 +456,24 @@ def group_decode(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     gp = max(triton.next_power_of_2(G), 16)
     f32 = k.dtype == torch.float32 or q.dtype != k.dtype
-    tensors = (q, k, v, positions, counts, out, lse if lse is not None else workspace, workspace)
+    bt = block_table if block_table is not None else counts  # (not read unpaged)
+    tensors = (q, k, v, positions, counts, out, lse if lse is not None else workspace, workspace, bt)
     scalars = (
         *q.stride()[:2],
-        *k.stride()[:3],
-        *v.stride()[:3],
+        *paged.cache_strides(k, block_table),
+        *paged.cache_strides(v, block_table),
         *positions.stride()[:2],
         *counts.stride(),
         *out.stride()[:2],
+        bt.stride(0),
         Hkv,
         G,
         scale * _LOG2E,
     )
-    meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None)
+    page = k.shape[1] if block_table is not None else 0
+    meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page)
     if config is None:
-        key = (width, D, gp, f32)
+        key = (width, D, gp, f32, page)
         _group_decode_tuned(
             key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta
         )

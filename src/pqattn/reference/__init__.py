@@ -4,7 +4,7 @@ Kernels are tested against these; the public API in `pqattn.ops` routes here whe
 exists for a case.
 """
 
-from pqattn.reference.attention import dense_attention, sparse_decode
+from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, unpage
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
 from pqattn.reference.selection import (
     GROUP_RULES,
@@ -41,6 +41,7 @@ __all__ = [
     "group_scores",
     "page_bounds",
     "page_scores",
+    "paged_append",
     "pq_scores",
     "select_from_scores",
     "select_oracle",
@@ -49,4 +50,5 @@ __all__ = [
     "select_streaming",
     "selection_width",
     "sparse_decode",
+    "unpage",
 ]

@@ -1,4 +1,5 @@
-"""Weighted sparse decode attention (SPEC §3) and dense attention (SPEC §4), in plain PyTorch.
+"""Weighted sparse decode attention (SPEC §3), dense attention (SPEC §4) and the paged cache
+layout (SPEC §8), in plain PyTorch.
 
 Both compute in float32 (float64 when q is float64) and return the output in q's dtype. A row
 that attends to nothing (empty selection, or a causal row with no visible key) is a zero row
@@ -26,6 +27,36 @@ def _softmax_combine(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.
     out = (p @ values) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
     lse = (m + torch.log(denom)).squeeze(-1)  # log(0) = -inf for empty rows
     return out, lse
+
+
+def paged_append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> None:
+    """Write each sequence's new key and value at its length through its block table (SPEC §8),
+    in place: k_new, v_new [B, Hkv, D] into slot lengths[b] of caches [num_blocks, P, Hkv, D]."""
+    P = k_cache.shape[1]
+    at = lengths.long()
+    block = block_table.long().gather(1, (at // P)[:, None])[:, 0]
+    k_cache[block, at % P] = k_new.to(k_cache.dtype)
+    v_cache[block, at % P] = v_new.to(v_cache.dtype)
+
+
+def unpage(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The contiguous view of a paged cache (SPEC §8): token i of sequence b lives in
+    cache[block_table[b, i // P], i % P].
+
+    cache: [num_blocks, P, Hkv, D]; block_table: [B, max_blocks] of block indices. Returns
+    [B, Hkv, max_blocks * P, D] (a copy), token slots past a sequence's length included.
+    """
+    B, blocks = block_table.shape
+    _, P, Hkv, D = cache.shape
+    pages = cache.index_select(0, block_table.reshape(-1).long())  # [B * blocks, P, Hkv, D]
+    return pages.reshape(B, blocks * P, Hkv, D).transpose(1, 2)
 
 
 def sparse_decode(

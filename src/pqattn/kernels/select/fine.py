@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pqattn.kernels import paged
 from pqattn.kernels.launch import Launcher
 from pqattn.kernels.select.common import order_key
 from pqattn.reference import SelectParams
@@ -512,11 +513,13 @@ def _exact_kernel(
     k_ptr,
     len_ptr,
     ws_ptr,
+    bt_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
     stride_kh,
     stride_kn,
+    stride_tb,
     ROWS_PER_B,
     G,
     sink,
@@ -531,6 +534,7 @@ def _exact_kernel(
     GROUP: tl.constexpr,
     MAX_RULE: tl.constexpr,
     D: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per block of a paged key cache (SPEC §8); 0: contiguous
     BLOCK: tl.constexpr,
 ):
     """The shortlist's exact scores <q, k> (float32; the group's sum or max over its heads) and
@@ -551,8 +555,9 @@ def _exact_kernel(
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
         p = tl.load(ws_row + LIST_AT + e, mask=ok, other=0).to(tl.int64)
         d = tl.arange(0, D)
-        k_row = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
-        k = tl.load(k_row + p[:, None] * stride_kn + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        k_row = paged.cache_base(k_ptr, b, kvh, stride_kb, stride_kh, PAGE)
+        at = paged.token_offsets(p, ok, bt_ptr + b * stride_tb, stride_kb, stride_kn, PAGE)
+        k = tl.load(k_row + at[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         q_b = q_ptr + b.to(tl.int64) * stride_qb
         s = tl.sum(k * tl.load(q_b + first * stride_qh + d).to(tl.float32)[None, :], axis=1)
         for g in range(1, heads):
@@ -619,6 +624,7 @@ def pq_select_fine(
     code_base: int = 0,
     rerank: int = 0,
     keys: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> None:
     """Launch on validated inputs. q [B, H, D]; centroids [B, Hkv, M, C, dsub(+1)] (M, C and dsub
     powers of two); codes [B, Hkv, n_codes, M] holding tokens code_base + row; positions [B, R, L]
@@ -722,12 +728,14 @@ def pq_select_fine(
         return
     list_chunks = max(-(-list_heavy // BLOCK_N), 1)
     collect(chunks, list_heavy, False, True)
+    bt = block_table if block_table is not None else lengths  # (not read unpaged)
     _exact_launch(
         (max(-(-list_heavy // EXACT_BLOCK), 1), rows),
-        (q, keys, lengths, workspace),
+        (q, keys, lengths, workspace, bt),
         (
             *q.stride()[:2],
-            *keys.stride()[:3],
+            *paged.cache_strides(keys, block_table),
+            bt.stride(0),
             rows_per_b,
             G,
             sink,
@@ -740,7 +748,14 @@ def pq_select_fine(
             lay.shortlist,
             lay.list_scores,
         ),
-        dict(GROUP=group, MAX_RULE=group and not sum_rule, D=D, BLOCK=EXACT_BLOCK, num_warps=4),
+        dict(
+            GROUP=group,
+            MAX_RULE=group and not sum_rule,
+            D=D,
+            PAGE=keys.shape[1] if block_table is not None else 0,
+            BLOCK=EXACT_BLOCK,
+            num_warps=4,
+        ),
     )
     _list_bins_launch(
         (list_chunks, rows),
