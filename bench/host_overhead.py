@@ -128,6 +128,8 @@ def main() -> None:
         return call
 
     sel = index.select(q)
+    sel.positions.fill_(0)  # (the idle launches wrote nothing: a valid selection for the checks)
+    sel.counts.zero_()
     c = config
     out_sel = pqattn.Selection(torch.empty_like(sel.positions), torch.empty_like(sel.counts))
     select_ws = torch.zeros(ops.select_workspace_numel(B * H, 2, 64, N, c.heavy), dtype=torch.int32)

@@ -218,3 +218,50 @@ def test_decoding_past_the_capacity_warns_once_and_goes_dense(device: torch.devi
     assert len([w for w in caught if "capacity" in str(w.message)]) == 1, "one warning, not one a layer"
     assert torch.equal(sparse, dense)
     assert all(s.sparse_steps == 2 for s in _states(model)), "the steps within the capacity stay sparse"
+
+
+@pytest.mark.parametrize("prefill", ["sdpa", "pqattn"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_generate_equals_dense(kind: str, prefill: str, device: torch.device) -> None:
+    """pq_hf.generate (a StaticCache; captured on CUDA): with heavy covering every token, the
+    greedy tokens of the dynamic-cache dense generation, every decode step through the index
+    (each reading its new key at the position's slot), and the same loop dense."""
+    model = _model(kind, device)
+    ids = torch.randint(0, 128, (2, 70), device=device)
+    with torch.no_grad():
+        dense = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(pq_hf.generate(model, ids, 12), dense)  # the static loop, dense attention
+    pq_hf.enable(model, pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3, prefill=prefill))
+    assert torch.equal(pq_hf.generate(model, ids, 12), dense)
+    for state in _states(model):
+        assert state.static and state.index.capacity == 82
+        assert state.index.lengths.tolist() == [81, 81]  # the last token is not fed back
+    if device.type != "cuda":
+        assert all(s.sparse_steps == 11 for s in _states(model))
+
+
+def test_static_generate_sparse_and_its_arguments(device: torch.device) -> None:
+    """Sparse, the static loop's first layer indexes the keys that the dynamic cache's decode steps
+    index for the same tokens (its new keys read at their slots; the first layer's keys do not
+    depend on attention); bad arguments are refused."""
+    model = _model("llama", device)
+    ids = torch.randint(0, 128, (1, 200), device=device)
+    pq_hf.enable(model, pq_hf.HFConfig(heavy=16, sink=4, window=8, bits=4, iters=2))
+    out = pq_hf.generate(model, ids, 6)
+    assert out.shape == (1, 206) and torch.equal(out[:, :200], ids)
+    first = _states(model)[0].index
+    assert first.lengths.tolist() == [205]
+    static_codes = first.codes[:, :, :205].clone()
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():  # the same tokens, teacher-forced through the dynamic cache
+        model(out[:, :200], **pq_hf.cache_kwargs(model, cache))
+        for t in range(200, 205):
+            model(out[:, t : t + 1], **pq_hf.cache_kwargs(model, cache))
+    assert torch.equal(_states(model)[0].index.codes[:, :, :205], static_codes)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        pq_hf.generate(model, ids, 0)
+    with pytest.raises(TypeError, match="input_ids"):
+        pq_hf.generate(model, ids.int(), 2)
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match="capture"):
+            pq_hf.generate(model, ids, 2, capture=True)

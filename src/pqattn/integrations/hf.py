@@ -9,8 +9,11 @@ model to it. Any call with more than one query token (prefill) runs SDPA over th
 (re)builds that layer's `PQIndex` from the cached keys; a call with one query token (a decode
 step) appends the new key to the index, selects sink + heavy + window tokens per query head and
 runs the sparse decode kernel over the cache (`pqattn.ops.sparse_decode`). Layers listed in
-`dense_layers` always use SDPA. The KV cache stays transformers' own (DynamicCache); the index
-lives on each attention module.
+`dense_layers` always use SDPA. The KV cache stays transformers' own (DynamicCache, or a
+StaticCache, whose preallocated keys the index then reads up to each sequence's length: the
+new token's slot comes from `position_ids`); the index lives on each attention module.
+`generate` is the static decode loop: a StaticCache, a dense prefill, then greedy decode steps
+of the whole model captured as one CUDA graph and replayed.
 
 Explicitly routed to SDPA (documented, not approximated): a padding mask during decode (the
 index does not know padded positions), layers without `layer_idx`, and decode steps past the
@@ -104,6 +107,7 @@ class _LayerState:
     config: HFConfig
     index: PQIndex | None = None
     padded: bool = False  # the prompt had padding: decode stays dense
+    static: bool = False  # the cache is preallocated (StaticCache): keys past the lengths are unused
     # shared by the model's layers: whether decoding past the capacity has been warned about
     warned: dict[str, bool] = dataclasses.field(default_factory=dict)
     sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
@@ -132,12 +136,19 @@ def pq_attention_forward(
     if state is None or layer is None or layer in state.config.dense_layers:
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
     B, q_len, S = query.shape[0], query.shape[2], key.shape[2]
+    position_ids = kwargs.get("position_ids")
     if q_len > 1:  # prefill: dense, then the index of the whole prompt
         c = state.config
+        # A preallocated cache is longer than the tokens seen (one host read, at prefill only).
+        n = S if position_ids is None else int(position_ids.max()) + 1
+        state.static = n < S
+        if state.static:
+            key, value = key[:, :, :n], value[:, :, :n]
+            attention_mask = None if attention_mask is None else attention_mask[..., :n]
         # Padding shows as masked keys in the last prompt row (one host read, at prefill only).
         state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
         window = _sliding_window(module)
-        plain_causal = getattr(module, "is_causal", True) and (window is None or window >= S)
+        plain_causal = getattr(module, "is_causal", True) and (window is None or window >= n)
         if c.prefill == "pqattn" and plain_causal and not state.padded:
             # Without padding, and with no sliding window shorter than the sequence, the mask is
             # the bottom-right causal one.
@@ -151,14 +162,14 @@ def pq_attention_forward(
             metric=c.metric,
             sink=c.sink,
             window=c.window,
-            heavy=c.heavy_for(S),
+            heavy=c.heavy_for(n),
             iters=c.iters,
             sample=c.sample,
             share=c.share,
             group_rule=c.group_rule,
             rerank=c.rerank,
         )
-        state.index = PQIndex.build(key, [S] * B, capacity=S + c.capacity, config=pq)
+        state.index = PQIndex.build(key, [n] * B, capacity=S if state.static else S + c.capacity, config=pq)
         return out
     index = state.index
     if index is not None and index.capacity < S and not state.padded and not state.warned.get("capacity"):
@@ -171,12 +182,20 @@ def pq_attention_forward(
         )
     if index is None or state.padded or index.capacity < S:
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
-    index.append(key[:, :, -1:])
+    index.append(_new_key(key, position_ids) if state.static else key[:, :, -1:])
     q = query[:, :, 0]
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
     out = index.attend(q, key, value, index.select(q, key), scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
+
+
+def _new_key(key: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The decode step's key [B, Hkv, 1, D] from a preallocated cache [B, Hkv, S, D]: the slot of
+    each sequence's position (a gather on the device: capturable)."""
+    B, Hkv, _, D = key.shape
+    at = position_ids[:, -1].expand(B).long()
+    return key.gather(2, at.view(B, 1, 1, 1).expand(B, Hkv, 1, D))
 
 
 def _sliding_window(module: torch.nn.Module) -> int | None:
@@ -239,6 +258,79 @@ def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
         raise ValueError("model: found no attention module with `layer_idx` and `scaling` to switch")
     model.set_attn_implementation(NAME)
     return sorted(set(sparse))
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, capture: bool | None = None
+) -> torch.Tensor:
+    """Greedy decoding through a StaticCache: a prefill of the prompts, then one decode step of the
+    whole model per token, captured once as a CUDA graph and replayed (no host work per token but
+    the replay). Works with pqattn enabled (`enable`) or with any other attention implementation
+    (the dense baseline of the same loop).
+
+    Args:
+        model: a transformers causal LM whose forward takes `position_ids` (Llama, Mistral, Qwen).
+        input_ids: [B, P] int64 prompts of one length, no padding.
+        max_new_tokens: tokens to generate per sequence (>= 1).
+        capture: replay a CUDA graph of the decode step (default: on a CUDA device); the first
+            step runs eagerly (compiles, autotunes, allocates), the graph is captured at the second.
+
+    Returns:
+        [B, P + max_new_tokens] int64: the prompts and their greedy continuations.
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+        ...                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = transformers.LlamaForCausalLM(cfg).eval()
+        >>> generate(model, torch.randint(0, 64, (2, 8)), 4).shape
+        torch.Size([2, 12])
+    """
+    from transformers import StaticCache
+
+    check.tensor("input_ids", input_ids, shape=(None, None), dims="[B, P]", dtypes=(torch.int64,))
+    check.positive_int("max_new_tokens", max_new_tokens)
+    B, P = input_ids.shape
+    dev = input_ids.device
+    capture = dev.type == "cuda" if capture is None else capture
+    if capture and dev.type != "cuda":
+        raise ValueError(f"capture: CUDA graphs need a CUDA device, got input_ids on {dev}")
+    cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
+    kw = cache_kwargs(model, cache) | {"use_cache": True}
+    logits = model(input_ids=input_ids, position_ids=torch.arange(P, device=dev).expand(B, P), **kw).logits
+    ids = logits[:, -1:].argmax(-1)  # [B, 1]: the token each decode step reads and overwrites
+    new = torch.empty(B, max_new_tokens, dtype=torch.int64, device=dev)
+    new[:, :1] = ids
+    position = torch.full((B, 1), P, dtype=torch.int64, device=dev)
+    column = torch.ones(1, dtype=torch.int64, device=dev)  # where the step writes in `new`
+
+    def step() -> None:
+        out = model(input_ids=ids, position_ids=position, **kw).logits
+        ids.copy_(out[:, -1:].argmax(-1))
+        new.index_copy_(1, column, ids)
+        position.add_(1)
+        column.add_(1)
+
+    indexes = [m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None]
+    graph = None
+    for t in range(1, max_new_tokens):
+        if not capture or t == 1:
+            step()
+            continue
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        graph.replay()
+        if t % PQIndex.REINDEX_AFTER == 0:  # the replays advance the device lengths only
+            for state in indexes:
+                if state.index is not None:
+                    state.index.sync_lengths()
+    for state in indexes:
+        if state.index is not None and graph is not None:
+            state.index.sync_lengths()
+    return torch.cat([input_ids, new], dim=1)
 
 
 def disable(model: torch.nn.Module, implementation: str = "sdpa") -> None:
