@@ -235,8 +235,8 @@ def _score_kernel(
         inv = tl.load(wsf + BOUNDS_AT + 1)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         if REG_LUT:
-            # Tables of at most a warp's width live in registers, a sub-quantizer's C entries
-            # across C lanes: tl.gather along the token axis lowers to one warp shuffle a code.
+            # The max rule's tables of at most a warp's width live in registers, a sub-quantizer's
+            # C entries across C lanes: tl.gather along the token axis is one warp shuffle a code.
             m3 = tl.arange(0, M)[:, None, None]
             j3 = tl.arange(0, C)[None, None, :]
             t3 = tl.arange(0, SUB // C)[None, :, None]
@@ -249,10 +249,9 @@ def _score_kernel(
                 at3 = (tok3 - code_base).to(tl.int64)
                 code = tl.load(codes_row + at3 * stride_kn + m3 * stride_km, mask=cand3, other=0).to(tl.int32)
                 s = tl.sum(tl.gather(table, code, axis=2), axis=0)
-                if MAX_RULE:
-                    for t in range(1, TABLES):
-                        other = tl.broadcast_to(tl.load(wsf + t * M * C + m3 * C + j3), [M, SUB // C, C])
-                        s = tl.maximum(s, tl.sum(tl.gather(other, code, axis=2), axis=0))
+                for t in range(1, TABLES):  # (the register route serves the max rule only)
+                    other = tl.broadcast_to(tl.load(wsf + t * M * C + m3 * C + j3), [M, SUB // C, C])
+                    s = tl.maximum(s, tl.sum(tl.gather(other, code, axis=2), axis=0))
                 tok = base + tok2
                 cand = (tok >= cand_lo) & (tok < cand_end)
                 _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
