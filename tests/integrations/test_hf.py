@@ -265,3 +265,23 @@ def test_static_generate_sparse_and_its_arguments(device: torch.device) -> None:
     if device.type != "cuda":
         with pytest.raises(ValueError, match="capture"):
             pq_hf.generate(model, ids, 2, capture=True)
+
+
+def test_static_generate_stops_sequences_at_eos(device: torch.device) -> None:
+    """With eos_token_id a sequence that emits it keeps emitting it, as transformers pads a
+    finished sequence; the others go on."""
+    model = _model("llama", device)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3)).to(device)
+    free = pq_hf.generate(model, ids, 10)
+    eos = int(free[0, 43])  # the first sequence's fourth new token
+    got = pq_hf.generate(model, ids, 10, eos_token_id=eos)
+    with torch.no_grad():
+        want = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, eos_token_id=eos,
+            pad_token_id=eos,
+        )  # fmt: skip
+    width = want.shape[1]
+    assert torch.equal(got[:, :width], want)
+    assert (got[:, width:] == eos).all() or width == got.shape[1]
+    first = int((free[0, 40:] == eos).nonzero()[0])
+    assert (got[0, 40 + first :] == eos).all() and torch.equal(got[0, : 40 + first], free[0, : 40 + first])

@@ -262,7 +262,12 @@ def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
 
 @torch.no_grad()
 def generate(
-    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, capture: bool | None = None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    capture: bool | None = None,
 ) -> torch.Tensor:
     """Greedy decoding through a StaticCache: a prefill of the prompts, then one decode step of the
     whole model per token, captured once as a CUDA graph and replayed (no host work per token but
@@ -273,6 +278,8 @@ def generate(
         model: a transformers causal LM whose forward takes `position_ids` (Llama, Mistral, Qwen).
         input_ids: [B, P] int64 prompts of one length, no padding.
         max_new_tokens: tokens to generate per sequence (>= 1).
+        eos_token_id: a sequence that emits it emits it again at every later step (as transformers
+            pads a finished sequence with it); the batch's graph keeps its shape and runs on.
         capture: replay a CUDA graph of the decode step (default: on a CUDA device); the first
             step runs eagerly (compiles, autotunes, allocates), the graph is captured at the second.
 
@@ -300,6 +307,8 @@ def generate(
     kw = cache_kwargs(model, cache) | {"use_cache": True}
     logits = model(input_ids=input_ids, position_ids=torch.arange(P, device=dev).expand(B, P), **kw).logits
     ids = logits[:, -1:].argmax(-1)  # [B, 1]: the token each decode step reads and overwrites
+    eos = None if eos_token_id is None else torch.full_like(ids, eos_token_id)
+    done = None if eos is None else ids == eos  # [B, 1]: the sequences that emitted eos
     new = torch.empty(B, max_new_tokens, dtype=torch.int64, device=dev)
     new[:, :1] = ids
     position = torch.full((B, 1), P, dtype=torch.int64, device=dev)
@@ -308,6 +317,9 @@ def generate(
     def step() -> None:
         out = model(input_ids=ids, position_ids=position, **kw).logits
         ids.copy_(out[:, -1:].argmax(-1))
+        if eos is not None:
+            ids.copy_(torch.where(done, eos, ids))
+            done.logical_or_(ids == eos)
         new.index_copy_(1, column, ids)
         position.add_(1)
         column.add_(1)
