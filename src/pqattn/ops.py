@@ -599,6 +599,11 @@ def sparse_decode(
     return (out, lse.view(B, H)) if return_lse else out
 
 
+# Signatures of paged_append calls whose values were checked (bounded: a serving loop has few).
+_PAGED_CHECKED: set[tuple] = set()
+_MAX_PAGED_CHECKED = 64
+
+
 def paged_append(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -608,8 +613,10 @@ def paged_append(
     v_new: torch.Tensor,
 ) -> None:
     """Write each sequence's new key and value into a paged cache at its length (SPEC §8), in
-    place; the caller advances `lengths` after. Capturable in a CUDA graph (the block indices and
-    lengths are checked on the host outside a capture only).
+    place; the caller advances `lengths` after. Capturable in a CUDA graph. The block indices and
+    lengths are read on the host (one sync) at the first call of each signature of the inputs
+    (shapes, strides, dtypes, device) outside a capture; later calls of that signature, a decode
+    loop's steps, check shapes only, as a kept launch plan does.
 
     Args:
         k_cache, v_cache: [num_blocks, P, Hkv, D], one floating dtype.
@@ -624,6 +631,10 @@ def paged_append(
         >>> float(k[0, 1].sum())  # token 3: block table[0, 1] = 0, slot 1
         8.0
     """
+    sig = signature(k_cache, v_cache, block_table, lengths, k_new, v_new)
+    if sig is not None and sig in _PAGED_CHECKED:
+        ref.paged_append(k_cache, v_cache, block_table, lengths, k_new, v_new)
+        return
     B, Hkv, N, D = check.paged_cache(k_cache, v_cache, block_table, None)
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         check.tensor(
@@ -634,6 +645,9 @@ def paged_append(
         host = lengths.detach().cpu()
         if bool(((host < 0) | (host >= N)).any()):
             raise ValueError(f"lengths: expected slots in [0, {N}) (max_blocks * P), got {host.tolist()}")
+        if len(_PAGED_CHECKED) >= _MAX_PAGED_CHECKED:
+            _PAGED_CHECKED.clear()
+        _PAGED_CHECKED.add(sig)
     ref.paged_append(k_cache, v_cache, block_table, lengths, k_new, v_new)
 
 

@@ -325,3 +325,22 @@ def test_paged_inputs_are_checked(device):
         pqattn.paged_append(kp, vp, table, torch.tensor([3, 64], device=device), new, new)
     with pytest.raises(ValueError, match="k_new"):
         pqattn.paged_append(kp, vp, table, torch.tensor([3, 4], device=device), new[:, :1], new)
+
+
+def test_paged_append_checks_values_once_per_signature(device, monkeypatch):
+    """A decode loop's paged_append reads the lengths on the host at its first step only (the
+    steps after check shapes, as a kept plan does); a new signature is checked again."""
+    reads = []
+    checking = pqattn.ops.check.checking_values
+    monkeypatch.setattr(pqattn.ops.check, "checking_values", lambda t: reads.append(t) or checking(t))
+    monkeypatch.setattr(pqattn.ops, "_PAGED_CHECKED", set())
+    _, _, _, kp, vp, table, _, _ = _paged_case(device, B=2, H=4, Hkv=2, N=40, L=8, D=16, page=8)
+    new = torch.randn(2, 2, 16, device=device)
+    lengths = torch.tensor([5, 9], device=device)
+    for _ in range(3):
+        pqattn.paged_append(kp, vp, table, lengths, new, new)
+        lengths += 1
+    assert len(reads) == 2  # the block table and the lengths, at the first call
+    torch.testing.assert_close(ref.unpage(kp, table)[1, :, 9:12], new[1, :, None].expand(2, 3, 16))
+    pqattn.paged_append(kp, vp, table.long(), lengths, new, new)
+    assert len(reads) == 4
