@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import pqattn.integrations.hf as pq_hf
+from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
 
 
 def main() -> None:
@@ -26,15 +27,7 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--tokens", type=int, default=32768, help="prompt length")
     args = p.parse_args()
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=8,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=args.tokens + 1024,
-    )
+    cfg = llama_config(**LLAMA3_8B_LAYERS, max_positions=args.tokens + 1024)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

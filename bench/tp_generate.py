@@ -28,18 +28,11 @@ import torch
 import transformers
 
 import pqattn.integrations.hf as pq_hf
+from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
 
 
 def _save_random(path: str) -> None:
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=8,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=140_000,
-    )
+    cfg = llama_config(**LLAMA3_8B_LAYERS, max_positions=140_000)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from pqattn.index import PQConfig, PQIndex
 from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_next
 from pqattn.lab import baselines
 from pqattn.lab.workload import WorkloadSpec, make_workload
+
+if TYPE_CHECKING:
+    import transformers
 
 SIZES = ("full", "quick", "tiny")
 KiB = 1024
@@ -702,6 +706,27 @@ def prefill_suite(size: str, device: torch.device) -> list[Case]:
 
 # ---- generate: one decode step of a transformers model over a long prompt (issue 8) ---------------
 
+# Llama-3-8B's layer shapes (8 of its 32 layers, a 32000-token vocabulary): the generate benches'
+# model, with random weights.
+LLAMA3_8B_LAYERS = dict(layers=8, hidden=4096, intermediate=14336, H=32, Hkv=8, vocab=32000)
+
+
+def llama_config(
+    *, layers: int, hidden: int, intermediate: int, H: int, Hkv: int, vocab: int, max_positions: int
+) -> transformers.LlamaConfig:
+    """A transformers LlamaConfig of these shapes (no download)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=H,
+        num_key_value_heads=Hkv,
+        max_position_embeddings=max_positions,
+    )
+
 
 def _generate_case(
     device: torch.device,
@@ -730,14 +755,14 @@ def _generate_case(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     params = dict(layers=layers, hidden=hidden, H=H, Hkv=Hkv, D=D, vocab=vocab, context=context, heavy=heavy)
     params.update(sink=sink, window=window, dtype=str(dtype).removeprefix("torch."))
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=H,
-        num_key_value_heads=Hkv,
-        max_position_embeddings=context + 8192,
+    cfg = llama_config(
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        H=H,
+        Hkv=Hkv,
+        vocab=vocab,
+        max_positions=context + 8192,
     )
     n_params = (
         layers * (2 * hidden * hidden + 2 * hidden * Hkv * D + 3 * hidden * intermediate) + 2 * vocab * hidden
@@ -821,10 +846,11 @@ def generate_suite(size: str, device: torch.device) -> list[Case]:
                 window=4,
             )
         ]
-    # Llama-3-8B's layer shapes (8 of its 32 layers, a 32000-token vocabulary).
-    llama = dict(layers=8, hidden=4096, intermediate=14336, H=32, Hkv=8, vocab=32000, heavy=1024)
     contexts = (32,) if size == "quick" else (32, 128)
-    return [_generate_case(device, f"llama8L-{c}K", **llama, context=c * KiB) for c in contexts]
+    return [
+        _generate_case(device, f"llama8L-{c}K", **LLAMA3_8B_LAYERS, heavy=1024, context=c * KiB)
+        for c in contexts
+    ]
 
 
 SUITES: dict[str, Callable[[str, torch.device], list[Case]]] = {
