@@ -18,14 +18,17 @@ from pqattn.reference import SelectParams
 FINISHES = {"all-pairs": (256, 4096), "kept-list": (16, 4096), "row-scan": (16, 32)}
 
 
-def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, ties=False, calls=2):
+def _fine_case(
+    device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, shortlist=0, ties=False
+):
+    """Random query, centroids and codes, the selection params, outputs pre-filled with -7, and
+    a zeroed workspace with its row layout, for a fine-route call."""
     C = 2**bits
     q = torch.randn(B, H, D, device=device)
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
     if ties:
         q, cent = q.round(), (cent * 0.5).round()
     codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8, device=device)
-    lengths = torch.tensor(lengths, device=device)
     params = SelectParams.make(
         sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
     )
@@ -33,12 +36,23 @@ def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, shar
     tables = H // Hkv if share == "group" and rule == "max" else 1
     positions = torch.full((B, R, params.width), -7, dtype=torch.int32, device=device)
     counts = torch.full((B, R), -7, dtype=torch.int32, device=device)
-    ws = torch.zeros(fine.workspace_numel(B * R, tables, M, C, N), dtype=torch.int32, device=device)
+    ws = torch.zeros(
+        fine.workspace_numel(B * R, tables, M, C, N, shortlist), dtype=torch.int32, device=device
+    )
+    lay = fine.row_layout(tables, M, C, N, shortlist)
+    return q, cent, codes, torch.tensor(lengths, device=device), params, positions, counts, ws, lay
+
+
+def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, ties=False, calls=2):
+    q, cent, codes, lengths, params, positions, counts, ws, lay = _fine_case(
+        device, B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, lengths=lengths, sink=sink, window=window,
+        heavy=heavy, share=share, rule=rule, ties=ties,
+    )  # fmt: skip
+    R = positions.shape[1]
     scores = ref.pq_scores(q.double(), cent.double(), codes)
     if share == "group":
         scores = ref.group_scores(scores, Hkv, rule)
     want = ref.select_from_scores(scores, lengths, sink=sink, window=window, heavy=heavy, init_offset=sink)
-    lay = fine.row_layout(tables, M, C, N)
     for _ in range(calls):  # the second call reuses the workspace the first left zeroed
         fine.pq_select_fine(
             q, cent, codes, lengths, params, positions=positions, counts=counts, workspace=ws, share=share,
@@ -192,23 +206,12 @@ def test_select_topk_share_arguments_are_checked(device):
 
 
 def _rerank_case(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, rerank, share, rule):
-    C = 2**bits
     keys = torch.randn(B, Hkv, N, D, device=device)
-    q = torch.randn(B, H, D, device=device)
-    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
-    codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8, device=device)
-    lengths = torch.tensor(lengths, device=device)
-    params = SelectParams.make(
-        sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
-    )
-    R = Hkv if share == "group" else H
-    tables = H // Hkv if share == "group" and rule == "max" else 1
-    positions = torch.full((B, R, params.width), -7, dtype=torch.int32, device=device)
-    counts = torch.full((B, R), -7, dtype=torch.int32, device=device)
-    ws = torch.zeros(
-        fine.workspace_numel(B * R, tables, M, C, N, rerank * heavy), dtype=torch.int32, device=device
-    )
-    lay = fine.row_layout(tables, M, C, N, rerank * heavy)
+    q, cent, codes, lengths, params, positions, counts, ws, lay = _fine_case(
+        device, B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, lengths=lengths, sink=sink, window=window,
+        heavy=heavy, share=share, rule=rule, shortlist=rerank * heavy,
+    )  # fmt: skip
+    R = positions.shape[1]
     pq = ref.pq_scores(q.double(), cent.double(), codes)
     exact = ref.exact_scores(q.double(), keys.double())
     if share == "group":
