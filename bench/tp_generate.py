@@ -6,11 +6,12 @@ own. Runs dense (SDPA) and then pqattn on the same weights, each through transfo
 `generate` (a dynamic cache) and through `pqattn.integrations.hf.generate` (a static cache, the
 decode step captured as a CUDA graph on GPUs), and reports the greedy tokens, tokens per second
 of `generate` and milliseconds per token of the static loop's decode steps (rank 0 writes the
-JSON). Wall-clock with a sync, one sample each.
+JSON). Wall-clock with a sync: `generate` once; the static loop's replayed steps in `samples`
+samples of `steps` steps each (median reported).
 
 Usage:
     torchrun --nproc-per-node N bench/tp_generate.py --model PATH [--prompt 32768 --batch 8
-        --new 64 --heavy 1024 --json PATH]
+        --new 64 --heavy 1024 --samples 5 --steps 16 --json PATH]
     torchrun --nproc-per-node N bench/tp_generate.py --save-random PATH   # a Llama-3-8B-shaped
         8-layer checkpoint with random weights (once, on one process: plain python works too)
 CPUs run it with the gloo backend (the tests do, on a tiny model); GPUs with NCCL (keep
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -34,7 +36,9 @@ from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
 def _save_random(path: str) -> None:
     cfg = llama_config(**LLAMA3_8B_LAYERS, max_positions=140_000)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
 
 
 def _timed(fn) -> tuple[torch.Tensor, float]:
@@ -58,15 +62,26 @@ def main() -> None:
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--bits", type=int, default=6)
+    p.add_argument("--samples", type=int, default=5, help="timed samples of the static loop")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per sample")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on GPUs")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.save_random:
         _save_random(args.save_random)
         return
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=dtype).eval()
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else torch.bfloat16
+        if torch.cuda.is_available()
+        else torch.float32
+    )
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    one = {"device_map": "cuda" if torch.cuda.is_available() else "cpu"}  # one process: its own device
+    place = {"tp_plan": "auto"} if world > 1 else one
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **place).eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=gen).to(model.device)
@@ -83,18 +98,27 @@ def main() -> None:
             dynamic, t_dynamic = _timed(
                 lambda m=mask: model.generate(ids, attention_mask=m, max_new_tokens=args.new, do_sample=False)
             )
-        pq_hf.generate(model, ids, 2)  # compiles, autotunes, captures once
-        _, t_two = _timed(lambda: pq_hf.generate(model, ids, 2))
-        static, t_static = _timed(lambda: pq_hf.generate(model, ids, args.new))
+        static = pq_hf.generate(model, ids, args.new)  # compiles and autotunes on its first steps
+        # the static loop's steps: eager, capture, a first replay, then `samples` x `steps` timed
+        decoder = pq_hf.StaticDecoder(model, ids, 4 + args.samples * args.steps)  # + the prefill token
+        for _ in range(3):
+            decoder.step()
+        samples = []
+        for _ in range(args.samples):
+            _, seconds = _timed(lambda d=decoder: [d.step() for _ in range(args.steps)])
+            samples.append(seconds / args.steps * 1e3)
         states = [m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None]
+        ms = statistics.median(samples)
         doc[kind] = {
             "dynamic_tokens": dynamic[:, args.prompt :].tolist(),
             "static_tokens": static[:, args.prompt :].tolist(),
             "dynamic_tokens_per_s": args.batch * args.new / t_dynamic,
-            # the static loop's decode steps: the call less one of two tokens (prefill, capture)
-            "static_ms_per_token": (t_static - t_two) / max(args.new - 2, 1) * 1e3,
+            "static_ms_per_token": ms,
+            "static_ms_per_token_samples": samples,
+            "static_tokens_per_s": args.batch * 1e3 / ms,
             "index_kv_heads": states[0].index.kv_heads if states else None,
         }
+        del decoder
         if rank == 0:
             print(kind, {k: v for k, v in doc[kind].items() if "_per_" in k}, flush=True)
     if rank == 0 and args.json:

@@ -285,3 +285,78 @@ def test_static_generate_stops_sequences_at_eos(device: torch.device) -> None:
     assert (got[:, width:] == eos).all() or width == got.shape[1]
     first = int((free[0, 40:] == eos).nonzero()[0])
     assert (got[0, 40 + first :] == eos).all() and torch.equal(got[0, : 40 + first], free[0, : 40 + first])
+
+
+def _ragged(device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Three right-padded prompts of 70, 45 and 58 tokens (random padding tokens)."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(0, 128, (3, 70), generator=gen).to(device), [70, 45, 58]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_static_generate_ragged_batch_equals_each_sequence_alone(sparse: bool, device: torch.device) -> None:
+    """A ragged batch (right-padded prompts with their lengths): each sequence's greedy tokens are
+    those it gets alone, dense and with pqattn (heavy covering every token); each index holds its
+    own sequence's length."""
+    model = _model("llama", device)
+    if sparse:
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3))
+    ids, lengths = _ragged(device)
+    batch = pq_hf.StaticDecoder(model, ids, 9, prompt_lengths=lengths)
+    got = batch.run()
+    assert torch.equal(got[:, :70], ids)
+    for b, n in enumerate(lengths):
+        alone = pq_hf.StaticDecoder(model, ids[b : b + 1, :n], 9)
+        assert torch.equal(got[b, 70:], alone.run()[0, n:]), f"sequence {b} ({n} tokens)"
+        for mine, its in zip(batch.cache.layers, alone.cache.layers, strict=True):  # each row's own slots
+            torch.testing.assert_close(
+                mine.keys[b, :, : n + 8], its.keys[0, :, : n + 8], atol=1e-4, rtol=1e-4
+            )
+            torch.testing.assert_close(
+                mine.values[b, :, : n + 8], its.values[0, :, : n + 8], atol=1e-4, rtol=1e-4
+            )
+    if sparse:
+        got = pq_hf.generate(model, ids, 9, prompt_lengths=torch.tensor(lengths))
+        for state in _states(model):
+            assert state.index.lengths.tolist() == [n + 8 for n in lengths]
+            assert state.prompt_lengths is None  # set for the prefill only
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_static_decoder_chunked_prefill_equals_one_forward(sparse: bool, device: torch.device) -> None:
+    """A prefill in chunks of 16 tokens per sequence (the sequences' last prompt tokens in
+    different chunks) gives the tokens of a prefill in one forward; pqattn builds each index once,
+    at the last chunk, over the whole prompt."""
+    model = _model("llama", device)
+    if sparse:
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3))
+    ids, lengths = _ragged(device)
+    whole = pq_hf.StaticDecoder(model, ids, 6, prompt_lengths=lengths).run()
+    builds = []
+    if sparse:
+        for state in _states(model):
+            state.index = None
+    decoder = pq_hf.StaticDecoder(model, ids, 6, prompt_lengths=lengths, prefill_tokens=3 * 16)
+    if sparse:
+        builds = [s.index for s in _states(model)]
+        assert all(i is not None and i.lengths.tolist() == lengths for i in builds)
+    assert torch.equal(decoder.run(), whole)
+
+
+def test_static_decoder_steps_and_arguments(device: torch.device) -> None:
+    """Steps one at a time up to max_new_tokens, then refuses; bad prompt lengths are refused."""
+    model = _model("llama", device)
+    ids, lengths = _ragged(device)
+    decoder = pq_hf.StaticDecoder(model, ids, 3, prompt_lengths=lengths)
+    assert decoder.steps_left == 2
+    decoder.step()
+    decoder.step()
+    assert decoder.steps_left == 0
+    assert torch.equal(decoder.tokens, pq_hf.generate(model, ids, 3, prompt_lengths=lengths)[:, 70:])
+    with pytest.raises(ValueError, match="step: all max_new_tokens=3"):
+        decoder.step()
+    for bad in ([70, 45], [70, 0, 58], [70, 71, 58], [70.0, 45, 58]):
+        with pytest.raises(ValueError, match="prompt_lengths"):
+            pq_hf.StaticDecoder(model, ids, 3, prompt_lengths=bad)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        pq_hf.StaticDecoder(model, ids, 3, prefill_tokens=0)

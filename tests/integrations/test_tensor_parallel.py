@@ -17,10 +17,19 @@ import transformers
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="tp_plan needs accelerate")
-def test_two_ranks_generate_the_single_process_tokens(tmp_path: pathlib.Path, device: torch.device) -> None:
-    if device.type == "cuda":
-        pytest.skip("the CPU (gloo) run; on GPUs `torchrun bench/tp_generate.py` is the run")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_generate_the_single_process_tokens(
+    backend: str, tmp_path: pathlib.Path, device: torch.device
+) -> None:
+    """Two ranks (gloo on CPUs; NCCL on two GPUs where the machine has them), float32 with heavy
+    covering every token: the greedy tokens of one process, dense and pqattn, through
+    transformers' generate and the static loop (captured on GPUs)."""
+    if backend == "gloo" and device.type == "cuda":
+        pytest.skip("the CPU run: the GPUs take the NCCL case")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -29,13 +38,18 @@ def test_two_ranks_generate_the_single_process_tokens(tmp_path: pathlib.Path, de
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(tmp_path / "model")
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(0))  # the script's prompt
+    on = torch.device("cuda" if backend == "nccl" else "cpu")
     with torch.no_grad():
+        model, ids = model.to(on), ids.to(on)
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     out = tmp_path / "tp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     cmd += [str(ROOT / "bench" / "tp_generate.py"), "--model", str(tmp_path / "model"), "--prompt", "70"]
     cmd += ["--batch", "2", "--new", "8", "--heavy", "500", "--sink", "4", "--window", "4", "--bits", "3"]
+    cmd += ["--dtype", "float32", "--samples", "2", "--steps", "2"]
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    if backend == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     run = subprocess.run([*cmd, "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -210,17 +210,6 @@ def test_group_decode_bf16_full_shape_cuda(config):
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def _paged(cache: torch.Tensor, page: int, table: torch.Tensor, blocks: int) -> torch.Tensor:
-    """cache [B, Hkv, N, D] laid out in `blocks` pages of `page` tokens through `table`
-    [B, max_blocks]; the pages no sequence uses hold NaN (a read of one shows in the output)."""
-    B, Hkv, N, D = cache.shape
-    paged = torch.full((blocks, page, Hkv, D), float("nan"), dtype=cache.dtype, device=cache.device)
-    padded = torch.zeros(B, Hkv, table.shape[1] * page, D, dtype=cache.dtype, device=cache.device)
-    padded[:, :, :N] = cache
-    paged[table.reshape(-1).long()] = padded.transpose(1, 2).reshape(-1, page, Hkv, D)
-    return paged
-
-
 def _paged_case(device, *, B, H, Hkv, N, L, D, page, dtype=torch.float32, shared=False):
     max_blocks = -(-N // page)
     blocks = B * max_blocks + 3
@@ -233,7 +222,7 @@ def _paged_case(device, *, B, H, Hkv, N, L, D, page, dtype=torch.float32, shared
     positions = torch.rand(B, R, N).argsort(-1)[..., :L]
     positions = torch.where(torch.arange(L) < counts[..., None], positions, -1).to(torch.int32)
     q = torch.randn(B, H, D).to(dtype).to(device)
-    kp, vp = _paged(k, page, table, blocks), _paged(v, page, table, blocks)
+    kp, vp = ref.to_pages(k, table, blocks, page), ref.to_pages(v, table, blocks, page)
     return q, k, v, kp, vp, table, positions.to(device), counts.to(device)
 
 

@@ -317,10 +317,7 @@ def test_rerank_reads_a_paged_key_cache(device, route, request):
     lengths = torch.tensor([N, 200], device=device)
     blocks = B * -(-N // page) + 2
     table = torch.randperm(blocks)[: blocks - 2].reshape(B, -1).to(torch.int32).to(device)
-    paged = torch.full((blocks, page, Hkv, D), float("nan"), device=device)
-    padded = torch.zeros(B, Hkv, table.shape[1] * page, D, device=device)
-    padded[:, :, :N] = keys
-    paged[table.reshape(-1).long()] = padded.transpose(1, 2).reshape(-1, page, Hkv, D)
+    paged = ref.to_pages(keys, table, blocks, page)
     args = (q, book.centroids, book.codes, lengths)
     sizes = dict(sink=2, window=4, heavy=10, rerank=3)
     want = ops.select_topk(*args, keys=keys, **sizes)

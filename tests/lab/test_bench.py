@@ -91,7 +91,13 @@ def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
     assert len(suites.build_suite("full", meta)) == 9
     assert len(suites.prefill_suite("full", meta)) == 5
     gen = suites.generate_suite("quick", meta)[0]
-    assert gen.params["context"] == 32 * 1024 and all(i.no_graph for i in gen.impls)
+    assert (gen.params["B"], gen.params["context"]) == (1, 32 * 1024) and all(i.no_graph for i in gen.impls)
+    assert [c.name for c in suites.generate_suite("full", meta)] == [
+        "llama8L-B1-32K",
+        "llama8L-B8-32K",
+        "llama8L-B32-32K",
+        "llama8L-B1-128K",
+    ]
     for name, make in suites.SUITES.items():
         quick = {c.name for c in make("quick", meta)}
         assert quick and quick <= {c.name for c in make("full", meta)}, name

@@ -114,3 +114,18 @@ def test_dense_causal_rows_without_keys_are_zero() -> None:
     out = ref.dense_attention(q, k, k, causal=True)
     assert (out[0, 0, :3] == 0).all() and torch.isfinite(out).all()
     assert (out[0, 0, 3:] != 0).any()
+
+
+def test_to_pages_is_the_inverse_of_unpage() -> None:
+    """A cache laid out in shuffled pages reads back through the block table; the slots past N and
+    the blocks no sequence uses hold NaN; too few blocks are refused."""
+    B, Hkv, N, D, page = 2, 3, 37, 4, 8
+    cache = torch.randn(B, Hkv, N, D)
+    table = torch.randperm(B * 5 + 2)[: B * 5].reshape(B, 5).to(torch.int32)
+    paged = ref.to_pages(cache, table, B * 5 + 2, page)
+    back = ref.unpage(paged, table)
+    assert torch.equal(back[:, :, :N], cache) and back[:, :, N:].isnan().all()
+    unused = sorted(set(range(B * 5 + 2)) - set(table.reshape(-1).tolist()))
+    assert paged[unused].isnan().all()
+    with pytest.raises(ValueError, match="block_table"):
+        ref.to_pages(cache, table[:, :4], B * 5 + 2, page)

@@ -26,6 +26,7 @@ import dataclasses
 import warnings
 
 import torch
+from transformers.cache_utils import StaticLayer
 
 from pqattn import _validate as check
 from pqattn import ops
@@ -108,6 +109,9 @@ class _LayerState:
     index: PQIndex | None = None
     padded: bool = False  # the prompt had padding: decode stays dense
     static: bool = False  # the cache is preallocated (StaticCache): keys past the lengths are unused
+    # set by StaticDecoder during its prefill: each sequence's prompt length (the index is built
+    # at the chunk that reaches the longest)
+    prompt_lengths: list[int] | None = None
     # shared by the model's layers: whether decoding past the capacity has been warned about
     warned: dict[str, bool] = dataclasses.field(default_factory=dict)
     sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
@@ -156,6 +160,9 @@ def pq_attention_forward(
             out = (attn.transpose(1, 2).contiguous(), None)
         else:
             out = _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+        lengths = [n] * B if state.prompt_lengths is None else state.prompt_lengths
+        if n < max(lengths):  # a chunk of a longer prefill: the index is built at its last chunk
+            return out
         pq = PQConfig(
             subvectors=c.subvectors,
             bits=c.bits,
@@ -169,7 +176,7 @@ def pq_attention_forward(
             group_rule=c.group_rule,
             rerank=c.rerank,
         )
-        state.index = PQIndex.build(key, [n] * B, capacity=S if state.static else S + c.capacity, config=pq)
+        state.index = PQIndex.build(key, lengths, capacity=S if state.static else S + c.capacity, config=pq)
         return out
     index = state.index
     if index is not None and index.capacity < S and not state.padded and not state.warned.get("capacity"):
@@ -260,31 +267,221 @@ def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
     return sorted(set(sparse))
 
 
-@torch.no_grad()
+class StaticDecoder:
+    """Greedy decoding of a fixed batch through a preallocated cache, one token per `step()`.
+
+    At construction: a transformers StaticCache for prompt + `max_new_tokens`, the prefill of the
+    prompts (in chunks of the sequence when the batch holds more than `prefill_tokens` tokens;
+    with pqattn enabled each layer builds its index at the last chunk) and the first new token.
+    Each `step()` then runs one decode step of the whole model: the first eagerly (compiles,
+    autotunes, allocates), the second captures it as a CUDA graph, every later one replays it (no
+    host work per token but the replay). Works with pqattn enabled (`enable`) or with any other
+    attention implementation (the dense baseline of the same loop).
+
+    Ragged batches: `prompt_lengths` gives each sequence's length; the prompts are right-padded in
+    `input_ids` and each sequence decodes at its own positions (its cache slots, rotary
+    positions and index length), so a short prompt is never padded at the front. Its dense
+    attention then reads a [B, 1, 1, S] mask of the slots each sequence has filled.
+
+    Args:
+        model: a transformers causal LM whose forward takes `position_ids` (Llama, Mistral, Qwen).
+        input_ids: [B, P] int64 prompts (right-padded past `prompt_lengths`).
+        max_new_tokens: tokens to generate per sequence (>= 1); the cache holds P + max_new_tokens.
+        prompt_lengths: [B] lengths in [1, P] (a list or a tensor, read once), default all P.
+        eos_token_id: a sequence that emits it emits it again at every later step (as transformers
+            pads a finished sequence with it); the batch's graph keeps its shape and runs on.
+        capture: replay a CUDA graph of the decode step (default: on a CUDA device).
+        prefill_tokens: the most tokens (batch x chunk length) one prefill forward takes.
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+        ...                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = transformers.LlamaForCausalLM(cfg).eval()
+        >>> decoder = StaticDecoder(model, torch.randint(0, 64, (2, 8)), 4)
+        >>> decoder.step()
+        >>> decoder.steps_left, decoder.tokens.shape
+        (2, torch.Size([2, 4]))
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        prompt_lengths=None,
+        eos_token_id: int | None = None,
+        capture: bool | None = None,
+        prefill_tokens: int = 131072,
+    ) -> None:
+        from transformers import StaticCache
+
+        check.tensor("input_ids", input_ids, shape=(None, None), dims="[B, P]", dtypes=(torch.int64,))
+        check.positive_int("max_new_tokens", max_new_tokens)
+        check.positive_int("prefill_tokens", prefill_tokens)
+        B, P = input_ids.shape
+        dev = input_ids.device
+        lengths = _prompt_lengths(prompt_lengths, B, P)
+        ragged = min(lengths) < P
+        self.capture = dev.type == "cuda" if capture is None else capture
+        if self.capture and dev.type != "cuda":
+            raise ValueError(f"capture: CUDA graphs need a CUDA device, got input_ids on {dev}")
+        self.model, self.input_ids, self.max_new_tokens = model, input_ids, max_new_tokens
+        self.position = torch.tensor(lengths, dtype=torch.int64, device=dev)[:, None]  # [B, 1]
+        self.cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
+        if ragged:
+            _write_at_rows(self.cache, self.position)
+        self._kw = cache_kwargs(model, self.cache) | {"use_cache": True}
+        self.mask = None  # [B, 1, 1, S] the filled slots, for a ragged batch's dense attention
+        if ragged:
+            slots = torch.arange(P + max_new_tokens, device=dev)
+            self.mask = (slots < self.position)[:, None, None, :]
+            self._kw["attention_mask"] = self.mask
+        self._states = [
+            m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None
+        ]
+        with torch.no_grad():
+            first = self._prefill(input_ids, lengths, prefill_tokens)
+        self.ids = first[:, None]  # [B, 1]: the token each decode step reads and overwrites
+        self.eos = None if eos_token_id is None else torch.full_like(self.ids, eos_token_id)
+        self.done = None if self.eos is None else self.ids == self.eos  # [B, 1] sequences that emitted eos
+        self.tokens = torch.empty(B, max_new_tokens, dtype=torch.int64, device=dev)  # the new tokens
+        self.tokens[:, :1] = self.ids
+        self._column = torch.ones(1, dtype=torch.int64, device=dev)  # where the step writes in tokens
+        self._made = 1
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def steps_left(self) -> int:
+        return self.max_new_tokens - self._made
+
+    def _prefill(self, input_ids: torch.Tensor, lengths: list[int], prefill_tokens: int) -> torch.Tensor:
+        """Prefill [B, P] in chunks of the sequence; returns [B] each prompt's next token."""
+        B, P = input_ids.shape
+        chunk = max(1, prefill_tokens // B)
+        first = torch.empty(B, dtype=torch.int64, device=input_ids.device)
+        kw = {k: v for k, v in self._kw.items() if k != "attention_mask"}  # right padding: causal only
+        for state in self._states:
+            state.prompt_lengths = lengths
+        try:
+            for start in range(0, P, chunk):
+                end = min(P, start + chunk)
+                rows = [b for b in range(B) if start <= lengths[b] - 1 < end]
+                keep = sorted({lengths[b] - 1 - start for b in rows}) or [end - start - 1]
+                positions = torch.arange(start, end, device=input_ids.device).expand(B, end - start)
+                logits = self.model(
+                    input_ids=input_ids[:, start:end],
+                    position_ids=positions,
+                    logits_to_keep=torch.tensor(keep, device=input_ids.device),
+                    **kw,
+                ).logits
+                if rows:
+                    at = torch.tensor(
+                        [[b, keep.index(lengths[b] - 1 - start)] for b in rows], device=first.device
+                    )
+                    first[at[:, 0]] = logits[at[:, 0], at[:, 1]].argmax(-1)
+        finally:
+            for state in self._states:
+                state.prompt_lengths = None
+        return first
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        if self.mask is not None:
+            self.mask.scatter_(3, self.position.view(-1, 1, 1, 1), True)
+        out = self.model(input_ids=self.ids, position_ids=self.position, **self._kw).logits
+        self.ids.copy_(out[:, -1:].argmax(-1))
+        if self.eos is not None:
+            self.ids.copy_(torch.where(self.done, self.eos, self.ids))
+            self.done.logical_or_(self.ids == self.eos)
+        self.tokens.index_copy_(1, self._column, self.ids)
+        self.position.add_(1)
+        self._column.add_(1)
+
+    def step(self) -> None:
+        """One decode step of the batch (asynchronous once the graph is captured)."""
+        if self.steps_left <= 0:
+            raise ValueError(f"step: all max_new_tokens={self.max_new_tokens} tokens are generated")
+        if not self.capture or self._made == 1:
+            self._step()
+        else:
+            if self._graph is None:
+                self._graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self._graph):
+                    self._step()
+            self._graph.replay()
+            if self._made % PQIndex.REINDEX_AFTER == 0:  # replays advance the device lengths only
+                self.sync_lengths()
+        self._made += 1
+
+    def sync_lengths(self) -> None:
+        """Refresh the indexes' host length counters after graph replays (one sync each)."""
+        for state in self._states:
+            if state.index is not None and self._graph is not None:
+                state.index.sync_lengths()
+
+    def run(self) -> torch.Tensor:
+        """Steps until max_new_tokens; returns [B, P + max_new_tokens] int64, the prompts then each
+        sequence's continuation (for a ragged batch, from column P on)."""
+        while self.steps_left > 0:
+            self.step()
+        self.sync_lengths()
+        return torch.cat([self.input_ids, self.tokens], dim=1)
+
+
+def _prompt_lengths(prompt_lengths, B: int, P: int) -> list[int]:
+    if prompt_lengths is None:
+        return [P] * B
+    got = torch.as_tensor(prompt_lengths).tolist()
+    if not isinstance(got, list) or len(got) != B or not all(isinstance(n, int) and 1 <= n <= P for n in got):
+        raise ValueError(f"prompt_lengths: expected {B} integers in [1, P={P}], got {got}")
+    return got
+
+
+def _write_at_rows(cache, position: torch.Tensor) -> None:
+    """Make each layer of a StaticCache write a one-token update at each row's slot `position`
+    [B, 1] (device) instead of one slot shared by the batch."""
+    if any(type(layer) is not StaticLayer for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+        raise ValueError(f"prompt_lengths: ragged batches need full-attention cache layers, got {kinds}")
+    cache.layers = [_RowSlotLayer(layer.max_cache_len, position) for layer in cache.layers]
+
+
+class _RowSlotLayer(StaticLayer):
+    """A StaticCache layer whose one-token updates go to each row's own slot: `slots` [B, 1]
+    int64 on the device, advanced by the decode loop (a scatter: capturable). Longer updates (the
+    prefill) fill slots from 0 for every row, as StaticLayer does."""
+
+    def __init__(self, max_cache_len: int, slots: torch.Tensor) -> None:
+        super().__init__(max_cache_len)
+        self.slots = slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or key_states.shape[-2] != 1:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.cumulative_length.add_(1)
+        at = self.slots.view(-1, 1, 1, 1)
+        self.keys.scatter_(2, at.expand(key_states.shape), key_states)
+        self.values.scatter_(2, at.expand(value_states.shape), value_states)
+        return self.keys, self.values
+
+
 def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
+    prompt_lengths=None,
     eos_token_id: int | None = None,
     capture: bool | None = None,
 ) -> torch.Tensor:
-    """Greedy decoding through a StaticCache: a prefill of the prompts, then one decode step of the
-    whole model per token, captured once as a CUDA graph and replayed (no host work per token but
-    the replay). Works with pqattn enabled (`enable`) or with any other attention implementation
-    (the dense baseline of the same loop).
-
-    Args:
-        model: a transformers causal LM whose forward takes `position_ids` (Llama, Mistral, Qwen).
-        input_ids: [B, P] int64 prompts of one length, no padding.
-        max_new_tokens: tokens to generate per sequence (>= 1).
-        eos_token_id: a sequence that emits it emits it again at every later step (as transformers
-            pads a finished sequence with it); the batch's graph keeps its shape and runs on.
-        capture: replay a CUDA graph of the decode step (default: on a CUDA device); the first
-            step runs eagerly (compiles, autotunes, allocates), the graph is captured at the second.
+    """Greedy decoding through a StaticCache, the decode step captured as one CUDA graph and
+    replayed: `StaticDecoder(...).run()`, whose arguments these are.
 
     Returns:
-        [B, P + max_new_tokens] int64: the prompts and their greedy continuations.
+        [B, P + max_new_tokens] int64: the prompts and their greedy continuations (for a ragged
+        batch, each continuation from column P on).
 
     Example:
         >>> import transformers
@@ -294,55 +491,15 @@ def generate(
         >>> generate(model, torch.randint(0, 64, (2, 8)), 4).shape
         torch.Size([2, 12])
     """
-    from transformers import StaticCache
-
-    check.tensor("input_ids", input_ids, shape=(None, None), dims="[B, P]", dtypes=(torch.int64,))
-    check.positive_int("max_new_tokens", max_new_tokens)
-    B, P = input_ids.shape
-    dev = input_ids.device
-    capture = dev.type == "cuda" if capture is None else capture
-    if capture and dev.type != "cuda":
-        raise ValueError(f"capture: CUDA graphs need a CUDA device, got input_ids on {dev}")
-    cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
-    kw = cache_kwargs(model, cache) | {"use_cache": True}
-    logits = model(input_ids=input_ids, position_ids=torch.arange(P, device=dev).expand(B, P), **kw).logits
-    ids = logits[:, -1:].argmax(-1)  # [B, 1]: the token each decode step reads and overwrites
-    eos = None if eos_token_id is None else torch.full_like(ids, eos_token_id)
-    done = None if eos is None else ids == eos  # [B, 1]: the sequences that emitted eos
-    new = torch.empty(B, max_new_tokens, dtype=torch.int64, device=dev)
-    new[:, :1] = ids
-    position = torch.full((B, 1), P, dtype=torch.int64, device=dev)
-    column = torch.ones(1, dtype=torch.int64, device=dev)  # where the step writes in `new`
-
-    def step() -> None:
-        out = model(input_ids=ids, position_ids=position, **kw).logits
-        ids.copy_(out[:, -1:].argmax(-1))
-        if eos is not None:
-            ids.copy_(torch.where(done, eos, ids))
-            done.logical_or_(ids == eos)
-        new.index_copy_(1, column, ids)
-        position.add_(1)
-        column.add_(1)
-
-    indexes = [m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None]
-    graph = None
-    for t in range(1, max_new_tokens):
-        if not capture or t == 1:
-            step()
-            continue
-        if graph is None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-        graph.replay()
-        if t % PQIndex.REINDEX_AFTER == 0:  # the replays advance the device lengths only
-            for state in indexes:
-                if state.index is not None:
-                    state.index.sync_lengths()
-    for state in indexes:
-        if state.index is not None and graph is not None:
-            state.index.sync_lengths()
-    return torch.cat([input_ids, new], dim=1)
+    decoder = StaticDecoder(
+        model,
+        input_ids,
+        max_new_tokens,
+        prompt_lengths=prompt_lengths,
+        eos_token_id=eos_token_id,
+        capture=capture,
+    )
+    return decoder.run()
 
 
 def disable(model: torch.nn.Module, implementation: str = "sdpa") -> None:

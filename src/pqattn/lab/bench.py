@@ -10,6 +10,7 @@ adds a torch.profiler breakdown (kernels, launches per call, CPU overhead = wall
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import sys
 from collections.abc import Sequence
@@ -138,6 +139,21 @@ def run_impl(
     return out
 
 
+def _token_rates(row: dict) -> dict:
+    """A generate row's per-token figures: one call is a decode step of the batch."""
+    latency = row["timings"]["eager"]["median_us"]
+    out = {
+        "ms_per_token": latency / 1e3,
+        "tokens_per_s": row["params"]["B"] * 1e6 / latency,
+        "tokens_per_s_pipelined": row["params"]["B"] * 1e6 / row["timings"]["pipelined"]["median_us"],
+    }
+    kernels = (row.get("profile") or {}).get("gpu_us_per_call")
+    if kernels:  # the kernels' GPU time of a step against its latency
+        out["kernel_ms_per_token"] = kernels / 1e3
+        out["latency_over_kernels"] = latency / kernels
+    return out
+
+
 def _speedups(results: list[dict]) -> None:
     """For each pqattn implementation of a case: baseline time / its time, same mode on both sides.
 
@@ -226,8 +242,11 @@ def run_bench(
                 mode = primary_mode(row["timings"])
                 row["primary"] = mode
                 row.update(rates(impl.bytes, impl.flops, row["timings"][mode]["median_us"], ceilings))
+                if case.suite == "generate":
+                    row.update(_token_rates(row))
             results.append(row)
         del inputs
+        gc.collect()  # inputs that hold reference cycles (a model and its cache) go now
         if device.type == "cuda":
             torch.cuda.empty_cache()
     _speedups(results)
@@ -288,6 +307,18 @@ def format_table(doc: dict) -> str:
     if notes:
         lines.append("")
         lines += [f"GPU n/a: {n}" for n in notes]
+    generated = [r for r in doc["results"] if r.get("tokens_per_s")]
+    if generated:
+        lines += ["", "generate: per decode step of the batch (eager = latency; kernels from the profiler)"]
+        for r in generated:
+            kernels = r.get("kernel_ms_per_token")
+            share = (
+                f", kernels {kernels:.2f} ms (latency {r['latency_over_kernels']:.2f}x)" if kernels else ""
+            )
+            lines.append(
+                f"  {r['case']} {r['impl']}: {r['tokens_per_s']:.0f} tokens/s, "
+                f"{r['ms_per_token']:.2f} ms/token{share}"
+            )
     profiled = [r for r in doc["results"] if r.get("profile")]
     for r in profiled:
         p = r["profile"]

@@ -9,6 +9,7 @@ is a subset for a fast look, `tiny` runs in seconds on a CPU (what the tests use
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -362,6 +363,10 @@ def select_suite(size: str, device: torch.device) -> list[Case]:
 # ---- decode: sparse decode attention vs dense SDPA (issue 5) ---------------------------------------
 
 
+# The decode suite's paged layout: vLLM's default block size.
+PAGE_TOKENS = 16
+
+
 def _decode_case(
     device: torch.device,
     name: str,
@@ -407,16 +412,22 @@ def _decode_case(
             "attn_ws": torch.zeros(ops.decode_workspace_numel(B * H, L, D), device=device, dtype=torch.int32),
         }
         x["index"] = _index(x, M, bits, sink, window, heavy)
+        # the same cache in shuffled pages of PAGE_TOKENS behind a block table (SPEC §8)
+        blocks = B * -(-N // PAGE_TOKENS)
+        x["table"] = torch.randperm(blocks, device=device, generator=g).view(B, -1).to(torch.int32)
+        x["k_pages"] = ref.to_pages(x["k"], x["table"], blocks, PAGE_TOKENS)
+        x["v_pages"] = ref.to_pages(x["v"], x["table"], blocks, PAGE_TOKENS)
         return x
 
-    def attend(x: dict, positions: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def attend(x: dict, positions: torch.Tensor, counts: torch.Tensor, paged: bool = False) -> torch.Tensor:
+        k, v, table = (x["k_pages"], x["v_pages"], x["table"]) if paged else (x["k"], x["v"], None)
         return ops.sparse_decode(
-            x["q"], x["k"], x["v"], positions, counts, out=x["out"], workspace=x["attn_ws"]
+            x["q"], k, v, positions, counts, out=x["out"], workspace=x["attn_ws"], block_table=table
         )
 
-    def step(x: dict) -> torch.Tensor:
+    def step(x: dict, paged: bool = False) -> torch.Tensor:
         sel = x["index"].select(x["q"])
-        return attend(x, sel.positions, sel.counts)
+        return attend(x, sel.positions, sel.counts, paged)
 
     qo_bytes = 2 * B * H * D * es
     attn_bytes = B * H * L * (2 * D * es + 4) + qo_bytes
@@ -445,6 +456,23 @@ def _decode_case(
                 attn_bytes + select_bytes,
                 attn_flops + select_flops,
                 note="PQIndex.select + sparse attention, Triton kernels on CUDA (one decode step of a layer)",
+                versus=("sdpa",),
+            ),
+            Impl(
+                "pqattn-attn-paged",
+                "pqattn",
+                lambda x: attend(x, x["positions"], x["counts"], paged=True),
+                attn_bytes,
+                attn_flops,
+                note=f"pqattn-attn through a block table (shuffled pages of {PAGE_TOKENS} tokens)",
+            ),
+            Impl(
+                "pqattn-step-paged",
+                "pqattn",
+                lambda x: step(x, paged=True),
+                attn_bytes + select_bytes,
+                attn_flops + select_flops,
+                note=f"pqattn-step through a block table (shuffled pages of {PAGE_TOKENS} tokens)",
                 versus=("sdpa",),
             ),
             Impl(
@@ -728,6 +756,29 @@ def llama_config(
     )
 
 
+class _OneDecoder:
+    """A generate case's inputs: the decode loop of one model at a time (the dense and the pqattn
+    caches of a B=32 32K batch would not fit together), built at its first step."""
+
+    def __init__(self, build: Callable[[str], object]) -> None:
+        self.build, self.kind, self.decoder = build, None, None
+
+    def step(self, kind: str) -> None:
+        if kind != self.kind:
+            self.decoder = None
+            gc.collect()  # the model, its cache and its graph hold each other
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.decoder, self.kind = self.build(kind), kind
+        if self.decoder.steps_left == 0:
+            raise RuntimeError(f"generate: the {kind} decoder generated all its {GENERATE_TOKENS} tokens")
+        self.decoder.step()
+
+
+# Tokens a generate case's decoder has room for: more than a bench run's calls of one implementation.
+GENERATE_TOKENS = 512
+
+
 def _generate_case(
     device: torch.device,
     name: str,
@@ -738,23 +789,24 @@ def _generate_case(
     H: int,
     Hkv: int,
     vocab: int,
+    batch: int,
     context: int,
     heavy: int,
     sink: int = 128,
     window: int = 128,
 ) -> Case:
-    """A randomly initialised Llama-style model (no download) prefilled with `context` random
-    tokens, timed per generated token: dense SDPA decoding vs pqattn's HF integration (dense prefill,
-    PQ index per layer, sparse decode). Each call appends one token to the model's own cache."""
+    """A randomly initialised Llama-style model (no download), `batch` prompts of `context` random
+    tokens, timed per decode step of the whole batch in the static loop
+    (`pqattn.integrations.hf.StaticDecoder`: a StaticCache, the step captured as one CUDA graph on
+    a GPU and replayed): SDPA against pqattn (dense prefill, PQ index per layer, sparse decode)."""
     import transformers
 
     import pqattn.integrations.hf as pq_hf
-    from pqattn.integrations.hf import cache_kwargs
 
     D = hidden // H
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    params = dict(layers=layers, hidden=hidden, H=H, Hkv=Hkv, D=D, vocab=vocab, context=context, heavy=heavy)
-    params.update(sink=sink, window=window, dtype=str(dtype).removeprefix("torch."))
+    params = dict(layers=layers, hidden=hidden, H=H, Hkv=Hkv, D=D, vocab=vocab, B=batch, context=context)
+    params.update(heavy=heavy, sink=sink, window=window, dtype=str(dtype).removeprefix("torch."))
     cfg = llama_config(
         layers=layers,
         hidden=hidden,
@@ -762,43 +814,29 @@ def _generate_case(
         H=H,
         Hkv=Hkv,
         vocab=vocab,
-        max_positions=context + 8192,
+        max_positions=context + GENERATE_TOKENS,
     )
     n_params = (
         layers * (2 * hidden * hidden + 2 * hidden * Hkv * D + 3 * hidden * intermediate) + 2 * vocab * hidden
     )
-    kv_bytes = layers * 2 * Hkv * context * D * _esize(dtype)
+    kv_bytes = batch * layers * 2 * Hkv * context * D * _esize(dtype)
     L = sink + heavy + window
-    capacity = context + 8192  # prompt + the decode tokens the pqattn index has room for
 
-    def make_inputs(seed: int) -> dict:
-        x: dict = {}
-        ids = torch.randint(0, vocab, (1, context + 1), device=device, generator=_gen(seed, device))
-        for kind in ("dense", "pqattn"):
+    def make_inputs(seed: int) -> _OneDecoder:
+        ids = torch.randint(0, vocab, (batch, context), device=device, generator=_gen(seed, device))
+
+        def build(kind: str) -> object:
             torch.manual_seed(seed)  # the same weights for both
             model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
             if kind == "pqattn":
-                pq_hf.enable(
-                    model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window, capacity=capacity - context)
-                )
+                pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window))
             else:
                 model.set_attn_implementation("sdpa")
-            cache = transformers.DynamicCache(config=cfg)
-            with torch.no_grad():
-                model(ids[:, :context], logits_to_keep=1, **cache_kwargs(model, cache))
-            x[kind] = (model, cache)
-        x["next"] = ids[:, context:]
-        return x
+            return pq_hf.StaticDecoder(model, ids, GENERATE_TOKENS, prefill_tokens=65536)
 
-    def step(x: dict, kind: str) -> object:
-        model, cache = x[kind]
-        if kind == "pqattn" and cache.get_seq_length() >= capacity:
-            # Past its capacity the integration decodes densely: the figure would not be pqattn's.
-            raise RuntimeError(f"generate: the pqattn index is full after {capacity} tokens")
-        with torch.no_grad():
-            return model(x["next"], logits_to_keep=1, **cache_kwargs(model, cache))
+        return _OneDecoder(build)
 
-    no_graph = "transformers' DynamicCache grows on every call (a captured step would replay stale memory)"
+    no_graph = "the call replays the decode loop's own CUDA graph of the whole model's step"
     weights = n_params * _esize(dtype)
     return Case(
         "generate",
@@ -809,19 +847,19 @@ def _generate_case(
             Impl(
                 "pqattn",
                 "pqattn",
-                lambda x: step(x, "pqattn"),
+                lambda x: x.step("pqattn"),
                 weights + kv_bytes * L // context,
-                2 * n_params,
-                note="pqattn.integrations.hf: SDPA prefill + PQ index, sparse decode",
+                2 * n_params * batch,
+                note="pqattn.integrations.hf.StaticDecoder: SDPA prefill + PQ index, sparse decode",
                 no_graph=no_graph,
             ),
             Impl(
                 "sdpa",
                 "baseline",
-                lambda x: step(x, "dense"),
+                lambda x: x.step("dense"),
                 weights + kv_bytes,
-                2 * n_params,
-                note="the same model with attn_implementation='sdpa'",
+                2 * n_params * batch,
+                note="the same static loop with attn_implementation='sdpa'",
                 no_graph=no_graph,
             ),
         ],
@@ -830,26 +868,12 @@ def _generate_case(
 
 def generate_suite(size: str, device: torch.device) -> list[Case]:
     if size == "tiny":
-        return [
-            _generate_case(
-                device,
-                "tiny",
-                layers=2,
-                hidden=64,
-                intermediate=128,
-                H=4,
-                Hkv=2,
-                vocab=128,
-                context=300,
-                heavy=16,
-                sink=4,
-                window=4,
-            )
-        ]
-    contexts = (32,) if size == "quick" else (32, 128)
+        tiny = dict(layers=2, hidden=64, intermediate=128, H=4, Hkv=2, vocab=128)
+        return [_generate_case(device, "tiny", **tiny, batch=2, context=300, heavy=16, sink=4, window=4)]
+    shapes = [(1, 32), (8, 32)] if size == "quick" else [(1, 32), (8, 32), (32, 32), (1, 128)]
     return [
-        _generate_case(device, f"llama8L-{c}K", **LLAMA3_8B_LAYERS, heavy=1024, context=c * KiB)
-        for c in contexts
+        _generate_case(device, f"llama8L-B{b}-{c}K", **LLAMA3_8B_LAYERS, batch=b, heavy=1024, context=c * KiB)
+        for b, c in shapes
     ]
 
 

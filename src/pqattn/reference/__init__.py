@@ -4,7 +4,7 @@ Kernels are tested against these; the public API in `pqattn.ops` routes here whe
 exists for a case.
 """
 
-from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, unpage
+from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, to_pages, unpage
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
 from pqattn.reference.selection import (
     GROUP_RULES,
@@ -50,5 +50,6 @@ __all__ = [
     "select_streaming",
     "selection_width",
     "sparse_decode",
+    "to_pages",
     "unpage",
 ]

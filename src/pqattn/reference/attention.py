@@ -59,6 +59,21 @@ def unpage(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return pages.reshape(B, blocks * P, Hkv, D).transpose(1, 2)
 
 
+def to_pages(cache: torch.Tensor, block_table: torch.Tensor, num_blocks: int, page: int) -> torch.Tensor:
+    """A contiguous cache [B, Hkv, N, D] laid out as a paged one (SPEC §8): [num_blocks, page, Hkv,
+    D] with token i of sequence b in block block_table[b, i // page] (the inverse of `unpage`);
+    slots past N and blocks the table does not name hold NaN, so that a read of one shows."""
+    B, Hkv, N, D = cache.shape
+    blocks = block_table.shape[1]
+    if blocks * page < N:
+        raise ValueError(f"block_table: {blocks} blocks of {page} tokens hold fewer than N={N} tokens")
+    paged = torch.full((num_blocks, page, Hkv, D), float("nan"), dtype=cache.dtype, device=cache.device)
+    padded = torch.full((B, Hkv, blocks * page, D), float("nan"), dtype=cache.dtype, device=cache.device)
+    padded[:, :, :N] = cache
+    paged[block_table.reshape(-1).long()] = padded.transpose(1, 2).reshape(-1, page, Hkv, D)
+    return paged
+
+
 def sparse_decode(
     q: torch.Tensor,
     k: torch.Tensor,
