@@ -333,3 +333,37 @@ def test_importing_the_cli_decorates_no_kernel() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     # launching and the selection package's records only: no module that decorates a kernel
     assert run.stdout.strip().splitlines()[-1] == "['pqattn.kernels.launch', 'pqattn.kernels.select']"
+
+
+def test_the_originals_benchmark_replays_the_kept_launch(
+    kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """The original's benchmark passes one codebook back every call (its last row re-sent, one
+    new key): once a call's signature, N and re-sent rows have come twice in a row, its one
+    launch is replayed from a plan on the codebook's state (no launcher's host work). Each call's
+    outputs follow the checker's rules for its own query; a query of other strides, or a rebuild
+    of the buckets, launches again."""
+    args, keys, _ = make_call(device, N=300, fresh=3)
+    args = list(args)
+    args[1] = keys[:, :, :298]
+    codebook = indexer_next(*args)[4]
+    args[1], args[12] = keys[:, :, :299], codebook
+    codebook = indexer_next(*args)[4]  # the state counts its buckets
+    args[1], args[12] = keys, codebook  # from here the same codebook every call
+    calls = _spied(monkeypatch)
+    for i in range(5):  # 0: no row re-sent yet; 1: the signature of the rest; 2: kept; 3, 4: replayed
+        args[0] = torch.randn_like(args[0])
+        calls.clear()
+        out = indexer_next(*args)
+        assert calls == (["pq_select_buckets"] if i < 3 else []), i
+        check_selection(args, out[0], out[1], out[2], out[4])
+    state = codebook._base._pqattn_state
+    assert state.plan is not None
+    wide = torch.randn(*args[0].shape[:3], 2 * args[0].shape[3], device=device)
+    args[0] = wide[..., ::2]  # other strides: launched again
+    calls.clear()
+    out = indexer_next(*args)
+    assert calls == ["pq_select_buckets"]
+    check_selection(args, out[0], out[1], out[2], out[4])
+    state.rebuild(codebook._base.transpose(1, 2), 300, state.layout)  # a rebuild drops the plan
+    assert state.plan is None

@@ -23,12 +23,15 @@ selection sizes change, or when more than `window` rows are re-sent.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from pqattn import _validate as check
 from pqattn import dispatch, ops
 from pqattn import reference as ref
 from pqattn.index import PQIndex
+from pqattn.kernels.launch import Plan, recording
 from pqattn.reference import Selection, SelectParams
 
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
@@ -79,12 +82,17 @@ class _State:
         self.frozen_at = self.bucketed_at = 0
         self.workspace_key: tuple[int, int] | None = None
         self.workspace: torch.Tensor | None = None
+        # the one-launch decode call kept as a plan (see _select_new_key): (key, plan) and the
+        # last such call's key; a rebuild or a new workspace drops the plan
+        self.plan: tuple[tuple, Plan] | None = None
+        self.last_key: tuple | None = None
 
     def rebuild(self, codes: torch.Tensor, N: int, layout: tuple[int, int, int, int]) -> None:
         """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for sequences
         of N tokens, and take the histogram from the groups' sizes."""
         B, Hkv, capacity, M = codes.shape
         window, cand_lo, C, _ = layout
+        self.plan = None
         if self.lengths is None:
             self.lengths = torch.empty(B, dtype=torch.int64, device=codes.device)
             self.arrivals = torch.zeros(B, dtype=torch.int32, device=codes.device)
@@ -120,6 +128,7 @@ class _State:
             numel = dispatch.select_workspace_numel(rows, M, C, 0, heavy, kept_histogram=True, buckets=True)
             self.workspace = torch.zeros(numel, dtype=torch.int32, device=self.hist.device)
             self.workspace_key = (rows, heavy)
+            self.plan = None
         return self.workspace
 
 
@@ -266,7 +275,14 @@ def indexer_next(
         )
         weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
         if looped and bucketed:
-            _select_from_buckets(state, buf, q, cent, phi, new_keys, n_quantized, N, params, out, weights)
+            # what a kept launch depends on beyond its tensors' addresses (None: keep none)
+            aligned = tuple(
+                t.data_ptr() & 15 == 0 for t in (q, new_keys, cent) + ((phi,) if phi is not None else ())
+            )
+            replay = None if sig is None else (sig, query.stride(), key.stride(), cent.stride(), aligned)
+            _select_from_buckets(
+                state, buf, q, cent, phi, new_keys, n_quantized, N, params, out, weights, replay
+            )
         else:
             dispatch.encode(new_keys, cent, phi, buf.transpose(1, 2), row0=init_offset + n_quantized)
             dispatch.select(
@@ -387,6 +403,7 @@ def _select_from_buckets(
     params: SelectParams,
     out: Selection,
     weights: torch.Tensor,
+    replay: tuple | None = None,
 ) -> None:
     """The kernel path of a call that passed back a codebook of ours: the new keys' codes (and the
     histogram, and the lengths on the device) in one launch, the bucket selection in another
@@ -394,8 +411,12 @@ def _select_from_buckets(
     rebuild due) is one launch: the bucket selection encodes the key itself
     (pqattn.kernels.select.NewKey). When the state does not describe the codebook it was given (see the
     module's docstring), the codes are written first and the histogram and buckets counted from
-    them."""
-    B, H, _ = q.shape
+    them.
+
+    replay: the call's signature beyond N (shapes, strides, dtypes, options, alignments). The
+    one-launch call keeps its launch as a plan on the state when the same signature, N and
+    re-sent rows came twice in a row (the original's benchmark re-sends one codebook), and
+    replays it from the third call on, skipping the launch's host work."""
     M, C = centroids.shape[2], centroids.shape[3]
     window, cand_lo = params.window, params.cand_lo
     codes = buf.transpose(1, 2)  # [B, Hkv, init_offset + capacity, M]: token p at row p
@@ -425,22 +446,54 @@ def _select_from_buckets(
     else:
         dispatch.encode(new_keys, centroids, phi, codes, row0=state.init_offset + n_quantized)
         state.rebuild(codes, N, layout)
-    dispatch.select(
-        q,
-        centroids,
-        codes,
-        state.lengths,
-        params,
-        out=out,
-        workspace=state.workspace_for(B * H, M, C, params.heavy),
-        histogram=state.hist,
-        buckets=state.buckets,
-        weights=weights,
-        after_encode=new_key is None,
-        new_key=new_key,
-    )
+    key = None if new_key is None or replay is None else (replay, N, n_drop)
+    _bucket_select(state, key, q, centroids, codes, params, out, weights, new_key)
     state.rows = N - state.init_offset
     state.version = buf._version
+
+
+def _bucket_select(
+    state: _State,
+    key: tuple | None,
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    params: SelectParams,
+    out: Selection,
+    weights: torch.Tensor,
+    new_key: dispatch.NewKey | None,
+) -> None:
+    """The bucket selection over the state's buckets. A one-launch call with a `key` is replayed
+    from the state's plan when the key matches it, and recorded into one when the key also came
+    last time."""
+    inputs = (q, centroids, codes, out.positions, out.counts, weights)
+    if new_key is not None:
+        inputs += (new_key.keys,) if new_key.phi is None else (new_key.keys, new_key.phi)
+    if key is not None and state.plan is not None and state.plan[0] == key:
+        state.plan[1](*inputs)
+        return
+    B, H, _ = q.shape
+    M, C = centroids.shape[2], centroids.shape[3]
+    workspace = state.workspace_for(B * H, M, C, params.heavy)
+    with recording() if key is not None and state.last_key == key else nullcontext() as rec:
+        dispatch.select(
+            q,
+            centroids,
+            codes,
+            state.lengths,
+            params,
+            out=out,
+            workspace=workspace,
+            histogram=state.hist,
+            buckets=state.buckets,
+            weights=weights,
+            after_encode=new_key is None,
+            new_key=new_key,
+        )
+    if rec is not None:
+        plan = Plan.build(rec, inputs, (state.lengths, state.hist, *state.buckets, workspace))
+        state.plan = None if plan is None else (key, plan)
+    state.last_key = key
 
 
 def sparse_attention(
