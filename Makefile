@@ -21,11 +21,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/pqattn bench select decode build prefill --quick $(BENCH_ARGS)
 
-# Triton kernels run under the interpreter when there is no GPU (TRITON_INTERPRET=1).
+# Triton kernels run under the interpreter when there is no GPU (TRITON_INTERPRET=1); the tests
+# run in TEST_WORKERS processes (pytest-xdist), the two cores of the CI machine by default.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	@interp=$$($(PY) -c "import torch; print(0 if torch.cuda.is_available() else 1)"); \
 	echo "TRITON_INTERPRET=$${TRITON_INTERPRET:-$$interp}"; \
-	TRITON_INTERPRET=$${TRITON_INTERPRET:-$$interp} $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=$${TRITON_INTERPRET:-$$interp} $(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
