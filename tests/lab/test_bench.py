@@ -200,3 +200,43 @@ def test_autotuned_choice_is_recorded_per_row_on_gpu(device: torch.device, monke
     # the tiny case keeps no histogram and asks for heavy 16: the merge tree, whose leaves are tuned
     assert {"TILE", "num_warps"} <= rows["pqattn"]["autotuned"]["pq_select"].keys()
     assert "autotuned" not in rows["torch.topk"]
+
+
+def test_the_split_k_dense_baseline_decodes_as_sdpa() -> None:
+    """The generate bench's flash-decoding stand-in (every cached token up to the step's position
+    through the decode kernel's path) gives SDPA's greedy tokens in the static loop, ragged
+    prompts included."""
+    import transformers
+
+    import pqattn.integrations.hf as pq_hf
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(1))
+    want = pq_hf.generate(model, ids, 8, prompt_lengths=[60, 41])
+    model.set_attn_implementation(baselines.register_dense_decode())
+    assert torch.equal(pq_hf.generate(model, ids, 8, prompt_lengths=[60, 41]), want)
+    counted = model.model.layers[0].self_attn._dense_decode_buffers[0]
+    assert counted.shape == (2, 2, 68) and torch.equal(counted[1, 1], torch.arange(68, dtype=torch.int32))
+
+
+def test_the_split_k_dense_baseline_attends_up_to_each_position() -> None:
+    """A decode step of the stand-in reads each row's tokens 0..position only (random values in
+    the later slots of the static cache), and every token without position_ids."""
+    B, H, Hkv, S, D = 2, 4, 2, 50, 16
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    at = torch.tensor([[30], [44]])
+    out, _ = baselines.dense_decode_attention(torch.nn.Module(), q, k, v, None, scaling=0.25, position_ids=at)
+    for b in range(B):
+        n = int(at[b]) + 1
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], scale=0.25, enable_gqa=True
+        )
+        torch.testing.assert_close(out[b : b + 1], want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    every, _ = baselines.dense_decode_attention(torch.nn.Module(), q, k, v, None, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(every, want.transpose(1, 2), atol=1e-5, rtol=1e-5)

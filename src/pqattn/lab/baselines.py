@@ -5,12 +5,65 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pqattn import ops
 from pqattn.reference import pq as ref_pq
 
 
 def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Dense decode attention through torch SDPA: q [B, H, D], k/v [B, Hkv, N, D] -> [B, H, D]."""
     return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+
+
+DENSE_DECODE = "pqattn-dense-decode"
+
+
+def dense_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function, the generate bench's stand-in for a flash-decoding
+    kernel (FlashAttention's kv-cache decode is not installed here): prefill through SDPA, a
+    decode step over every cached token up to its position through pqattn's group decode kernel
+    (each K/V row read once for a KV head's query heads, the tokens split across programs).
+    query [B, H, 1, D], key/value [B, Hkv, S, D] (a static cache: slots past the position unused)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] > 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    B, H, _, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    buffers = getattr(module, "_dense_decode_buffers", None)
+    if buffers is None or buffers[0].shape != (B, Hkv, S) or buffers[1].device != query.device:
+        positions = torch.arange(S, dtype=torch.int32, device=query.device).expand(B, Hkv, S).contiguous()
+        out = torch.empty(B, H, D, dtype=query.dtype, device=query.device)
+        numel = ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv)
+        buffers = (positions, out, torch.zeros(numel, dtype=torch.int32, device=query.device))
+        module._dense_decode_buffers = buffers
+    positions, out, workspace = buffers
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # a cache of exactly the tokens seen
+        counts = torch.full((B, Hkv), S, dtype=torch.int32, device=query.device)
+    else:  # every token up to the step's own position
+        counts = (position_ids[:, -1:] + 1).to(torch.int32).expand(B, Hkv).contiguous()
+    q = query[:, :, 0]
+    ops.sparse_decode(q, key, value, positions, counts, scale=scaling, out=out, workspace=workspace)
+    return out[:, None], None
+
+
+def register_dense_decode() -> str:
+    """Register `dense_decode_attention` with transformers (SDPA's masks); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(DENSE_DECODE, dense_decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DENSE_DECODE, sdpa_mask)
+    return DENSE_DECODE
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:

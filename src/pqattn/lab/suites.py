@@ -826,12 +826,14 @@ def _generate_case(
         ids = torch.randint(0, vocab, (batch, context), device=device, generator=_gen(seed, device))
 
         def build(kind: str) -> object:
-            torch.manual_seed(seed)  # the same weights for both
+            torch.manual_seed(seed)  # the same weights for every kind
             model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
             if kind == "pqattn":
                 pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window))
             else:
-                model.set_attn_implementation("sdpa")
+                model.set_attn_implementation(
+                    baselines.register_dense_decode() if kind == "split" else "sdpa"
+                )
             return pq_hf.StaticDecoder(model, ids, GENERATE_TOKENS, prefill_tokens=65536)
 
         return _OneDecoder(build)
@@ -860,6 +862,16 @@ def _generate_case(
                 weights + kv_bytes,
                 2 * n_params * batch,
                 note="the same static loop with attn_implementation='sdpa'",
+                no_graph=no_graph,
+            ),
+            Impl(
+                "dense-split-k",
+                "baseline",
+                lambda x: x.step("split"),
+                weights + kv_bytes,
+                2 * n_params * batch,
+                note="the same static loop, decode attention over every token through pqattn's group "
+                "decode kernel (a flash-decoding stand-in: lab.baselines.dense_decode_attention)",
                 no_graph=no_graph,
             ),
         ],
