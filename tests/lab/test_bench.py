@@ -224,9 +224,13 @@ def test_the_split_k_dense_baseline_decodes_as_sdpa() -> None:
     assert counted.shape == (2, 2, 68) and torch.equal(counted[1, 1], torch.arange(68, dtype=torch.int32))
 
 
-def test_the_split_k_dense_baseline_attends_up_to_each_position() -> None:
+@pytest.mark.parametrize("route", ["reference", "kernel"])
+def test_the_split_k_dense_baseline_attends_up_to_each_position(route: str, request) -> None:
     """A decode step of the stand-in reads each row's tokens 0..position only (random values in
-    the later slots of the static cache), and every token without position_ids."""
+    the later slots of the static cache), and every token without position_ids; on the
+    reference and on the group decode kernel."""
+    if route == "kernel":
+        request.getfixturevalue("kernel_routes")
     B, H, Hkv, S, D = 2, 4, 2, 50, 16
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     at = torch.tensor([[30], [44]])
