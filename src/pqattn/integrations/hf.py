@@ -12,8 +12,9 @@ runs the sparse decode kernel over the cache (`pqattn.ops.sparse_decode`). Layer
 `dense_layers` always use SDPA. The KV cache stays transformers' own (DynamicCache, or a
 StaticCache, whose preallocated keys the index then reads up to each sequence's length: the
 new token's slot comes from `position_ids`); the index lives on each attention module.
-`generate` is the static decode loop: a StaticCache, a dense prefill, then greedy decode steps
-of the whole model captured as one CUDA graph and replayed.
+`generate` is the static decode loop (`StaticDecoder`, one step at a time): a StaticCache, a
+dense prefill, then greedy decode steps of the whole model captured as one CUDA graph and
+replayed; ragged batches pass right-padded prompts with `prompt_lengths`.
 
 Explicitly routed to SDPA (documented, not approximated): a padding mask during decode (the
 index does not know padded positions), layers without `layer_idx`, and decode steps past the
