@@ -86,6 +86,7 @@ class _State:
         # last such call's key; a rebuild or a new workspace drops the plan
         self.plan: tuple[tuple, Plan] | None = None
         self.last_key: tuple | None = None
+        self.last_n = -1  # the token count of the last call
 
     def rebuild(self, codes: torch.Tensor, N: int, layout: tuple[int, int, int, int]) -> None:
         """Group the candidates of codes [B, Hkv, capacity, M] (token p at row p) for sequences
@@ -275,11 +276,14 @@ def indexer_next(
         )
         weights = torch.empty(B, H, N, dtype=weight_list_dtype, device=query.device)
         if looped and bucketed:
-            # what a kept launch depends on beyond its tensors' addresses (None: keep none)
-            aligned = tuple(
-                t.data_ptr() & 15 == 0 for t in (q, new_keys, cent) + ((phi,) if phi is not None else ())
-            )
-            replay = None if sig is None else (sig, query.stride(), key.stride(), cent.stride(), aligned)
+            # what a kept launch depends on beyond its tensors' addresses; only a call that
+            # repeats the last one's N can be replayed (a decode loop's N grows: no key then)
+            replay = None
+            if sig is not None and state.last_n == N:
+                tensors = (q, new_keys, cent) + ((phi,) if phi is not None else ())
+                aligned = tuple(t.data_ptr() & 15 == 0 for t in tensors)
+                replay = (sig, query.stride(), key.stride(), cent.stride(), aligned)
+            state.last_n = N
             _select_from_buckets(
                 state, buf, q, cent, phi, new_keys, n_quantized, N, params, out, weights, replay
             )
