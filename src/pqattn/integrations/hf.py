@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Sequence
 
 import torch
+from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from pqattn import _validate as check
@@ -311,13 +313,11 @@ class StaticDecoder:
         input_ids: torch.Tensor,
         max_new_tokens: int,
         *,
-        prompt_lengths=None,
+        prompt_lengths: Sequence[int] | torch.Tensor | None = None,
         eos_token_id: int | None = None,
         capture: bool | None = None,
         prefill_tokens: int = 131072,
     ) -> None:
-        from transformers import StaticCache
-
         check.tensor("input_ids", input_ids, shape=(None, None), dims="[B, P]", dtypes=(torch.int64,))
         check.positive_int("max_new_tokens", max_new_tokens)
         check.positive_int("prefill_tokens", prefill_tokens)
@@ -431,7 +431,7 @@ class StaticDecoder:
         return torch.cat([self.input_ids, self.tokens], dim=1)
 
 
-def _prompt_lengths(prompt_lengths, B: int, P: int) -> list[int]:
+def _prompt_lengths(prompt_lengths: Sequence[int] | torch.Tensor | None, B: int, P: int) -> list[int]:
     if prompt_lengths is None:
         return [P] * B
     got = torch.as_tensor(prompt_lengths).tolist()
@@ -473,7 +473,7 @@ def generate(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
-    prompt_lengths=None,
+    prompt_lengths: Sequence[int] | torch.Tensor | None = None,
     eos_token_id: int | None = None,
     capture: bool | None = None,
 ) -> torch.Tensor:
