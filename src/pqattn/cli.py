@@ -478,6 +478,12 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-trials", type=int, default=t.passkey_trials, help="trials per depth bucket")
     _add_policy_args(p, "heavy / prefill length")
     p.add_argument(
+        "--families",
+        default="",
+        help="further policy families at each density, comma-separated, e.g. "
+        "pq-M16-b8-group-max-x4-rr2,oracle-group-max-x1 (group selection, re-rank, sample builds)",
+    )
+    p.add_argument(
         "--batch-tokens", type=int, default=t.batch_tokens, help="tokens per forward (documents batched)"
     )
     p.add_argument("--seed", type=int, default=t.seed, help="seeds the passkey trials and the PQ builds")
@@ -510,6 +516,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
         densities=tuple(float(d) for d in args.densities.split(",")),
         pq_configs=_pq_configs(args.pq),
         page=args.page,
+        families=tuple(f for f in args.families.split(",") if f),
         sink=args.sink,
         window=args.window,
         iters=args.iters,

@@ -14,7 +14,7 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.cli import main
 from pqattn.lab import metrics, tasks
-from pqattn.lab.policies import Policy, policy_grid
+from pqattn.lab.policies import Policy, per_head, policy_grid
 from tests.helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,22 +90,35 @@ def _as_selection(keep: torch.Tensor) -> ref.Selection:
     return ref.Selection(positions.to(torch.int32), counts.to(torch.int32))
 
 
-@pytest.mark.parametrize("kind", ["oracle", "streaming", "pq", "pages"])
-def test_chunk_rows_are_decode_steps(kind: str) -> None:
+@pytest.mark.parametrize(
+    "kind,share,rerank",
+    [
+        ("oracle", "head", 0),
+        ("streaming", "head", 0),
+        ("pq", "head", 0),
+        ("pages", "head", 0),
+        ("oracle", "group", 0),
+        ("pq", "group", 2),
+        ("pq", "head", 3),
+    ],
+)
+def test_chunk_rows_are_decode_steps(kind: str, share: str, rerank: int) -> None:
     """Each query row of a chunk attends as a decode step at its position would: the policy's
-    selection over the tokens [0, p] (pqattn.ops; compared as score multisets, ties any), then
-    sparse attention over it (SPEC §3); the mass kept is metrics.captured_mass."""
+    selection over the tokens [0, p] (pqattn.ops; compared as score multisets, ties any; a group
+    selection's rows serve each head of the group), then sparse attention over it (SPEC §3); the
+    mass kept is metrics.captured_mass."""
     s = tasks.TaskSettings(sink=4, window=8, page=4, iters=3, seed=1)
     ev = _tiny_evaluator(s)
     B, H, Hkv, T, E, D = 2, 4, 2, 300, 6, 16
     q = torch.randn(B, H, E, D)
     k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    policy = Policy(kind, 0.05, subvectors=4, bits=3, page=s.page)
+    group = dict(share="group", group_rule="max", budget=2.0) if share == "group" else {}
+    policy = Policy(kind, 0.05, subvectors=4, bits=3, page=s.page, rerank=rerank, **group)
     ev.policy = policy
     ev.prefilled = tasks._Prefilled()
     out = ev.sparse_rows(0, q, k, v, 0.25)
     P = T - E
-    heavy = policy.heavy(P)
+    heavy = policy.selection_heavy(P)
     book = ops.build_index(k[:, :, :P], subvectors=4, bits=3, init_offset=s.sink, iters=3, seed=1)
     codes = torch.cat([book.codes, ops.encode_keys(k[:, :, P:], book.centroids)], dim=2)
     score_rows = ev.row_scores(0, k, P)
@@ -114,20 +127,29 @@ def test_chunk_rows_are_decode_steps(kind: str) -> None:
         n = P + r + 1
         lengths = torch.full((B,), n)
         qr, kn, vn = q[:, :, r], k[:, :, :n], v[:, :, :n]
-        keep = ev.row_keep(score_rows(q[:, :, r : r + 1]), torch.tensor([n]), P)[:, :, 0, :n]
+        exact = torch.einsum("bkgrd,bktd->bkgrt", q[:, :, r : r + 1].reshape(B, Hkv, H // Hkv, 1, D), k)
+        exact = exact.reshape(B, H, 1, T)
+        keep = ev.row_keep(score_rows(q[:, :, r : r + 1]), torch.tensor([n]), P, exact, Hkv)[:, :, 0, :n]
         common = dict(sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink)
+        shared = dict(share=policy.share, group_rule=policy.group_rule)
         if kind == "streaming":
             want = ops.select_streaming(lengths, H, sink=s.sink, window=s.window + heavy)
             scores = torch.arange(n, dtype=torch.float64).expand(B, H, n)  # positions must match
         elif kind == "oracle":
-            want = ops.select_oracle(qr, kn, lengths, **common)
+            want = ops.select_oracle(qr, kn, lengths, **common, **shared)
             scores = ref.exact_scores(qr, kn)
         elif kind == "pq":
-            want = ops.select_topk(qr, book.centroids, codes[:, :, :n], lengths, **common)
-            scores = ref.pq_scores(qr, book.centroids, codes[:, :, :n])
+            keys = dict(rerank=rerank, keys=kn) if rerank else {}
+            want = ops.select_topk(qr, book.centroids, codes[:, :, :n], lengths, **common, **shared, **keys)
+            scores = (
+                ref.exact_scores(qr, kn) if rerank else ref.pq_scores(qr, book.centroids, codes[:, :, :n])
+            )
         else:
             want = ops.select_pages(qr, kn, lengths, page=s.page, **common)
             scores = ref.page_scores(qr, *ref.page_bounds(kn, lengths, s.page), s.page, n)
+        want = per_head(want, H)
+        if share == "group":
+            scores = ref.group_scores(scores, Hkv, "max").repeat_interleave(H // Hkv, 1)
         wanted = ref.dense_weights(want, n) > 0
         kept = torch.zeros(n, dtype=torch.bool)
         kept[: s.sink] = kept[n - s.window :] = True
@@ -152,7 +174,7 @@ def test_pq_keys_score_as_pq_scores() -> None:
     policy = Policy("pq", 0.1, subvectors=4, bits=4)
     ev.prefilled = tasks._Prefilled()
     approx = ev.pq_keys(0, k, 180, policy)
-    book = ev.prefilled.books[(0, 4, 4)]
+    book = ev.prefilled.books[(0, 4, 4, 0)]
     codes = torch.cat([book.codes, ops.encode_keys(k[:, :, 180:], book.centroids)], dim=2)
     assert_close(ref.exact_scores(q, approx), ref.pq_scores(q, book.centroids, codes), atol=1e-5, rtol=1e-5)
 

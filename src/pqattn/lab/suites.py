@@ -544,9 +544,11 @@ def _build_case(
     iters: int = 10,
     H: int = 32,
     dtype: torch.dtype = torch.bfloat16,
+    sample: int = 0,
 ) -> Case:
     C, es = 2**bits, _esize(dtype)
     params = dict(B=B, Hkv=Hkv, N=N, D=D, M=M, bits=bits, iters=iters, metric="euclidean", H_prefill=H)
+    params["sample"] = sample
     params["dtype"] = str(dtype).removeprefix("torch.")
 
     def make_inputs(seed: int) -> dict:
@@ -556,10 +558,13 @@ def _build_case(
             "q": torch.randn(B, H, N, D, device=device, generator=g).to(dtype),
         }
 
+    fit = min(N, sample * C) if sample else N  # the keys k-means runs on
     build_bytes = B * Hkv * N * (D * es + M) + B * Hkv * M * C * (D // M) * 4
-    build_flops = iters * 2 * B * Hkv * N * D * C  # the distance products alone
+    # the distance products alone (with a sample: its Lloyd rounds, then the encode of every key)
+    build_flops = iters * 2 * B * Hkv * fit * D * C + (2 * B * Hkv * N * D * C if sample else 0)
     # tol=0: every implementation runs all `iters` rounds, so the timings compare equal work.
     opts = dict(subvectors=M, bits=bits, iters=iters)
+    sampled = dict(opts, sample=sample) if sample else opts
     dist_bytes = B * Hkv * M * N * C * 4 * 4
     return Case(
         "build",
@@ -570,11 +575,14 @@ def _build_case(
             Impl(
                 "pqattn",
                 "pqattn",
-                lambda x: ops.build_index(x["keys"], tol=0.0, **opts),
+                lambda x: ops.build_index(x["keys"], tol=0.0, **sampled),
                 build_bytes,
                 build_flops,
                 note="Triton Lloyd loop on CUDA (one launch per iteration, init drawn on the GPU, "
-                "no host sync: graph-capturable), the reference on a CPU",
+                "no host sync: graph-capturable), the reference on a CPU"
+                + (
+                    f"; k-means on {sample} strided keys per centre, then every key encoded" if sample else ""
+                ),
                 skip=None
                 if device.type == "cuda"
                 else _too_big(dist_bytes, device, "the reference's distance blocks"),
@@ -607,13 +615,16 @@ def build_suite(size: str, device: torch.device) -> list[Case]:
                 device, "tiny", B=1, Hkv=2, N=300, D=32, M=2, bits=4, iters=3, H=4, dtype=torch.float32
             )
         ]
-    grid = [(n, m, b) for n in (8, 32, 128) for m, b in ((2, 6), (4, 8), (16, 8))]
+    grid = [(n, m, b, 0) for n in (8, 32, 128) for m, b in ((2, 6), (4, 8), (16, 8))]
+    # the fine codes of the group / re-rank policies, built on a sample (issue 40)
+    grid += [(n, m, b, s) for n in (32, 128) for m, b, s in ((16, 8, 64), (32, 4, 256))]
     if size == "quick":
-        grid = [(32, 2, 6), (8, 16, 8)]
-    return [
-        _build_case(device, f"N{n}K-M{m}-C{2**b}", B=1, Hkv=8, N=n * KiB, D=128, M=m, bits=b)
-        for n, m, b in grid
-    ]
+        grid = [(32, 2, 6, 0), (8, 16, 8, 0)]
+    cases = []
+    for n, m, b, s in grid:
+        name = f"N{n}K-M{m}-C{2**b}" + (f"-s{s}" if s else "")
+        cases.append(_build_case(device, name, B=1, Hkv=8, N=n * KiB, D=128, M=m, bits=b, sample=s))
+    return cases
 
 
 # ---- prefill: dense attention (issue 7) -------------------------------------------------------------

@@ -31,7 +31,7 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
-from pqattn.lab.policies import PQ_GRID, Policy, policy_grid
+from pqattn.lab.policies import PQ_GRID, Policy, from_family, policy_grid
 from pqattn.lab.train import passkey_line, random_name, random_value
 
 NAME = "pqattn_task"
@@ -42,7 +42,8 @@ POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
 @dataclasses.dataclass(frozen=True)
 class TaskSettings:
     """What `run_tasks` measures: the contexts and document counts of each part, the policy grid
-    (densities, PQ configs as (M, bits), the page size) and its sink, window and PQ build."""
+    (densities, PQ configs as (M, bits), the page size, and further policy families such as
+    pq-M16-b8-group-max-x4-rr2 at each density) and its sink, window and PQ build."""
 
     contexts: tuple[int, ...] = (8192, 16384, 32768)
     position_docs: int = 32
@@ -55,6 +56,7 @@ class TaskSettings:
     densities: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1)
     pq_configs: tuple[tuple[int, int], ...] = PQ_GRID
     page: int = 16
+    families: tuple[str, ...] = ()
     sink: int = 64
     window: int = 64
     metric: str = "euclidean"
@@ -67,9 +69,12 @@ class TaskSettings:
             # page bounds are taken over whole pages of the cache: a page holding a token past a
             # query row must lie in that row's window (see PolicyEvaluator)
             raise ValueError(f"window: expected >= page={self.page}, got {self.window}")
+        for family in self.families:
+            from_family(family, 0.5)  # a name that names no policy fails here, before any work
 
     def policies(self) -> list[Policy]:
-        return policy_grid(self.densities, self.pq_configs, self.page)
+        grid = policy_grid(self.densities, self.pq_configs, self.page)
+        return grid + [from_family(f, d) for d in self.densities for f in self.families]
 
     def batch(self, context: int) -> int:
         return max(1, self.batch_tokens // context)
@@ -77,11 +82,11 @@ class TaskSettings:
 
 class _Prefilled:
     """Per document batch: each layer's prefill keys and values, and its PQ codebooks of the
-    prefill keys per (M, bits)."""
+    prefill keys per (layer, M, bits, sample)."""
 
     def __init__(self) -> None:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.books: dict[tuple[int, int, int], ops.PQCodebook] = {}
+        self.books: dict[tuple[int, int, int, int], ops.PQCodebook] = {}
 
 
 class PolicyEvaluator:
@@ -153,7 +158,7 @@ class PolicyEvaluator:
 
     def _codebook(self, layer: int, keys: torch.Tensor, prefill: int, policy: Policy) -> ops.PQCodebook:
         s = self.settings
-        key = (layer, policy.subvectors, policy.bits)
+        key = (layer, policy.subvectors, policy.bits, policy.sample)
         book = self.prefilled.books.get(key)
         if book is None:
             book = ops.build_index(
@@ -164,6 +169,7 @@ class PolicyEvaluator:
                 init_offset=s.sink,
                 iters=s.iters,
                 seed=s.seed,
+                sample=policy.sample,
             )
             self.prefilled.books[key] = book
         return book
@@ -206,21 +212,43 @@ class PolicyEvaluator:
 
         return scores
 
-    def row_keep(self, scores: torch.Tensor, lengths: torch.Tensor, prefill: int) -> torch.Tensor:
+    def row_keep(
+        self,
+        scores: torch.Tensor,
+        lengths: torch.Tensor,
+        prefill: int,
+        exact: torch.Tensor | None = None,
+        kv_heads: int | None = None,
+    ) -> torch.Tensor:
         """What the current policy keeps for query rows that see lengths [R] tokens, given their
-        scores [B, H, R, T]: a mask [B, H, R, T] (heavy = round(density * prefill))."""
+        scores [B, H, R, T] (and, for a re-rank, the exact scores <q, k> alike; for a group
+        selection, the cache's kv_heads): a mask [B, H, R, T] (heavy = round(density * prefill),
+        times the budget for a group; SPEC §7)."""
         s, pol = self.settings, self.policy
         B, H, R, T = scores.shape
-        heavy = pol.heavy(prefill)
+        heavy = pol.selection_heavy(prefill)
         flat_lengths = lengths.repeat(B)  # rows flattened as (b, r)
         if pol.kind == "streaming":
             sel = ref.select_streaming(flat_lengths, H, sink=s.sink, window=s.window + heavy)
-        else:
-            flat = scores.permute(0, 2, 1, 3).reshape(B * R, H, T)
-            sel = ref.select_from_scores(
-                flat, flat_lengths, sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink
-            )
-        return ref.dense_weights(sel, T).reshape(B, R, H, T).permute(0, 2, 1, 3) > 0
+            return ref.dense_weights(sel, T).reshape(B, R, H, T).permute(0, 2, 1, 3) > 0
+        if pol.share == "group" and kv_heads is None:
+            raise ValueError(f"kv_heads: the {pol.family} policy selects per KV head, got None")
+        hkv = kv_heads if pol.share == "group" else H
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [B * R, H or Hkv, T], reduced over groups
+            flat = x.permute(0, 2, 1, 3).reshape(B * R, H, T)
+            return ref.group_scores(flat, hkv, pol.group_rule) if pol.share == "group" else flat
+
+        sizes = dict(sink=s.sink, window=s.window, init_offset=s.sink)
+        sel = ref.select_from_scores(rows(scores), flat_lengths, heavy=max(pol.rerank, 1) * heavy, **sizes)
+        if pol.rerank:
+            if exact is None:
+                raise ValueError(f"exact: the {pol.family} policy re-ranks by the exact scores, got None")
+            allowed = ref.dense_weights(sel, T) > 0
+            sel = ref.select_from_scores(rows(exact), flat_lengths, heavy=heavy, allowed=allowed, **sizes)
+        keep = ref.dense_weights(sel, T) > 0  # [B * R, rows, T]
+        keep = keep.repeat_interleave(H // keep.shape[1], dim=1)
+        return keep.reshape(B, R, H, T).permute(0, 2, 1, 3)
 
     def sparse_rows(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -239,9 +267,10 @@ class PolicyEvaluator:
             R = min(rows, E - r0)
             qr = q[:, :, r0 : r0 + R]
             n = prefill + r0 + 1 + torch.arange(R, device=q.device)  # tokens row r sees
-            keep = self.row_keep(score_rows(qr), n, prefill)
             qg = qr.float().reshape(B, Hkv, g, R, D)
-            logits = torch.einsum("bkgrd,bktd->bkgrt", qg, kf).reshape(B, H, R, T) * scale
+            exact = torch.einsum("bkgrd,bktd->bkgrt", qg, kf).reshape(B, H, R, T)
+            keep = self.row_keep(score_rows(qr), n, prefill, exact, Hkv)
+            logits = exact * scale
             dense_p = logits.masked_fill(~(pos[None, :] < n[:, None]), float("-inf")).softmax(-1)
             self.mass_sum += float((dense_p * keep).sum(-1).sum())
             self.mass_count += B * H * R

@@ -42,7 +42,9 @@ from pqattn.reference import SelectParams
 NBINS = 4096
 TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
-BLOCK_N = 1024  # tokens (or shortlist entries) per program of the score, bins and collect launches
+BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
+SCORE_BLOCK = 1024  # tokens per program of the score launch
+SCORE_WARPS = 4
 # The max rule's G tables of at most this many centroids are gathered from registers (faster
 # there; one table gathers as fast from memory: docs/kernels/select.md)
 REG_LUT_MAX_C = 32
@@ -652,7 +654,7 @@ def pq_select_fine(
         dict(GROUP=group, SUM_RULE=sum_rule, TABLES=tables, M=M, C=C, DSUB=D // M, NBINS_=NBINS, num_warps=4),
     )
     _score_launch(
-        (chunks, rows),
+        (max(-(-N // SCORE_BLOCK), 1), rows),
         (codes, lengths, workspace),
         (
             *codes.stride(),
@@ -678,10 +680,10 @@ def pq_select_fine(
             M=M,
             C=C,
             NBINS_=NBINS,
-            BLOCK=BLOCK_N,
+            BLOCK=SCORE_BLOCK,
             REG_LUT=C <= REG_LUT_MAX_C and tables > 1,
-            SUB=max(REG_LUT_SUB, C),
-            num_warps=4,
+            SUB=min(max(REG_LUT_SUB, C), SCORE_BLOCK),
+            num_warps=SCORE_WARPS,
         ),
     )
 
