@@ -3,10 +3,11 @@ a histogram of the scores (SPEC §2; §7 fine codes, group selection, the re-ran
 
 A row is what one selection serves: a query head (share="head") or a KV head and its G query
 heads (share="group"). Three launches, none of which waits on one program's chain over the row:
-1. `_lut_kernel`, a program per row: the LUTs LUT[t, m, c] = <q_t,m, centroid[m, c]> of its T
-   query vectors (one per head; the sum of the group's queries for the sum rule, whose PQ score
-   is linear in q; one per head of the group for the max rule) and the bounds of any score,
-   lo = sum_m min_c LUT and hi = sum_m max_c LUT (over the tables' maxima for the max rule).
+1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[t, m, c] =
+   <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
+   queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
+   max rule) and each chunk's share of the bounds of any score, lo = sum_m min_c LUT and
+   hi = sum_m max_c LUT (maxed over the tables for the max rule; `_pq_bins` combines them).
 2. `_score_kernel`, grid (chunks of BLOCK_N tokens, rows): each candidate's score (float32) into
    the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
    The bins are monotone in the score, so the need-th best score lies in one known bin. LUT
@@ -50,6 +51,7 @@ SCORE_WARPS = 4
 REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
+LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
 
@@ -58,7 +60,7 @@ class RowLayout(NamedTuple):
     and are zero after it; the rest is written before it is read."""
 
     lut: int  # the tables, float32 [tables, M, C]
-    bounds: int  # lo and inv of the PQ scores' bins
+    bounds: int  # partial bounds of the PQ scores, float32 [tables, M-chunks <= M, 2]
     list_bounds: int  # min and max of the re-rank's exact scores
     counters: int
     bins: int
@@ -75,7 +77,7 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     shortlist of `shortlist` entries."""
     lut = 0
     bounds = lut + tables * M * C
-    list_bounds = bounds + 2
+    list_bounds = bounds + 2 * tables * M
     ctr = list_bounds + 2
     bins = ctr + _CTR
     scores = bins + NBINS
@@ -88,6 +90,15 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
 
 def workspace_numel(rows: int, tables: int, M: int, C: int, N: int, shortlist: int = 0) -> int:
     return rows * row_layout(tables, M, C, N, shortlist).size
+
+
+def lut_chunks(M: int, C: int, dsub: int) -> int:
+    """Programs per table of the LUT launch: chunks of sub-quantizers (a power of two of them)
+    of at most LUT_PROGRAM_ELEMENTS centroid elements each, or one sub-quantizer."""
+    per_chunk = 1
+    while per_chunk * 2 <= M and per_chunk * 2 * C * dsub <= LUT_PROGRAM_ELEMENTS:
+        per_chunk *= 2
+    return M // per_chunk
 
 
 @triton.jit
@@ -108,46 +119,59 @@ def _lut_kernel(
     LIST_BOUNDS_AT,
     GROUP: tl.constexpr,  # a row is a KV head (else a query head)
     SUM_RULE: tl.constexpr,  # one table of the group's summed query (else one per head)
-    TABLES: tl.constexpr,
     M: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
-    NBINS_: tl.constexpr,
+    CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
 ):
+    """Program (row, table * CHUNKS + chunk): LUT[t, m, c] = <q_t,m, centroid[m, c]> for the
+    chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
+    min_c and max_c LUT), which `_pq_bins` combines."""
     row = tl.program_id(0)
+    t = tl.program_id(1) // CHUNKS
+    chunk = tl.program_id(1) % CHUNKS
     b = row // ROWS_PER_B
     r = row % ROWS_PER_B
     kvh = r if GROUP else r // G
     first = kvh * G if GROUP else r
     queries = G if (GROUP and SUM_RULE) else 1
+    MB: tl.constexpr = M // CHUNKS
+    m = chunk * MB + tl.arange(0, MB)
     c_idx = tl.arange(0, C)
     d_idx = tl.arange(0, DSUB)
     lut_row = (ws_ptr + row.to(tl.int64) * ROW_WS).to(tl.pointer_type(tl.float32), bitcast=True)
     cent = cent_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
     q_b = q_ptr + b.to(tl.int64) * stride_qb
+    qv = tl.zeros([MB, DSUB], tl.float32)
+    for g in range(queries):
+        qv += tl.load(q_b + (first + t + g) * stride_qh + m[:, None] * DSUB + d_idx[None, :]).to(tl.float32)
+    cv = tl.load(
+        cent + m[:, None, None] * stride_cm + c_idx[None, :, None] * stride_cc + d_idx[None, None, :]
+    ).to(tl.float32)
+    lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
+    tl.store(lut_row + (t * M + m[:, None]) * C + c_idx[None, :], lut)
+    part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
+    tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
+    tl.store(part + 1, tl.sum(tl.max(lut, axis=1), axis=0))
+    if (t == 0) & (chunk == 0):
+        # the re-rank's exact scores take their range by atomics: start it empty
+        tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
+        tl.store(lut_row + LIST_BOUNDS_AT + 1, float("-inf"))
+
+
+@triton.jit
+def _pq_bins(wsf, BOUNDS_AT, TABLES: tl.constexpr, CHUNKS: tl.constexpr, NBINS_: tl.constexpr):
+    """(lo, inv) of the PQ scores' bins from the LUT launch's partial bounds: lo and hi are each
+    table's sums over sub-quantizers of min_c and max_c LUT, maxed over the tables (any score of
+    the sum or max rule lies in [lo, hi]). A flat table puts every score in bin 0."""
     lo = tl.full([], float("-inf"), tl.float32)
     hi = tl.full([], float("-inf"), tl.float32)
-    for t in range(TABLES):
-        lo_t = tl.zeros([], tl.float32)
-        hi_t = tl.zeros([], tl.float32)
-        for m in range(M):
-            qv = tl.zeros([DSUB], tl.float32)
-            for g in range(queries):
-                qv += tl.load(q_b + (first + t + g) * stride_qh + m * DSUB + d_idx).to(tl.float32)
-            cv = tl.load(cent + m * stride_cm + c_idx[:, None] * stride_cc + d_idx[None, :]).to(tl.float32)
-            lut = tl.sum(cv * qv[None, :], axis=1)
-            tl.store(lut_row + (t * M + m) * C + c_idx, lut)
-            lo_t += tl.min(lut, axis=0)
-            hi_t += tl.max(lut, axis=0)
-        lo = tl.maximum(lo, lo_t)
-        hi = tl.maximum(hi, hi_t)
-    # bins: floor((s - lo) * inv) clamped to [0, NBINS); a flat table puts every score in bin 0
+    for t in tl.static_range(TABLES):
+        at = BOUNDS_AT + (t * CHUNKS + tl.arange(0, CHUNKS)) * 2
+        lo = tl.maximum(lo, tl.sum(tl.load(wsf + at), axis=0))
+        hi = tl.maximum(hi, tl.sum(tl.load(wsf + at + 1), axis=0))
     inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
-    tl.store(lut_row + BOUNDS_AT, lo)
-    tl.store(lut_row + BOUNDS_AT + 1, inv)
-    # the re-rank's exact scores take their range by atomics: start it empty
-    tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
-    tl.store(lut_row + LIST_BOUNDS_AT + 1, float("-inf"))
+    return lo, inv
 
 
 @triton.jit
@@ -158,16 +182,12 @@ def _score_bin(s, lo, inv, NBINS_: tl.constexpr):
 
 
 @triton.jit
-def _bins_of(wsf, BOUNDS_AT, LIST_BOUNDS_AT, FROM_LIST: tl.constexpr, NBINS_: tl.constexpr):
-    """(lo, inv) of the bins: the PQ scores' from the LUT bounds, or the shortlist's exact
-    scores' from their min and max (a flat range puts every score in bin 0)."""
-    if FROM_LIST:
-        lo = tl.load(wsf + LIST_BOUNDS_AT)
-        hi = tl.load(wsf + LIST_BOUNDS_AT + 1)
-        inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
-    else:
-        lo = tl.load(wsf + BOUNDS_AT)
-        inv = tl.load(wsf + BOUNDS_AT + 1)
+def _list_bins(wsf, LIST_BOUNDS_AT, NBINS_: tl.constexpr):
+    """(lo, inv) of the shortlist's exact scores' bins, from their min and max (a flat range
+    puts every score in bin 0)."""
+    lo = tl.load(wsf + LIST_BOUNDS_AT)
+    hi = tl.load(wsf + LIST_BOUNDS_AT + 1)
+    inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
     return lo, inv
 
 
@@ -214,6 +234,7 @@ def _score_kernel(
     GROUP: tl.constexpr,
     MAX_RULE: tl.constexpr,
     TABLES: tl.constexpr,
+    CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial bounds)
     M: tl.constexpr,
     C: tl.constexpr,
     NBINS_: tl.constexpr,
@@ -233,8 +254,7 @@ def _score_kernel(
     if (first + BLOCK > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
-        lo = tl.load(wsf + BOUNDS_AT)
-        inv = tl.load(wsf + BOUNDS_AT + 1)
+        lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         if REG_LUT:
             # The max rule's tables of at most a warp's width live in registers, a sub-quantizer's
@@ -311,6 +331,8 @@ def _collect_kernel(
     BOUNDARY_AT,
     LIST_AT,
     LIST_SCORES_AT,
+    TABLES: tl.constexpr,
+    CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial bounds)
     WIDTH: tl.constexpr,
     ENTRIES: tl.constexpr,  # entries of the positions list each program writes (a power of two)
     NBINS_: tl.constexpr,
@@ -353,7 +375,10 @@ def _collect_kernel(
             src_lo = cand_lo
             src_hi = cand_hi
         kth, above = _kth_bin(ws_row + BINS_AT, need, NBINS_)
-        lo, inv = _bins_of(wsf, BOUNDS_AT, LIST_BOUNDS_AT, FROM_LIST, NBINS_)
+        if FROM_LIST:
+            lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
+        else:
+            lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
         scores_at = LIST_SCORES_AT if FROM_LIST else SCORES_AT
         i = chunk * BLOCK + tl.arange(0, BLOCK)
         cand = (i >= src_lo) & (i < src_hi)
@@ -597,7 +622,7 @@ def _list_bins_kernel(
     if tl.max(ok.to(tl.int32), axis=0) != 0:
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
-        lo, inv = _bins_of(wsf, 0, LIST_BOUNDS_AT, True, NBINS_)
+        lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
         s = tl.load(wsf + LIST_SCORES_AT + e, mask=ok, other=0.0)
         tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=ok, sem="relaxed")
 
@@ -647,11 +672,12 @@ def pq_select_fine(
     lay = row_layout(tables, M, C, N, list_heavy)
     sink, window, heavy, cand_lo, short_threshold, width = params
     chunks = max(-(-N // BLOCK_N), 1)
+    lut_progs = lut_chunks(M, C, D // M)
     _lut_launch(
-        (rows,),
+        (rows, tables * lut_progs),
         (q, centroids, workspace),
         (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
-        dict(GROUP=group, SUM_RULE=sum_rule, TABLES=tables, M=M, C=C, DSUB=D // M, NBINS_=NBINS, num_warps=4),
+        dict(GROUP=group, SUM_RULE=sum_rule, M=M, C=C, DSUB=D // M, CHUNKS=lut_progs, num_warps=4),
     )
     _score_launch(
         (max(-(-N // SCORE_BLOCK), 1), rows),
@@ -677,6 +703,7 @@ def pq_select_fine(
             GROUP=group,
             MAX_RULE=group and not sum_rule,
             TABLES=tables,
+            CHUNKS=lut_progs,
             M=M,
             C=C,
             NBINS_=NBINS,
@@ -712,6 +739,8 @@ def pq_select_fine(
                 lay.list_scores,
             ),
             dict(
+                TABLES=tables,
+                CHUNKS=lut_progs,
                 WIDTH=width,
                 ENTRIES=triton.next_power_of_2(max(-(-width // grid_chunks), 1)),
                 NBINS_=NBINS,
