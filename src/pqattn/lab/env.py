@@ -62,7 +62,7 @@ def environment(device: torch.device) -> dict:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "cuda": torch.version.cuda,
-        "driver": _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+        "driver": _first_line(_command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"))
         if device.type == "cuda"
         else None,
     }
@@ -79,3 +79,8 @@ def environment(device: torch.device) -> dict:
     except ImportError:
         env["triton"] = None
     return env
+
+
+def _first_line(text: str | None) -> str | None:
+    """The first line of a command's output (nvidia-smi prints one line per GPU)."""
+    return text.splitlines()[0] if text else None

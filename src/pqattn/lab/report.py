@@ -40,7 +40,7 @@ def _fmt(x: float) -> str:
 def _env_line(env: dict, extra: str = "") -> str:
     parts = [
         env.get("device_name"),
-        f"driver {env['driver']}" if env.get("driver") else None,
+        f"driver {env['driver'].splitlines()[0]}" if env.get("driver") else None,
         f"torch {env.get('torch')}",
         f"triton {env.get('triton')}",
         f"git {str(env.get('git_sha'))[:10]}",
