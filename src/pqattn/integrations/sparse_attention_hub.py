@@ -39,7 +39,9 @@ STATE_ATTRIBUTE = "_pqattn_state"  # the attribute of our codebook buffers that 
 
 # Static call signatures (everything but N and the codebook's length) whose checks passed, with
 # the route they take: (kernels, with the buckets). A decode loop checks its arguments once.
-_CHECKED: dict[tuple, tuple[bool, bool]] = {}
+# per checked signature: (kernel path, bucketed, the selection params of a call whose N reaches
+# the short-sequence threshold: they do not depend on N there)
+_CHECKED: dict[tuple, tuple[bool, bool, SelectParams]] = {}
 _MAX_CHECKED = 256
 
 
@@ -237,11 +239,21 @@ def indexer_next(
             pq_codebook,
             pq_ip2l2_phi,
         )
+        route += (
+            SelectParams.make(
+                sink=sink_size,
+                window=window_size,
+                heavy=heavy_size,
+                cand_lo=max(init_offset, sink_size),
+                short_threshold=heavy_size + init_offset + 1 + (1 << pq_bits),
+                n_tokens=1 << 62,
+            ),
+        )
         if sig is not None:
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
             _CHECKED[sig] = route
-    kernel, bucketed = route
+    kernel, bucketed, long_params = route
     B, H = query.shape[:2]
     Hkv, N = key.shape[1], key.shape[2]
     M, C = pq_group_factor, 1 << pq_bits
@@ -262,14 +274,16 @@ def indexer_next(
         new_keys = new_keys if new_keys.stride(-1) == 1 else new_keys.contiguous()
         q = q if q.stride(-1) == 1 else q.contiguous()
         cent = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
-        params = SelectParams.make(
-            sink=sink_size,
-            window=window_size,
-            heavy=heavy_size,
-            cand_lo=max(init_offset, sink_size),
-            short_threshold=threshold,
-            n_tokens=N,
-        )
+        params = long_params
+        if threshold > N:  # a short row: the width depends on N
+            params = SelectParams.make(
+                sink=sink_size,
+                window=window_size,
+                heavy=heavy_size,
+                cand_lo=max(init_offset, sink_size),
+                short_threshold=threshold,
+                n_tokens=N,
+            )
         out = Selection(
             torch.empty(B, H, params.width, dtype=torch.int64, device=query.device),
             torch.empty(B, H, dtype=torch.int64, device=query.device),
