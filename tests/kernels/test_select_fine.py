@@ -78,6 +78,24 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "score_elements,kth_chunk,rank_chunk",
+    [(256, 256, 8), (1 << 14, 4096, 256), (2048, 2048, 32)],
+    ids=["small-programs", "whole-tiles", "defaults"],
+)
+@pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
+def test_fine_launch_tilings(device, monkeypatch, score_elements, kth_chunk, rank_chunk, share, rule):
+    """The score launch's codes per program, the boundary-bin search's count tiles and the
+    all-pairs rank's column tiles change how the work is cut, never the selection."""
+    monkeypatch.setattr(fine, "SCORE_ELEMENTS", score_elements)
+    monkeypatch.setattr(fine, "KTH_CHUNK", kth_chunk)
+    monkeypatch.setattr(fine, "RANK_CHUNK", rank_chunk)
+    _run(
+        device, B=2, H=4, Hkv=2, N=1200, D=32, M=4, bits=4, lengths=[1200, 900], sink=4, window=16,
+        heavy=60, share=share, rule=rule, ties=rule == "max", calls=1,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("finish", FINISHES)
 def test_fine_selection_ties(device, monkeypatch, finish):
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])

@@ -8,7 +8,7 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
    max rule) and each chunk's share of the bounds of any score, lo = sum_m min_c LUT and
    hi = sum_m max_c LUT (maxed over the tables for the max rule; `_pq_bins` combines them).
-2. `_score_kernel`, grid (chunks of BLOCK_N tokens, rows): each candidate's score (float32) into
+2. `_score_kernel`, grid (chunks of SCORE_ELEMENTS // M tokens, rows): each candidate's score (float32) into
    the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
    The bins are monotone in the score, so the need-th best score lies in one known bin. LUT
    entries are gathered from memory (L1), or, for the max rule's G tables of at most 32 entries,
@@ -42,10 +42,11 @@ from pqattn.reference import SelectParams
 
 NBINS = 4096
 TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
+RANK_CHUNK = 32  # list entries each step of the all-pairs rank compares against
+KTH_CHUNK = 2048  # bin counts each step of the search for the boundary bin reads
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
-SCORE_BLOCK = 1024  # tokens per program of the score launch
-SCORE_WARPS = 4
+SCORE_ELEMENTS = 2048  # codes per program of the score launch (tokens x M; more spills registers)
 # The max rule's G tables of at most this many centroids are gathered from registers (faster
 # there; one table gathers as fast from memory: docs/kernels/select.md)
 REG_LUT_MAX_C = 32
@@ -294,14 +295,24 @@ def _score_kernel(
 
 
 @triton.jit
-def _kth_bin(bins_row, need, NBINS_: tl.constexpr):
-    """(the bin holding the need-th best score, tokens in higher bins) from the row's counts."""
-    idx = tl.arange(0, NBINS_)
-    h = tl.load(bins_row + idx, cache_modifier=".cg")
-    total = tl.sum(h, axis=0)
-    at_or_above = total - tl.cumsum(h, axis=0) + h
-    kth = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
-    above = tl.sum(tl.where(idx == kth, at_or_above - h, 0), axis=0)
+def _kth_bin(bins_row, need, NBINS_: tl.constexpr, CHUNK: tl.constexpr):
+    """(the bin holding the need-th best score, tokens in higher bins) from the row's counts
+    (need >= 1, at most the tokens binned). Tokens at or above a bin never grow with its index,
+    so the bins that reach need are a prefix; the counts are read CHUNK at a time from the top."""
+    kth = tl.full([], -1, tl.int32)
+    above = tl.zeros([], tl.int32)
+    run = tl.zeros([], tl.int32)  # tokens in the bins above the chunk
+    for i in range(NBINS_ // CHUNK):
+        base = (NBINS_ // CHUNK - 1 - i) * CHUNK
+        idx = base + tl.arange(0, CHUNK)
+        h = tl.load(bins_row + idx, cache_modifier=".cg")
+        at_or_above = run + tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h
+        hits = tl.sum((at_or_above >= need).to(tl.int32), axis=0)
+        first = (kth < 0) & (hits > 0)
+        last_hit = base + hits - 1
+        above = tl.where(first, tl.sum(tl.where(idx == last_hit, at_or_above - h, 0), axis=0), above)
+        kth = tl.where(first, last_hit, kth)
+        run += tl.sum(h, axis=0)
     return kth, above
 
 
@@ -338,6 +349,8 @@ def _collect_kernel(
     NBINS_: tl.constexpr,
     CAP: tl.constexpr,
     TIE: tl.constexpr,
+    RANK_CHUNK_: tl.constexpr,
+    KTH_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     FROM_LIST: tl.constexpr,  # candidates: the shortlist's entries (else the tokens)
     TO_LIST: tl.constexpr,  # the heavy part goes to the shortlist (else the output, with the rest)
@@ -374,7 +387,7 @@ def _collect_kernel(
         else:
             src_lo = cand_lo
             src_hi = cand_hi
-        kth, above = _kth_bin(ws_row + BINS_AT, need, NBINS_)
+        kth, above = _kth_bin(ws_row + BINS_AT, need, NBINS_, KTH_CHUNK)
         if FROM_LIST:
             lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
         else:
@@ -418,6 +431,7 @@ def _collect_kernel(
                 TIE,
                 BLOCK,
                 FROM_LIST,
+                RANK_CHUNK_,
             )
             _zero_row(ws_row + BINS_AT, ctr, NBINS_)
 
@@ -451,6 +465,7 @@ def _finish_boundary(
     TIE: tl.constexpr,
     BLOCK: tl.constexpr,
     FROM_LIST: tl.constexpr,
+    CHUNK: tl.constexpr,  # entries each step of the all-pairs rank compares against
 ):
     """Write the positions of the `rest` best of the boundary bin's `size` candidates at out_at
     (ties any)."""
@@ -458,9 +473,19 @@ def _finish_boundary(
         i = tl.arange(0, TIE)
         idx = tl.load(ws_row + BOUNDARY_AT + i, mask=i < size, other=0)
         key = tl.where(i < size, order_key(tl.load(wsf + scores_at + idx, mask=i < size, other=0.0)), 0)
-        # rank = how many precede the entry: higher keys, and equal keys earlier in the list
-        before = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (i[None, :] < i[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
+        # rank = how many precede the entry: higher keys, and equal keys earlier in the list;
+        # counted against CHUNK entries at a time (a [TIE, TIE] tile spills registers)
+        rank = tl.zeros([TIE], tl.int32)
+        for j0 in tl.static_range(0, TIE, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            idx_j = tl.load(ws_row + BOUNDARY_AT + j, mask=j < size, other=0)
+            key_j = tl.where(
+                j < size, order_key(tl.load(wsf + scores_at + idx_j, mask=j < size, other=0.0)), 0
+            )
+            before = (key_j[None, :] > key[:, None]) | (
+                (key_j[None, :] == key[:, None]) & (j[None, :] < i[:, None])
+            )
+            rank += tl.sum(before.to(tl.int32), axis=1)
         keep = (i < size) & (rank < rest)
         tl.store(out_at + rank, _position(ws_row, idx, keep, LIST_AT, FROM_LIST), mask=keep)
     else:
@@ -679,8 +704,11 @@ def pq_select_fine(
         (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
         dict(GROUP=group, SUM_RULE=sum_rule, M=M, C=C, DSUB=D // M, CHUNKS=lut_progs, num_warps=4),
     )
+    reg_lut = C <= REG_LUT_MAX_C and tables > 1
+    sub = max(REG_LUT_SUB, C)
+    score_block = max(SCORE_ELEMENTS // M, sub if reg_lut else 16)
     _score_launch(
-        (max(-(-N // SCORE_BLOCK), 1), rows),
+        (max(-(-N // score_block), 1), rows),
         (codes, lengths, workspace),
         (
             *codes.stride(),
@@ -707,10 +735,10 @@ def pq_select_fine(
             M=M,
             C=C,
             NBINS_=NBINS,
-            BLOCK=SCORE_BLOCK,
-            REG_LUT=C <= REG_LUT_MAX_C and tables > 1,
-            SUB=min(max(REG_LUT_SUB, C), SCORE_BLOCK),
-            num_warps=SCORE_WARPS,
+            BLOCK=score_block,
+            REG_LUT=reg_lut,
+            SUB=sub,
+            num_warps=4,
         ),
     )
 
@@ -746,6 +774,8 @@ def pq_select_fine(
                 NBINS_=NBINS,
                 CAP=BOUNDARY_CAP,
                 TIE=TIE_TILE,
+                RANK_CHUNK_=min(RANK_CHUNK, TIE_TILE),
+                KTH_CHUNK=KTH_CHUNK,
                 BLOCK=BLOCK_N,
                 FROM_LIST=from_list,
                 TO_LIST=to_list,
