@@ -1,0 +1,126 @@
+"""Registers and stack (spills) per thread of the fine selection's kernels at chosen configs,
+compiled for sm_90 without a GPU: `triton.compile` to a cubin, then `cuobjdump
+--dump-resource-usage` (both ship with Triton's NVIDIA backend).
+
+At 4 warps a program, a kernel of more than 128 registers a thread fits at most 3 programs on an
+SM of 64K registers, and 255 with stack means spills to local memory.
+
+Usage: PYTHONPATH=src python3 bench/kernel_resources.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pqattn.kernels.select import fine
+
+TARGET = GPUTarget("cuda", 90, 32)
+_POINTERS = {"codes_ptr": "*u8", "len_ptr": "*i64", "pos_ptr": "*i64", "cnt_ptr": "*i64"}
+
+
+def resources(kernel, constexprs: dict, num_warps: int = 4) -> dict:
+    """{'registers', 'stack'} of `kernel` compiled at `constexprs` (other arguments int32 or
+    int32 pointers, the selection's typed ones as they are passed)."""
+    names = kernel.arg_names
+    signature = {
+        a: "constexpr" if a in constexprs else _POINTERS.get(a, "*i32" if a.endswith("_ptr") else "i32")
+        for a in names
+    }
+    src = ASTSource(
+        fn=kernel, signature=signature, constexprs={(names.index(a),): v for a, v in constexprs.items()}
+    )
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    try:
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        )
+    finally:
+        os.unlink(f.name)
+    got = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+    return {"registers": int(got[1]), "stack": int(got[2])}
+
+
+def score_config(M: int, C: int, tables: int, block: int) -> dict:
+    reg = C <= fine.REG_LUT_MAX_C and tables > 1
+    return dict(
+        GROUP=tables > 1,
+        MAX_RULE=tables > 1,
+        TABLES=tables,
+        CHUNKS=fine.lut_chunks(M, C, 128 // M),
+        M=M,
+        C=C,
+        NBINS_=fine.NBINS,
+        BLOCK=block,
+        REG_LUT=reg,
+        SUB=max(fine.REG_LUT_SUB, C),
+    )
+
+
+def collect_config(tie: int, rank_chunk: int, kth_chunk: int) -> dict:
+    return dict(
+        TABLES=4,
+        CHUNKS=1,
+        WIDTH=2880,
+        ENTRIES=128,
+        NBINS_=fine.NBINS,
+        CAP=fine.BOUNDARY_CAP,
+        TIE=tie,
+        RANK_CHUNK_=rank_chunk,
+        KTH_CHUNK=kth_chunk,
+        BLOCK=fine.BLOCK_N,
+        FROM_LIST=False,
+        TO_LIST=False,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    args = p.parse_args()
+    default_block = lambda M: max(fine.SCORE_ELEMENTS // M, 16)  # noqa: E731 (pq_select_fine's rule)
+    cases = [
+        ("score", "M16 C256 max x4, 1024 tokens", score_config(16, 256, 4, 1024)),
+        (
+            "score",
+            f"M16 C256 max x4, {default_block(16)} tokens (default)",
+            score_config(16, 256, 4, default_block(16)),
+        ),
+        ("score", "M16 C256 sum, 1024 tokens", score_config(16, 256, 1, 1024)),
+        (
+            "score",
+            f"M16 C256 sum, {default_block(16)} tokens (default)",
+            score_config(16, 256, 1, default_block(16)),
+        ),
+        ("score", "M32 C16 max x4, registers, 128 tokens", score_config(32, 16, 4, 128)),
+        ("collect", "TIE 256, whole tiles (4096 counts, 256 x 256 rank)", collect_config(256, 256, 4096)),
+        (
+            "collect",
+            f"TIE {fine.TIE_TILE}, rank by {fine.RANK_CHUNK}, counts by {fine.KTH_CHUNK} (default)",
+            collect_config(fine.TIE_TILE, fine.RANK_CHUNK, fine.KTH_CHUNK),
+        ),
+    ]
+    kernels = {"score": fine._score_kernel, "collect": fine._collect_kernel}
+    rows = []
+    for kernel, what, config in cases:
+        row = {"kernel": kernel, "config": what} | resources(kernels[kernel], config)
+        rows.append(row)
+        print(f"{kernel:8s} {what:60s} registers {row['registers']:4d}  stack {row['stack']:5d} B")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": "sm_90", "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
