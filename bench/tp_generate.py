@@ -62,9 +62,19 @@ def main() -> None:
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--bits", type=int, default=6)
+    p.add_argument("--subvectors", type=int, default=2)
+    p.add_argument("--share", choices=["head", "group"], default="head", help="per-head or group selection")
+    p.add_argument("--group-rule", choices=["sum", "max"], default="sum")
+    p.add_argument("--rerank", type=int, default=0, help="exact re-rank of a shortlist of RERANK x heavy")
     p.add_argument("--samples", type=int, default=5, help="timed samples of the static loop")
     p.add_argument("--steps", type=int, default=16, help="decode steps per sample")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on GPUs")
+    p.add_argument(
+        "--corpus",
+        action="store_true",
+        help="prompts from held-out documents of pqattn.lab.corpus (byte-level models, e.g. "
+        "models/byte-llama-13m); default: random token ids",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.save_random:
@@ -83,12 +93,30 @@ def main() -> None:
     place = {"tp_plan": "auto"} if world > 1 else one
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **place).eval()
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=gen).to(model.device)
+    if args.corpus:
+        from pqattn.lab import corpus
+
+        docs = corpus.documents(corpus.find_corpus().held_out, args.prompt, args.batch)
+        ids = torch.stack([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in docs]).long()
+        ids = ids.to(model.device)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=gen).to(model.device)
     config = pq_hf.HFConfig(
-        heavy=args.heavy, sink=args.sink, window=args.window, bits=args.bits, capacity=args.new + 8
+        heavy=args.heavy,
+        sink=args.sink,
+        window=args.window,
+        subvectors=args.subvectors,
+        bits=args.bits,
+        share=args.share,
+        group_rule=args.group_rule,
+        rerank=args.rerank,
+        capacity=args.new + 8,
     )
     doc: dict = {"world_size": world, "prompt": args.prompt, "batch": args.batch, "new": args.new}
+    doc |= {"model": args.model, "corpus_prompts": args.corpus, "heavy": args.heavy, "sink": args.sink}
+    doc |= {"window": args.window, "subvectors": args.subvectors, "bits": args.bits, "share": args.share}
+    doc |= {"group_rule": args.group_rule, "rerank": args.rerank, "dtype": str(dtype).removeprefix("torch.")}
     doc["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for kind in ("dense", "pqattn"):
         if kind == "pqattn":
