@@ -302,3 +302,20 @@ def test_build_on_a_sample(device):
     assert torch.equal(small.codes, full.codes) and torch.equal(small.centroids, full.centroids)
     with pytest.raises(ValueError, match="sample"):
         ops.build_index(keys, subvectors=4, bits=bits, metric="ip", sample=4)
+
+
+def test_a_share_of_the_kv_heads_indexes_as_the_whole_cache(device):
+    """head_offset / total_heads (a tensor-parallel rank's KV heads): the share's index equals
+    those heads of the whole cache's index, on a sample too; bad shares are refused."""
+    keys = torch.randn(2, 4, 300, 16, device=device)
+    lengths = torch.tensor([300, 220], device=device)
+    for sample in (0, 4):
+        kw = dict(subvectors=2, bits=3, init_offset=2, iters=3, sample=sample)
+        whole = ops.build_index(keys, lengths, **kw)
+        share = ops.build_index(keys[:, 2:].contiguous(), lengths, **kw, head_offset=2, total_heads=4)
+        torch.testing.assert_close(share.centroids, whole.centroids[:, 2:], atol=1e-5, rtol=1e-5)
+        assert (share.codes == whole.codes[:, 2:]).float().mean() > 0.99  # (float32 near-ties aside)
+    with _raises(ValueError, "total_heads", "None"):
+        ops.build_index(keys, head_offset=1)
+    with _raises(ValueError, "head_offset", "total_heads=4", "1 \\+ 4"):
+        ops.build_index(keys, head_offset=1, total_heads=4)

@@ -69,6 +69,23 @@ def non_negative_int(name: str, value: object) -> int:
     return value
 
 
+def kv_head_share(head_offset: object, total_heads: object, kv_heads: int) -> None:
+    """head_offset / total_heads of keys with kv_heads heads: a share of a larger cache's heads."""
+    non_negative_int("head_offset", head_offset)
+    if total_heads is None:
+        if head_offset:
+            raise ValueError(
+                f"total_heads: expected the cache's KV heads with head_offset={head_offset}, got None"
+            )
+        return
+    positive_int("total_heads", total_heads)
+    if head_offset + kv_heads > total_heads:
+        raise ValueError(
+            f"head_offset: expected head_offset + Hkv <= total_heads={total_heads}, got "
+            f"{head_offset} + {kv_heads}"
+        )
+
+
 def positive_int(name: str, value: object) -> int:
     non_negative_int(name, value)
     if value == 0:

@@ -186,17 +186,22 @@ def build(
     tol: float,
     seed: int,
     sample: int = 0,
+    head_offset: int = 0,
+    total_heads: int | None = None,
 ) -> PQCodebook:
     """The index build (SPEC §1) of validated keys: CUDA keys (fp16/bf16/fp32) run the Lloyd loop
     in Triton (one launch per iteration), anything else, float64 included, the reference; both
     draw the same initial centres for a seed. sample > 0 (euclidean): k-means on at most
     sample * C tokens per sequence, evenly strided over [init_offset, length), then every key
-    encoded against those centroids (`sampled_keys`)."""
+    encoded against those centroids (`sampled_keys`). head_offset / total_heads: the keys are
+    those KV heads of a larger cache, whose build they match head for head
+    (`reference.pq.group_ids`)."""
     build_pq = ref.build_pq
     kernels = keys.is_cuda and keys.dtype != torch.float64
     if kernels:
         from pqattn.kernels.kmeans import build_pq
     common = dict(subvectors=subvectors, bits=bits, metric=metric, iters=iters, tol=tol, seed=seed)
+    common |= dict(head_offset=head_offset, total_heads=total_heads)
     C = 1 << bits
     if sample <= 0 or keys.shape[2] - init_offset <= sample * C:
         res = build_pq(keys, lengths, init_offset=init_offset, **common)

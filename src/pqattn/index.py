@@ -168,6 +168,8 @@ class PQIndex:
         *,
         capacity: int | None = None,
         config: PQConfig | None = None,
+        head_offset: int = 0,
+        total_heads: int | None = None,
     ) -> PQIndex:
         """Index the prefill keys of a batch (k-means per sequence, KV head and sub-vector).
 
@@ -176,6 +178,8 @@ class PQIndex:
             lengths: [B] valid tokens per sequence (tensor or list), None for N each.
             capacity: tokens the index can hold, N by default (give room for the decode steps).
             config: what to quantize and what to select (PQConfig() by default).
+            head_offset, total_heads: the keys are KV heads head_offset.. of a cache of
+                total_heads (a tensor-parallel rank's share): built as `build_index` builds them.
 
         Returns:
             the PQIndex.
@@ -195,10 +199,12 @@ class PQIndex:
             raise ValueError(f"capacity: expected >= the prefill length N={N}, got {capacity}")
         lens = check.lengths(lengths, B, N, keys.device)
         check.subvectors(config.subvectors, D)
+        check.kv_head_share(head_offset, total_heads, keys.shape[1])
         c = config
         built = dispatch.build(
-            keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed, c.sample
-        )
+            keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed, c.sample,
+            head_offset, total_heads,
+        )  # fmt: skip
         return cls._filled(config, built, lens, capacity, D)
 
     @classmethod

@@ -91,6 +91,8 @@ def build_index(
     tol: float = 1e-4,
     seed: int = 0,
     sample: int = 0,
+    head_offset: int = 0,
+    total_heads: int | None = None,
 ) -> PQCodebook:
     """Build the PQ index of a prefill key cache (SPEC §1): k-means per (sequence, KV head,
     sub-vector), then every key's codes.
@@ -112,6 +114,10 @@ def build_index(
             at most sample * C keys per sequence, evenly strided over [init_offset, length), and
             every key is then encoded against those centroids (FAISS trains on a few hundred
             points per centroid alike); sequences with fewer keys build on all of them.
+        head_offset, total_heads: the keys are KV heads head_offset .. head_offset + Hkv of a
+            cache of total_heads (None: Hkv), e.g. a tensor-parallel rank's share; the initial
+            centres are then drawn as the whole cache's build draws them for those heads, so
+            the shards' indexes equal the one-process index.
 
     Returns:
         PQCodebook(centroids [B, Hkv, M, C, dsub (+1 for ip)] float32 (float64 for float64 keys),
@@ -135,8 +141,11 @@ def build_index(
         raise ValueError(
             f"sample: the {metric!r} metric builds on every key (its augmentation needs all norms)"
         )
+    check.kv_head_share(head_offset, total_heads, keys.shape[1])
     lens = check.lengths(lengths, B, N, keys.device)
-    return dispatch.build(keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed, sample)
+    return dispatch.build(
+        keys, lens, subvectors, bits, metric, init_offset, iters, tol, seed, sample, head_offset, total_heads
+    )
 
 
 def encode_keys(

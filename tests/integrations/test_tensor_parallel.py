@@ -59,3 +59,64 @@ def test_two_ranks_generate_the_single_process_tokens(
         assert doc[kind]["dynamic_tokens"] == want_tokens, kind
         assert doc[kind]["static_tokens"] == want_tokens, kind
     assert doc["pqattn"]["index_kv_heads"] == 1  # each rank indexes its own of the 2 KV heads
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="tp_plan needs accelerate")
+def test_sparse_settings_give_the_one_process_tokens(tmp_path: pathlib.Path) -> None:
+    """With a sparse group selection and a re-rank (heavy far below the prompt), two ranks on gloo
+    generate what one process of the same script generates: each rank builds its KV heads' index
+    as the one process does for them (head_offset / total_heads) and selects over it alike."""
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    docs = []
+    for world in (1, 2):
+        out = tmp_path / f"tp{world}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+        cmd += [
+            "--master-port",
+            "29518",
+            str(ROOT / "bench" / "tp_generate.py"),
+            "--model",
+            str(tmp_path / "model"),
+        ]
+        cmd += [
+            "--prompt",
+            "120",
+            "--batch",
+            "2",
+            "--new",
+            "8",
+            "--heavy",
+            "12",
+            "--sink",
+            "4",
+            "--window",
+            "8",
+        ]
+        cmd += [
+            "--subvectors",
+            "4",
+            "--bits",
+            "3",
+            "--share",
+            "group",
+            "--group-rule",
+            "max",
+            "--rerank",
+            "2",
+        ]
+        cmd += ["--dtype", "float32", "--samples", "1", "--steps", "1", "--json", str(out)]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        docs.append(json.loads(out.read_text()))
+    one, two = docs
+    assert two["world_size"] == 2 and two["pqattn"]["index_kv_heads"] == 1
+    for loop in ("dynamic_tokens", "static_tokens"):
+        assert two["pqattn"][loop] == one["pqattn"][loop], loop
+        assert two["dense"][loop] == one["dense"][loop], loop
+    assert one["pqattn"]["static_tokens"] != one["dense"]["static_tokens"], "the sparse run must select"

@@ -127,6 +127,22 @@ def test_build_matches_the_reference(D: int, M: int, bits: int, N: int, metric: 
     _assert_same_build(got, want, lengths, 3)
 
 
+def test_a_share_of_the_kv_heads_builds_as_the_whole_cache_does(device) -> None:
+    """Heads 1..2 of a 4-head cache built alone with head_offset=1, total_heads=4 (a
+    tensor-parallel rank's share) draw the whole build's initial centres for those heads: the
+    kernel's init equals the reference's, and the reference's equals its whole-cache build."""
+    kw = dict(subvectors=2, bits=3, metric="euclidean", init_offset=2, iters=0, tol=0.0, seed=7)
+    keys, lengths = _clear_keys(device, 2, 4, 200, 16, torch.float32, [200, 150], kw)
+    share = keys[:, 1:3].contiguous()
+    whole = ref_pq.build_pq(keys.nan_to_num().double(), lengths, **kw)
+    got = build_pq(share, lengths, **kw, head_offset=1, total_heads=4)
+    want = ref_pq.build_pq(share.nan_to_num().double(), lengths, **kw, head_offset=1, total_heads=4)
+    assert torch.equal(want.centroids, whole.centroids[:, 1:3])
+    assert_close(got.centroids, want.centroids, atol=1e-5, rtol=1e-5, what="init centroids")
+    alone = build_pq(share, lengths, **kw)  # seeded as heads 0..1: other picks
+    assert not torch.equal(alone.centroids, got.centroids)
+
+
 def test_a_build_whose_tiles_fit_no_config_runs_the_reference(monkeypatch, device) -> None:
     """When no step config fits the GPU's shared memory, build_pq says so and builds with the
     reference, in its own output contract (NaN past the lengths ignored, iters + 1 rounds)."""

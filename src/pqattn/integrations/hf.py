@@ -179,7 +179,8 @@ def pq_attention_forward(
             group_rule=c.group_rule,
             rerank=c.rerank,
         )
-        state.index = PQIndex.build(key, lengths, capacity=S if state.static else S + c.capacity, config=pq)
+        capacity = S if state.static else S + c.capacity
+        state.index = PQIndex.build(key, lengths, capacity=capacity, config=pq, **_kv_head_share(module, key))
         return out
     index = state.index
     if index is not None and index.capacity < S and not state.padded and not state.warned.get("capacity"):
@@ -509,3 +510,13 @@ def disable(model: torch.nn.Module, implementation: str = "sdpa") -> None:
         if hasattr(module, "_pqattn_state"):
             del module._pqattn_state
     model.set_attn_implementation(implementation)
+
+
+def _kv_head_share(module, key: torch.Tensor) -> dict:
+    """The rank's share of the KV heads under tensor parallelism (tp_plan="auto" splits them in
+    rank order): the index build then draws the one-process build's init for those heads."""
+    total = getattr(getattr(module, "config", None), "num_key_value_heads", None)
+    local = key.shape[1]
+    if total is None or local >= total or not torch.distributed.is_initialized():
+        return {}
+    return {"head_offset": torch.distributed.get_rank() * local, "total_heads": total}

@@ -127,11 +127,13 @@ def _hash32(x):
     return x ^ (x >> 15)
 
 
-@triton.jit(do_not_specialize=["off", "seed_hash"])
+@triton.jit(do_not_specialize=["off", "seed_hash", "group_skip", "group_base"])
 def _init_kernel(
     keys_ptr,
     lengths_ptr,
     seed_hash,  # hash32(seed mod 2**32)
+    group_skip,  # (total_heads - Hkv) * M: the hashed group index skips other ranks' heads
+    group_base,  # head_offset * M
     xx_ptr,  # [G, n] float32: squared norms
     phi_ptr,
     cent_ptr,
@@ -158,7 +160,8 @@ def _init_kernel(
     cc = tl.arange(0, CP)
     dd = tl.arange(0, BD)
     real = cc < tl.where(nv > 0, C, 0)  # (a scalar & block mask comes out int32 in Triton 3.9's interpreter)
-    h = _hash32(_hash32(seed_hash.to(tl.uint32) ^ g.to(tl.uint32)) ^ cc.to(tl.uint32)).to(tl.int64)
+    gid = g + g // (Hkv * M) * group_skip + group_base  # `pqattn.reference.pq.group_ids`
+    h = _hash32(_hash32(seed_hash.to(tl.uint32) ^ gid.to(tl.uint32)) ^ cc.to(tl.uint32)).to(tl.int64)
     j = cc.to(tl.int64)
     nv64 = nv.to(tl.int64)
     lo = j * nv64 // C
@@ -555,6 +558,8 @@ def build_pq(
     tol: float = 1e-4,
     seed: int = 0,
     init: torch.Tensor | None = None,
+    head_offset: int = 0,
+    total_heads: int | None = None,
     config: triton.Config | None = None,
 ) -> ref.KMeansResult:
     """`pqattn.reference.pq.build_pq` with the Lloyd loop in Triton: same arguments, init, rules
@@ -568,10 +573,11 @@ def build_pq(
     B, Hkv, N, D = keys.shape
     M, C = subvectors, 1 << bits
     d, n, G = D // M, max(N - init_offset, 0), B * Hkv * M
+    heads = dict(head_offset=head_offset, total_heads=total_heads)
     if n == 0 or G == 0:
         return ref.build_pq(
             keys, lengths, subvectors=M, bits=bits, metric=metric, init_offset=init_offset,
-            iters=iters, tol=tol, seed=seed, init=init,
+            iters=iters, tol=tol, seed=seed, init=init, **heads,
         )  # fmt: skip
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
@@ -607,7 +613,7 @@ def build_pq(
         )
         return _reference_build(
             keys, lengths, iters, subvectors=M, bits=bits, metric=metric, init_offset=init_offset,
-            tol=tol, seed=seed, init=init,
+            tol=tol, seed=seed, init=init, **heads,
         )  # fmt: skip
     block, last_block, warps, stages, resident = fit
     meta.update(BLOCK_N=block, num_warps=warps, num_stages=stages)
@@ -639,8 +645,10 @@ def build_pq(
     )  # fmt: skip
     if init is None:
         seed_hash = ref.hash32(seed & ref.HASH_MASK)
+        skip = ((Hkv if total_heads is None else total_heads) - Hkv) * M
         _init_kernel[(G,)](
-            keys, lengths, seed_hash, xx, phi, cent, aug, ctl, *geometry, init_offset, n, C, d, G,
+            keys, lengths, seed_hash, skip, head_offset * M, xx, phi, cent, aug, ctl, *geometry,
+            init_offset, n, C, d, G,
             IP=ip, CP=CP, BD=BD,
         )  # fmt: skip
     else:

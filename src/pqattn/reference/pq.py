@@ -91,7 +91,9 @@ def hash32(x: torch.Tensor | int) -> torch.Tensor | int:
     return x ^ (x >> 15)
 
 
-def init_positions(n_valid: torch.Tensor, C: int, seed: int) -> torch.Tensor:
+def init_positions(
+    n_valid: torch.Tensor, C: int, seed: int, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Indices [G, C] int64 (on n_valid's device) of each group's initial centres among its
     n_valid[g] valid points: a seeded stratified draw.
 
@@ -101,27 +103,44 @@ def init_positions(n_valid: torch.Tensor, C: int, seed: int) -> torch.Tensor:
     round trip, so the GPU build draws them inside its init kernel; the hash gives the same
     picks on every device. A group with fewer than C points cycles through all of them
     (centre j = point j mod nv); an empty group's picks are 0 and its centres zero.
-    Seeds are taken modulo 2**32.
+    Seeds are taken modulo 2**32. group_ids [G]: the g each group hashes (default 0..G-1; see
+    `group_ids`).
     """
     G = n_valid.shape[0]
     dev = n_valid.device
     nv = n_valid.long()[:, None]
     j = torch.arange(C, device=dev)[None, :]
-    g = torch.arange(G, device=dev)[:, None]
+    g = (torch.arange(G, device=dev) if group_ids is None else group_ids.long())[:, None]
     h = hash32(hash32(hash32(seed & HASH_MASK) ^ g) ^ j)
     lo = j * nv // C
     size = ((j + 1) * nv // C - lo).clamp_min(1)
     return torch.where(nv >= C, lo + h % size, j % nv.clamp_min(1))
 
 
+def group_ids(B: int, Hkv: int, M: int, head_offset: int = 0, total_heads: int | None = None) -> torch.Tensor:
+    """The g that the init hashes for the groups (b, h, m) of keys [B, Hkv, ...] with M sub-vectors,
+    in that order: (b * total_heads + head_offset + h) * M + m. Keys that are KV heads
+    head_offset.. of a cache of total_heads (a tensor-parallel rank's share) draw the initial
+    centres that the whole cache's build draws for those heads."""
+    total = Hkv if total_heads is None else total_heads
+    g = torch.arange(B * Hkv * M)
+    return (g // (Hkv * M) * total + head_offset) * M + g % (Hkv * M)
+
+
 def _init_centres(
-    x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, C: int, seed: int
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    n_valid: torch.Tensor,
+    C: int,
+    seed: int,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Initial centres [G, C, d]: the points `init_positions` picks (zeros for empty groups)."""
+    """Initial centres [G, C, d]: the points `init_positions` picks for groups `ids` (default
+    0..G-1; zeros for empty groups)."""
     G, n, d = x.shape
     if n == 0:
         return x.new_zeros((G, C, d))
-    pick = init_positions(n_valid, C, seed)
+    pick = init_positions(n_valid, C, seed, None if ids is None else ids.to(x.device))
     init = x.gather(1, pick[..., None].expand(G, C, d))
     return init * (n_valid > 0)[:, None, None]
 
@@ -241,12 +260,15 @@ def build_pq(
     tol: float = 1e-4,
     seed: int = 0,
     init: torch.Tensor | None = None,
+    head_offset: int = 0,
+    total_heads: int | None = None,
 ) -> KMeansResult:
     """k-means PQ index of keys [B, Hkv, N, D] over tokens init_offset..lengths[b] (SPEC §1).
 
     Init: C distinct data points per group, one from each of C equal strata of its tokens, drawn
     by `init_positions` from `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
-    implementations from one init).
+    implementations from one init). head_offset / total_heads: the keys are those KV heads of a
+    larger cache (`group_ids`), whose build they then match head for head.
     """
     B, Hkv, N, _ = keys.shape
     M, C = subvectors, 1 << bits
@@ -258,7 +280,7 @@ def build_pq(
         phi = norms.amax(1) if x.shape[1] else norms.new_zeros(norms.shape[0])
         x = augment_ip(x, phi)
     if init is None:
-        c0 = _init_centres(x, valid, n_valid, C, seed)
+        c0 = _init_centres(x, valid, n_valid, C, seed, group_ids(B, Hkv, M, head_offset, total_heads))
     else:
         c0 = init.reshape(B * Hkv * M, C, x.shape[-1]).to(x.dtype)
     c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol)
