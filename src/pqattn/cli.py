@@ -47,6 +47,14 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the cache and the k-means init")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per method")
     p.add_argument(
+        "--faithful",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="also run pq-faithful, the fine-code operating point (M=16, 8 bits, group max, re-rank 2): "
+        "auto runs it on a GPU only (on a CPU its reference k-means of 256 centroids takes about a "
+        "minute per cache)",
+    )
+    p.add_argument(
         "--generators",
         default="workload,needles",
         help="synthetic caches, run in turn: workload (LLM-like, pqattn.lab.workload), needles "
@@ -58,7 +66,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from pqattn.lab.demo import format_table, generator_spec, run_demo
+    from pqattn.lab.demo import faithful_config, format_table, generator_spec, run_demo
     from pqattn.lab.env import resolve_device
 
     device = resolve_device(args.device)
@@ -86,8 +94,17 @@ def _run_demo(args: argparse.Namespace) -> int:
         iters=args.iters,
         seed=args.seed,
     )
+    on = args.faithful == "on" or (args.faithful == "auto" and device.type == "cuda")
+    faithful = faithful_config(config, args.group) if on else None
     runs = [
-        run_demo(generator_spec(g, spec), config, device=device, dtype=dtype, repeats=args.repeats)
+        run_demo(
+            generator_spec(g, spec),
+            config,
+            device=device,
+            dtype=dtype,
+            repeats=args.repeats,
+            faithful=faithful,
+        )
         for g in (x for x in args.generators.split(",") if x)
     ]
     if not runs:

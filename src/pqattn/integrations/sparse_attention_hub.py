@@ -84,7 +84,7 @@ class _State:
         self.frozen_at = self.bucketed_at = 0
         self.workspace_key: tuple[int, int] | None = None
         self.workspace: torch.Tensor | None = None
-        # the one-launch decode call kept as a plan (see _select_new_key): (key, plan) and the
+        # the one-launch decode call kept as a plan (see _bucket_select): (key, plan) and the
         # last such call's key; a rebuild or a new workspace drops the plan
         self.plan: tuple[tuple, Plan] | None = None
         self.last_key: tuple | None = None

@@ -3,7 +3,8 @@
 Builds the index over the prefill, runs the decode steps (append the step's key, select, attend)
 and reports per method the captured attention mass, the recall of the oracle's heavy tokens, the
 output error against dense attention, and the time of one decode step against dense SDPA measured
-in the same run.
+in the same run. With a faithful config (`faithful_config`) a second index shows the fine-code
+operating point beside the default one: quality and speed of both, same run.
 """
 
 from __future__ import annotations
@@ -20,10 +21,22 @@ from pqattn.index import PQConfig, PQIndex
 from pqattn.lab import metrics
 from pqattn.lab.env import environment
 from pqattn.lab.needles import NeedleSpec, make_needles
+from pqattn.lab.policies import per_head
 from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 METHODS = ("pq", "streaming", "oracle")
+FAITHFUL = "pq-faithful"
+
+
+def faithful_config(config: PQConfig, group: int) -> PQConfig:
+    """The faithful operating point beside `config` (docs/kernels/select.md, fidelity tables):
+    M=16, 8 bits on 64 keys per centroid, one selection per KV head by the max of its G heads'
+    scores with G per-head heavies, re-ranked exactly from a shortlist of twice that."""
+    return dataclasses.replace(
+        config, subvectors=16, bits=8, sample=64, share="group", group_rule="max", heavy=group * config.heavy,
+        rerank=2,
+    )  # fmt: skip
 
 
 GENERATORS = ("workload", "needles")
@@ -46,9 +59,10 @@ def run_demo(
     device: torch.device,
     dtype: torch.dtype,
     repeats: int = 20,
+    faithful: PQConfig | None = None,
 ) -> dict:
     """Run the synthetic cache of `spec` (pqattn.lab.workload or pqattn.lab.needles) and return the
-    results as a JSON-ready dict."""
+    results as a JSON-ready dict; `faithful`: a second index's config, reported as pq-faithful."""
     needles = isinstance(spec, NeedleSpec)
     work = (make_needles(spec) if needles else make_workload(spec)).to(device, dtype)
     N, H = spec.tokens, spec.num_heads
@@ -59,10 +73,17 @@ def run_demo(
     index = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=c)
     sync(device)
     build_ms = (time.perf_counter() - t0) * 1e3
+    methods = METHODS
+    indexes = {"pq": index}
+    if faithful is not None:
+        methods = ("pq", FAITHFUL, *METHODS[1:])
+        indexes[FAITHFUL] = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=faithful)
 
     def select(method: str, q: torch.Tensor, n: int) -> pqattn.Selection:
-        if method == "pq":
-            return index.select(q)
+        """The method's selection, one row per query head (a group selection's rows repeated)."""
+        if method in indexes:
+            ix = indexes[method]
+            return per_head(ix.select(q, work.keys if ix.config.rerank else None), H)
         if method == "streaming":
             return ops.select_streaming(index.lengths, H, sink=c.sink, window=c.window)
         return ops.select_oracle(
@@ -76,8 +97,8 @@ def run_demo(
         )
 
     def attend(method: str, q: torch.Tensor, n: int) -> torch.Tensor:
-        if method == "pq":  # the library's decode path: the index's buffers and launch plans
-            return index.attend(q, work.keys, work.values)
+        if method in indexes:  # the library's decode path: the index's buffers and launch plans
+            return indexes[method].attend(q, work.keys, work.values)
         sel = select(method, q, n)
         return ops.sparse_decode(q, work.keys, work.values, sel.positions, sel.counts)
 
@@ -86,17 +107,18 @@ def run_demo(
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
     quality: dict[str, dict[str, list[float]]] = {
-        m: {"mass": [], "recall": [], "rel_err": []} for m in METHODS
+        m: {"mass": [], "recall": [], "rel_err": []} for m in methods
     }
     sizes = {}
     for t in range(spec.steps):
-        index.append(work.keys[:, :, N + t : N + t + 1])
+        for ix in indexes.values():
+            ix.append(work.keys[:, :, N + t : N + t + 1])
         n = N + t + 1
         q = work.queries[t]
         keys, values = work.keys[:, :, :n].float(), work.values[:, :, :n].float()
         reference = ops.dense_attention(q.float()[:, :, None], keys, values)[:, :, 0]
         probs = metrics.attention_probs(q.float(), keys)
-        sels = {m: select(m, q, n) for m in METHODS}
+        sels = {m: select(m, q, n) for m in methods}
         for m, sel in sels.items():
             out = ops.sparse_decode(q, work.keys, work.values, sel.positions, sel.counts)
             quality[m]["mass"].append(float(metrics.captured_mass(probs, sel).mean()))
@@ -108,14 +130,14 @@ def run_demo(
     # Timing at the final cache length, all methods and dense SDPA in this same run: eager
     # wall-clock per step with a sync, and on a GPU the GPU time of the step replayed in a graph.
     q, n = work.queries[-1], N + spec.steps
-    steps = {m: (lambda m=m: attend(m, q, n)) for m in METHODS}
+    steps = {m: (lambda m=m: attend(m, q, n)) for m in methods}
     steps["dense"] = lambda: dense(q, n)
     timings = {m: wall_us(fn, device, repeats=repeats) for m, fn in steps.items()}
     gpu = {m: _graph_us(fn, device, repeats) for m, fn in steps.items()}
     dense_us, dense_gpu = timings["dense"]["median_us"], gpu["dense"]
 
     rows = []
-    for m in METHODS:
+    for m in methods:
         qm = quality[m]
         rows.append(
             {
@@ -141,6 +163,7 @@ def run_demo(
         "generator": "needles" if needles else "workload",
         "workload": dataclasses.asdict(spec),
         "config": dataclasses.asdict(config),
+        "faithful_config": None if faithful is None else dataclasses.asdict(faithful),
         "dtype": str(dtype).removeprefix("torch."),
         "environment": environment(device),
         "build_ms": build_ms,
@@ -204,8 +227,17 @@ def format_table(result: dict) -> str:
         f"{c['metric']}, "
         f"built in {result['build_ms']:.0f} ms; budget sink {c['sink']} + heavy {c['heavy']} + window "
         f"{c['window']} = {width} tokens",
+    ]
+    f = result.get("faithful_config")
+    if f:
+        lines.append(
+            f"pq-faithful: M={f['subvectors']}, {f['bits']} bits on {f['sample']} keys per centroid, one "
+            f"selection per KV head ({f['group_rule']} of its heads' scores, heavy {f['heavy']}), exact "
+            f"re-rank of {f['rerank']} x heavy"
+        )
+    lines += [
         "",
-        f"{'method':<10} {'tokens':>7} {'attn mass':>10} {'oracle recall':>14} {'out rel err':>12} "
+        f"{'method':<11} {'tokens':>7} {'attn mass':>10} {'oracle recall':>14} {'out rel err':>12} "
         f"{'step time':>11} {'vs dense':>9}"
         + (f" {'GPU time':>11} {'vs dense':>9}" if has_gpu(result) else ""),
     ]
@@ -215,7 +247,7 @@ def format_table(result: dict) -> str:
             us, x = r.get("step_gpu_us"), r.get("gpu_speedup_vs_dense")
             gpu = f" {'-' if us is None else f'{us:.1f}':>8} us {'-' if x is None else f'{x:.2f}x':>9}"
         lines.append(
-            f"{r['method']:<10} {r['tokens']:>7.0f} {r['attention_mass']:>10.3f} {r['oracle_recall']:>14.3f} "
+            f"{r['method']:<11} {r['tokens']:>7.0f} {r['attention_mass']:>10.3f} {r['oracle_recall']:>14.3f} "
             f"{r['output_rel_err']:>12.4f} {r['step_us']:>8.0f} us {r['speedup_vs_dense']:>8.2f}x{gpu}"
         )
     lines += [
