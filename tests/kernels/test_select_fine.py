@@ -80,8 +80,8 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
 
 @pytest.mark.parametrize(
     "score_elements,kth_chunk,rank_chunk",
-    [(256, 256, 8), (1 << 14, 4096, 256), (2048, 2048, 32)],
-    ids=["small-programs", "whole-tiles", "defaults"],
+    [(256, 256, 8), (1 << 14, 4096, 256)],  # (the defaults run in every other test)
+    ids=["small-programs", "whole-tiles"],
 )
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
 def test_fine_launch_tilings(device, monkeypatch, score_elements, kth_chunk, rank_chunk, share, rule):
