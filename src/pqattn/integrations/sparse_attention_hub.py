@@ -239,16 +239,7 @@ def indexer_next(
             pq_codebook,
             pq_ip2l2_phi,
         )
-        route += (
-            SelectParams.make(
-                sink=sink_size,
-                window=window_size,
-                heavy=heavy_size,
-                cand_lo=max(init_offset, sink_size),
-                short_threshold=heavy_size + init_offset + 1 + (1 << pq_bits),
-                n_tokens=1 << 62,
-            ),
-        )
+        route += (_select_params(sink_size, window_size, heavy_size, init_offset, 1 << pq_bits, 1 << 62),)
         if sig is not None:
             if len(_CHECKED) >= _MAX_CHECKED:
                 _CHECKED.clear()
@@ -276,14 +267,7 @@ def indexer_next(
         cent = pq_centroids if pq_centroids.stride(-1) == 1 else pq_centroids.contiguous()
         params = long_params
         if threshold > N:  # a short row: the width depends on N
-            params = SelectParams.make(
-                sink=sink_size,
-                window=window_size,
-                heavy=heavy_size,
-                cand_lo=max(init_offset, sink_size),
-                short_threshold=threshold,
-                n_tokens=N,
-            )
+            params = _select_params(sink_size, window_size, heavy_size, init_offset, C, N)
         out = Selection(
             torch.empty(B, H, params.width, dtype=torch.int64, device=query.device),
             torch.empty(B, H, dtype=torch.int64, device=query.device),
@@ -334,6 +318,21 @@ def indexer_next(
     )
     weights = ref.dense_weights(sel, N, weight_list_dtype)
     return sel.positions.long(), sel.counts.long(), weights, pq_centroids, codebook, pq_ip2l2_phi
+
+
+def _select_params(
+    sink: int, window: int, heavy: int, init_offset: int, C: int, n_tokens: int
+) -> SelectParams:
+    """The original's selection sizes (SPEC §5): candidates from max(init_offset, sink), and rows
+    of at most heavy + init_offset + 1 + C tokens keep every token."""
+    return SelectParams.make(
+        sink=sink,
+        window=window,
+        heavy=heavy,
+        cand_lo=max(init_offset, sink),
+        short_threshold=heavy + init_offset + 1 + C,
+        n_tokens=n_tokens,
+    )
 
 
 def _check_call(
