@@ -223,12 +223,16 @@ def test_select_topk_share_arguments_are_checked(device):
         ops.select_topk(*args, rerank=2, **sizes)
 
 
-def _rerank_case(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, rerank, share, rule):
+def _rerank_case(
+    device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, rerank, share, rule, ties=False
+):
     keys = torch.randn(B, Hkv, N, D, device=device)
     q, cent, codes, lengths, params, positions, counts, ws, lay = _fine_case(
         device, B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, lengths=lengths, sink=sink, window=window,
         heavy=heavy, share=share, rule=rule, shortlist=rerank * heavy,
     )  # fmt: skip
+    if ties:  # integer exact scores over few values: boundary bins of many tied entries
+        q, keys = q.round(), (keys * 0.3).round()
     R = positions.shape[1]
     pq = ref.pq_scores(q.double(), cent.double(), codes)
     exact = ref.exact_scores(q.double(), keys.double())
@@ -271,17 +275,19 @@ def _rerank_case(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, hea
         assert not ws.view(B * R, -1)[:, lay.counters : lay.scores].any(), "counters and bins not left zeroed"
 
 
+@pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("finish", FINISHES)
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "sum"), ("group", "max")])
-def test_fine_rerank_matches_reference(device, monkeypatch, finish, share, rule):
+def test_fine_rerank_matches_reference(device, monkeypatch, finish, share, rule, ties):
     """rerank=R: the shortlist is a PQ top R * heavy, the heavy part the exact top-heavy within
-    it (SPEC §7), for every way the boundary bins finish; rows with R * heavy beyond their
-    candidates, short rows and empty rows."""
+    it (SPEC §7), for every way the boundary bins finish (ties fill the exact scores' boundary
+    bins past the all-pairs tile); rows with R * heavy beyond their candidates, short rows and
+    empty rows."""
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
     monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
     _rerank_case(
         device, B=3, H=8 if share == "group" else 4, Hkv=2, N=1500, D=32, M=4, bits=8,
-        lengths=[1500, 300, 40], sink=4, window=16, heavy=60, rerank=4, share=share, rule=rule,
+        lengths=[1500, 300, 40], sink=4, window=16, heavy=60, rerank=4, share=share, rule=rule, ties=ties,
     )  # fmt: skip
 
 
