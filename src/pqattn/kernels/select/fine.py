@@ -53,6 +53,8 @@ SCORE_ELEMENTS = 2048  # codes per program of the score launch (tokens x M; more
 REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
+EXACT_WARPS = 4  # warps of the exact launch, whose last program of a row selects from the shortlist
+LIST_BLOCK = 1024  # shortlist entries per step of that program's passes
 LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
@@ -891,8 +893,8 @@ def pq_select_fine(
             TIE=TIE_TILE,
             RANK_CHUNK_=min(RANK_CHUNK, TIE_TILE),
             KTH_CHUNK=KTH_CHUNK,
-            LIST_BLOCK=BLOCK_N,
-            num_warps=4,
+            LIST_BLOCK=LIST_BLOCK,
+            num_warps=EXACT_WARPS,
         ),
     )
 
