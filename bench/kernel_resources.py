@@ -80,27 +80,8 @@ def collect_config(tie: int, rank_chunk: int, kth_chunk: int) -> dict:
         RANK_CHUNK_=rank_chunk,
         KTH_CHUNK=kth_chunk,
         BLOCK=fine.BLOCK_N,
+        FROM_LIST=False,
         TO_LIST=False,
-    )
-
-
-def exact_config(G: int) -> dict:
-    """The re-rank's exact scores (group max over G heads, contiguous keys, D=128) and its last
-    program's selection over the shortlist."""
-    return dict(
-        GROUP=G > 1,
-        MAX_RULE=G > 1,
-        D=128,
-        PAGE=0,
-        BLOCK=fine.EXACT_BLOCK,
-        WIDTH=5376,
-        ENTRIES=32,
-        NBINS_=fine.NBINS,
-        CAP=fine.BOUNDARY_CAP,
-        TIE=fine.TIE_TILE,
-        RANK_CHUNK_=fine.RANK_CHUNK,
-        KTH_CHUNK=fine.KTH_CHUNK,
-        LIST_BLOCK=fine.BLOCK_N,
     )
 
 
@@ -129,9 +110,8 @@ def main() -> None:
             f"TIE {fine.TIE_TILE}, rank by {fine.RANK_CHUNK}, counts by {fine.KTH_CHUNK} (default)",
             collect_config(fine.TIE_TILE, fine.RANK_CHUNK, fine.KTH_CHUNK),
         ),
-        ("exact", "group max x4, D 128, with the shortlist's selection (default)", exact_config(4)),
     ]
-    kernels = {"score": fine._score_kernel, "collect": fine._collect_kernel, "exact": fine._exact_kernel}
+    kernels = {"score": fine._score_kernel, "collect": fine._collect_kernel}
     rows = []
     for kernel, what, config in cases:
         row = {"kernel": kernel, "config": what} | resources(kernels[kernel], config)

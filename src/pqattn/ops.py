@@ -239,7 +239,7 @@ def select_topk(
     per KV head serves its G query heads, by the group score of `group_rule` ("sum": the sum of
     the heads' PQ scores; "max": their max), and `heavy` is the group's budget. rerank=R >= 1
     takes the top R * heavy by PQ score, then the top heavy of those by the exact <q, k> from
-    `keys` (the fine-code route: one more launch).
+    `keys` (the fine-code route: three more launches).
 
     Args:
         q: [B, H, D] float, H a multiple of Hkv.

@@ -21,9 +21,8 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    row's counts and counters for the next call.
 Linear bins over the bounds put few tokens in the boundary bin for the bell-shaped sums that PQ
 scores are; the fallback keeps any distribution exact. A re-rank (rerank=R) runs the collect into
-a shortlist of the top R * heavy, then one more launch, `_exact_kernel`: the shortlist's exact
-scores and their range over many programs, and the last program of a row takes the top heavy of
-those (at most R * heavy entries, so one program's passes over them are short).
+a shortlist of the top R * heavy, then `_exact_kernel` (the shortlist's exact scores and their
+range), `_list_bins_kernel` (their bins over that range) and the collect over the shortlist.
 Design notes: docs/kernels/select.md.
 """
 
@@ -53,8 +52,6 @@ SCORE_ELEMENTS = 2048  # codes per program of the score launch (tokens x M; more
 REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
-EXACT_WARPS = 4  # warps of the exact launch, whose last program of a row selects from the shortlist
-LIST_BLOCK = 1024  # shortlist entries per step of that program's passes
 LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
@@ -335,13 +332,16 @@ def _collect_kernel(
     heavy,
     cand_lo,
     short_threshold,
+    list_heavy,
     ROW_WS,
     BOUNDS_AT,
+    LIST_BOUNDS_AT,
     CTR_AT,
     BINS_AT,
     SCORES_AT,
     BOUNDARY_AT,
     LIST_AT,
+    LIST_SCORES_AT,
     TABLES: tl.constexpr,
     CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial bounds)
     WIDTH: tl.constexpr,
@@ -352,6 +352,7 @@ def _collect_kernel(
     RANK_CHUNK_: tl.constexpr,
     KTH_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    FROM_LIST: tl.constexpr,  # candidates: the shortlist's entries (else the tokens)
     TO_LIST: tl.constexpr,  # the heavy part goes to the shortlist (else the output, with the rest)
 ):
     chunk = tl.program_id(0)
@@ -368,32 +369,40 @@ def _collect_kernel(
     heavy_at = ws_row + LIST_AT if TO_LIST else pos_row + sink_n
 
     if not TO_LIST:
-        _write_fixed(
-            pos_row,
-            cnt_ptr + b * stride_cb + r * stride_ch,
-            chunk,
-            n,
-            short,
-            sink_n,
-            need,
-            win_lo,
-            WIDTH,
-            ENTRIES,
-        )
+        # this program's share of the list: sink, window, padding (and every token of a short row)
+        e = chunk * ENTRIES + tl.arange(0, ENTRIES)
+        count = tl.where(short, n, sink_n + need + (n - win_lo))
+        fixed = tl.where(e < sink_n, e, win_lo + e - sink_n - need)
+        fixed = tl.where(e < count, tl.where(short, e, fixed), -1)
+        fixed_part = (e < tl.where(short, WIDTH, sink_n)) | (e >= sink_n + need)
+        tl.store(pos_row + e, fixed, mask=(e < WIDTH) & fixed_part)
+        if chunk == 0:
+            tl.store(cnt_ptr + b * stride_cb + r * stride_ch, count)
 
     if need > 0:
+        # candidates: indices [src_lo, src_hi) of the tokens or of the shortlist
+        if FROM_LIST:
+            src_lo = 0
+            src_hi = _row_sizes(n, sink, window, list_heavy, cand_lo, short_threshold)[3]
+        else:
+            src_lo = cand_lo
+            src_hi = cand_hi
         kth, above = _kth_bin(ws_row + BINS_AT, need, NBINS_, KTH_CHUNK)
-        lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
+        if FROM_LIST:
+            lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
+        else:
+            lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
+        scores_at = LIST_SCORES_AT if FROM_LIST else SCORES_AT
         i = chunk * BLOCK + tl.arange(0, BLOCK)
-        cand = (i >= cand_lo) & (i < cand_hi)
-        s = tl.load(wsf + SCORES_AT + i, mask=cand, other=0.0)
+        cand = (i >= src_lo) & (i < src_hi)
+        s = tl.load(wsf + scores_at + i, mask=cand, other=0.0)
         bin_ = _score_bin(s, lo, inv, NBINS_)
         take = cand & (bin_ > kth)
         edge = cand & (bin_ == kth)
         n_take = tl.sum(take.to(tl.int32), axis=0)
         if n_take > 0:
             slot = tl.atomic_add(ctr, n_take, sem="relaxed") + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(heavy_at + slot, i, mask=take)
+            tl.store(heavy_at + slot, _position(ws_row, i, take, LIST_AT, FROM_LIST), mask=take)
         n_edge = tl.sum(edge.to(tl.int32), axis=0)
         if n_edge > 0:
             slot = tl.atomic_add(ctr + 1, n_edge, sem="relaxed") + tl.cumsum(edge.to(tl.int32), axis=0) - 1
@@ -412,35 +421,19 @@ def _collect_kernel(
                 kth,
                 lo,
                 inv,
-                cand_lo,
-                cand_hi,
-                SCORES_AT,
+                src_lo,
+                src_hi,
+                scores_at,
                 BOUNDARY_AT,
                 LIST_AT,
                 NBINS_,
                 CAP,
                 TIE,
                 BLOCK,
-                False,
+                FROM_LIST,
                 RANK_CHUNK_,
             )
             _zero_row(ws_row + BINS_AT, ctr, NBINS_)
-
-
-@triton.jit
-def _write_fixed(
-    pos_row, cnt_at, chunk, n, short, sink_n, need, win_lo, WIDTH: tl.constexpr, ENTRIES: tl.constexpr
-):
-    """A program's share (ENTRIES entries from chunk * ENTRIES) of a row's positions outside the
-    heavy part: sink, window, padding (every token of a short row), and the row's count."""
-    e = chunk * ENTRIES + tl.arange(0, ENTRIES)
-    count = tl.where(short, n, sink_n + need + (n - win_lo))
-    fixed = tl.where(e < sink_n, e, win_lo + e - sink_n - need)
-    fixed = tl.where(e < count, tl.where(short, e, fixed), -1)
-    fixed_part = (e < tl.where(short, WIDTH, sink_n)) | (e >= sink_n + need)
-    tl.store(pos_row + e, fixed, mask=(e < WIDTH) & fixed_part)
-    if chunk == 0:
-        tl.store(cnt_at, count)
 
 
 @triton.jit
@@ -484,7 +477,7 @@ def _finish_boundary(
         # counted against CHUNK entries at a time (a [TIE, TIE] tile spills registers)
         rank = tl.zeros([TIE], tl.int32)
         for j0 in tl.static_range(0, TIE, CHUNK):
-            if j0 < size:  # (the entries past size count nothing)
+            if j0 < size:
                 j = j0 + tl.arange(0, CHUNK)
                 idx_j = tl.load(ws_row + BOUNDARY_AT + j, mask=j < size, other=0)
                 key_j = tl.where(
@@ -571,8 +564,6 @@ def _exact_kernel(
     q_ptr,
     k_ptr,
     len_ptr,
-    pos_ptr,
-    cnt_ptr,
     ws_ptr,
     bt_ptr,
     stride_qb,
@@ -581,23 +572,15 @@ def _exact_kernel(
     stride_kh,
     stride_kn,
     stride_tb,
-    stride_pb,
-    stride_ph,
-    stride_cb,
-    stride_ch,
     ROWS_PER_B,
     G,
     sink,
     window,
-    heavy,
     cand_lo,
     short_threshold,
     list_heavy,
     ROW_WS,
     LIST_BOUNDS_AT,
-    CTR_AT,
-    BINS_AT,
-    BOUNDARY_AT,
     LIST_AT,
     LIST_SCORES_AT,
     GROUP: tl.constexpr,
@@ -605,19 +588,9 @@ def _exact_kernel(
     D: tl.constexpr,
     PAGE: tl.constexpr,  # tokens per block of a paged key cache (SPEC §8); 0: contiguous
     BLOCK: tl.constexpr,
-    WIDTH: tl.constexpr,
-    ENTRIES: tl.constexpr,  # entries of the positions list each program writes (a power of two)
-    NBINS_: tl.constexpr,
-    CAP: tl.constexpr,
-    TIE: tl.constexpr,
-    RANK_CHUNK_: tl.constexpr,
-    KTH_CHUNK: tl.constexpr,
-    LIST_BLOCK: tl.constexpr,  # shortlist entries per step of the last program's passes
 ):
-    """Program (chunk, row): the exact scores <q, k> (float32; the group's sum or max over its
-    heads) of BLOCK shortlist entries and their range (atomic min and max), and its share of the
-    row's fixed positions. The last program of a row to arrive takes the exact top heavy of the
-    shortlist into the heavy part (`_select_list`)."""
+    """The shortlist's exact scores <q, k> (float32; the group's sum or max over its heads) and
+    their range (atomic min and max)."""
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     b = row // ROWS_PER_B
@@ -626,107 +599,65 @@ def _exact_kernel(
     first = kvh * G if GROUP else r
     heads = G if GROUP else 1
     n = tl.load(len_ptr + b).to(tl.int32)
-    short, sink_n, _, need, win_lo = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
     count = _row_sizes(n, sink, window, list_heavy, cand_lo, short_threshold)[3]
-    pos_row = pos_ptr + b * stride_pb + r * stride_ph
-    _write_fixed(
-        pos_row,
-        cnt_ptr + b * stride_cb + r * stride_ch,
-        chunk,
-        n,
-        short,
-        sink_n,
-        need,
-        win_lo,
-        WIDTH,
-        ENTRIES,
-    )
-    if count > 0:
+    e = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = e < count
+    if tl.max(ok.to(tl.int32), axis=0) != 0:
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
-        e = chunk * BLOCK + tl.arange(0, BLOCK)
-        ok = e < count
-        if tl.max(ok.to(tl.int32), axis=0) != 0:
-            p = tl.load(ws_row + LIST_AT + e, mask=ok, other=0).to(tl.int64)
-            d = tl.arange(0, D)
-            k_row = paged.cache_base(k_ptr, b, kvh, stride_kb, stride_kh, PAGE)
-            at = paged.token_offsets(p, ok, bt_ptr + b * stride_tb, stride_kb, stride_kn, PAGE)
-            k = tl.load(k_row + at[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            q_b = q_ptr + b.to(tl.int64) * stride_qb
-            s = tl.sum(k * tl.load(q_b + first * stride_qh + d).to(tl.float32)[None, :], axis=1)
-            for g in range(1, heads):
-                s_g = tl.sum(k * tl.load(q_b + (first + g) * stride_qh + d).to(tl.float32)[None, :], axis=1)
-                s = tl.maximum(s, s_g) if MAX_RULE else s + s_g
-            tl.store(wsf + LIST_SCORES_AT + e, s, mask=ok)
-            lo_at = wsf + LIST_BOUNDS_AT
-            tl.atomic_min(lo_at, tl.min(tl.where(ok, s, float("inf")), axis=0), sem="relaxed")
-            tl.atomic_max(lo_at + 1, tl.max(tl.where(ok, s, float("-inf")), axis=0), sem="relaxed")
-        tl.debug_barrier()  # every thread's stores precede the release below
-        ctr = ws_row + CTR_AT
-        if tl.atomic_add(ctr + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            _select_list(
-                ws_row, wsf, pos_row + sink_n, count, need, LIST_BOUNDS_AT, BINS_AT, BOUNDARY_AT, LIST_AT,
-                LIST_SCORES_AT, NBINS_, CAP, TIE, RANK_CHUNK_, KTH_CHUNK, LIST_BLOCK,
-            )  # fmt: skip
-            _zero_row(ws_row + BINS_AT, ctr, NBINS_)
+        p = tl.load(ws_row + LIST_AT + e, mask=ok, other=0).to(tl.int64)
+        d = tl.arange(0, D)
+        k_row = paged.cache_base(k_ptr, b, kvh, stride_kb, stride_kh, PAGE)
+        at = paged.token_offsets(p, ok, bt_ptr + b * stride_tb, stride_kb, stride_kn, PAGE)
+        k = tl.load(k_row + at[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        q_b = q_ptr + b.to(tl.int64) * stride_qb
+        s = tl.sum(k * tl.load(q_b + first * stride_qh + d).to(tl.float32)[None, :], axis=1)
+        for g in range(1, heads):
+            s_g = tl.sum(k * tl.load(q_b + (first + g) * stride_qh + d).to(tl.float32)[None, :], axis=1)
+            s = tl.maximum(s, s_g) if MAX_RULE else s + s_g
+        tl.store(wsf + LIST_SCORES_AT + e, s, mask=ok)
+        tl.atomic_min(wsf + LIST_BOUNDS_AT, tl.min(tl.where(ok, s, float("inf")), axis=0), sem="relaxed")
+        tl.atomic_max(wsf + LIST_BOUNDS_AT + 1, tl.max(tl.where(ok, s, float("-inf")), axis=0), sem="relaxed")
 
 
 @triton.jit
-def _select_list(
-    ws_row,
-    wsf,
-    out_at,
-    count,
-    need,
+def _list_bins_kernel(
+    len_ptr,
+    ws_ptr,
+    sink,
+    window,
+    cand_lo,
+    short_threshold,
+    list_heavy,
+    ROW_WS,
     LIST_BOUNDS_AT,
     BINS_AT,
-    BOUNDARY_AT,
-    LIST_AT,
     LIST_SCORES_AT,
+    ROWS_PER_B,
     NBINS_: tl.constexpr,
-    CAP: tl.constexpr,
-    TIE: tl.constexpr,
-    RANK_CHUNK_: tl.constexpr,
-    KTH_CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: the positions of the need best of the shortlist's count exact scores (ties
-    any) at out_at. The bins of the scores over their range, the boundary bin from the counts,
-    one pass that places the higher bins and lists the boundary bin, then `_finish_boundary`."""
-    lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
-    bins_row = ws_row + BINS_AT
-    for start in range(0, count, BLOCK):
-        e = start + tl.arange(0, BLOCK)
-        ok = e < count
-        s = tl.load(wsf + LIST_SCORES_AT + e, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.atomic_add(bins_row + _score_bin(s, lo, inv, NBINS_), 1, mask=ok, sem="relaxed")
-    tl.debug_barrier()  # the counts are complete before any thread reads them
-    kth, above = _kth_bin(bins_row, need, NBINS_, KTH_CHUNK)
-    taken = tl.zeros([], tl.int32)
-    size = tl.zeros([], tl.int32)
-    for start in range(0, count, BLOCK):
-        e = start + tl.arange(0, BLOCK)
-        ok = e < count
-        bin_ = _score_bin(tl.load(wsf + LIST_SCORES_AT + e, mask=ok, other=0.0), lo, inv, NBINS_)
-        take = ok & (bin_ > kth)
-        edge = ok & (bin_ == kth)
-        p = tl.load(ws_row + LIST_AT + e, mask=take, other=0)
-        tl.store(out_at + taken + tl.cumsum(take.to(tl.int32), axis=0) - 1, p, mask=take)
-        slot = size + tl.cumsum(edge.to(tl.int32), axis=0) - 1
-        tl.store(ws_row + BOUNDARY_AT + slot, e, mask=edge & (slot < CAP))
-        taken += tl.sum(take.to(tl.int32), axis=0)
-        size += tl.sum(edge.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the boundary list is complete before the finish reads it
-    _finish_boundary(
-        ws_row, wsf, out_at + above, need - above, size, kth, lo, inv, 0, count, LIST_SCORES_AT,
-        BOUNDARY_AT, LIST_AT, NBINS_, CAP, TIE, BLOCK, True, RANK_CHUNK_,
-    )  # fmt: skip
+    """The bins of the shortlist's exact scores over their range."""
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // ROWS_PER_B
+    n = tl.load(len_ptr + b).to(tl.int32)
+    count = _row_sizes(n, sink, window, list_heavy, cand_lo, short_threshold)[3]
+    e = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = e < count
+    if tl.max(ok.to(tl.int32), axis=0) != 0:
+        ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
+        wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
+        lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
+        s = tl.load(wsf + LIST_SCORES_AT + e, mask=ok, other=0.0)
+        tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=ok, sem="relaxed")
 
 
 _lut_launch = Launcher(_lut_kernel)
 _score_launch = Launcher(_score_kernel)
 _collect_launch = Launcher(_collect_kernel)
 _exact_launch = Launcher(_exact_kernel)
+_list_bins_launch = Launcher(_list_bins_kernel)
 
 
 def pq_select_fine(
@@ -752,8 +683,8 @@ def pq_select_fine(
     and counts [B, R] with R = H (share="head") or Hkv ("group"); workspace: int32, zero-filled
     once, at least `workspace_numel(B * R, tables, M, C, N, rerank * heavy)` elements (left
     zeroed where it must be). params.cand_lo must be at least code_base. rerank=R >= 1 with keys
-    [B, Hkv, >= N, D] (D a power of two): the top R * heavy by PQ score into the shortlist, then
-    their exact scores and the top heavy of those (one more launch)."""
+    [B, Hkv, >= N, D] (D a power of two): the top R * heavy by PQ score into the shortlist, their
+    exact scores, then the top heavy of those (three more launches)."""
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     G = H // Hkv
@@ -812,9 +743,9 @@ def pq_select_fine(
         ),
     )
 
-    def collect(stage_heavy: int, to_list: bool) -> None:
+    def collect(grid_chunks: int, stage_heavy: int, from_list: bool, to_list: bool) -> None:
         _collect_launch(
-            (chunks, rows),
+            (grid_chunks, rows),
             (lengths, positions, counts, workspace),
             (
                 *positions.stride()[:2],
@@ -825,58 +756,56 @@ def pq_select_fine(
                 stage_heavy,
                 cand_lo,
                 short_threshold,
+                list_heavy,
                 lay.size,
                 lay.bounds,
+                lay.list_bounds,
                 lay.counters,
                 lay.bins,
                 lay.scores,
                 lay.boundary,
                 lay.shortlist,
+                lay.list_scores,
             ),
             dict(
                 TABLES=tables,
                 CHUNKS=lut_progs,
                 WIDTH=width,
-                ENTRIES=_entries(width, chunks),
+                ENTRIES=triton.next_power_of_2(max(-(-width // grid_chunks), 1)),
                 NBINS_=NBINS,
                 CAP=BOUNDARY_CAP,
                 TIE=TIE_TILE,
                 RANK_CHUNK_=min(RANK_CHUNK, TIE_TILE),
                 KTH_CHUNK=KTH_CHUNK,
                 BLOCK=BLOCK_N,
+                FROM_LIST=from_list,
                 TO_LIST=to_list,
                 num_warps=4,
             ),
         )
 
     if not rerank:
-        collect(heavy, False)
+        collect(chunks, heavy, False, False)
         return
-    collect(list_heavy, True)
+    list_chunks = max(-(-list_heavy // BLOCK_N), 1)
+    collect(chunks, list_heavy, False, True)
     bt = block_table if block_table is not None else lengths  # (not read unpaged)
-    exact_chunks = max(-(-list_heavy // EXACT_BLOCK), 1)
     _exact_launch(
-        (exact_chunks, rows),
-        (q, keys, lengths, positions, counts, workspace, bt),
+        (max(-(-list_heavy // EXACT_BLOCK), 1), rows),
+        (q, keys, lengths, workspace, bt),
         (
             *q.stride()[:2],
             *paged.cache_strides(keys, block_table),
             bt.stride(0),
-            *positions.stride()[:2],
-            *counts.stride(),
             rows_per_b,
             G,
             sink,
             window,
-            heavy,
             cand_lo,
             short_threshold,
             list_heavy,
             lay.size,
             lay.list_bounds,
-            lay.counters,
-            lay.bins,
-            lay.boundary,
             lay.shortlist,
             lay.list_scores,
         ),
@@ -886,19 +815,24 @@ def pq_select_fine(
             D=D,
             PAGE=keys.shape[1] if block_table is not None else 0,
             BLOCK=EXACT_BLOCK,
-            WIDTH=width,
-            ENTRIES=_entries(width, exact_chunks),
-            NBINS_=NBINS,
-            CAP=BOUNDARY_CAP,
-            TIE=TIE_TILE,
-            RANK_CHUNK_=min(RANK_CHUNK, TIE_TILE),
-            KTH_CHUNK=KTH_CHUNK,
-            LIST_BLOCK=LIST_BLOCK,
-            num_warps=EXACT_WARPS,
+            num_warps=4,
         ),
     )
-
-
-def _entries(width: int, programs: int) -> int:
-    """Positions-list entries per program when `programs` programs share a row's `width`."""
-    return triton.next_power_of_2(max(-(-width // programs), 1))
+    _list_bins_launch(
+        (list_chunks, rows),
+        (lengths, workspace),
+        (
+            sink,
+            window,
+            cand_lo,
+            short_threshold,
+            list_heavy,
+            lay.size,
+            lay.list_bounds,
+            lay.bins,
+            lay.list_scores,
+            rows_per_b,
+        ),
+        dict(NBINS_=NBINS, BLOCK=BLOCK_N, num_warps=4),
+    )
+    collect(list_chunks, heavy, True, False)
