@@ -5,7 +5,8 @@ prefill, index build, selection and sparse decode run per rank and add no collec
 own. Runs dense (SDPA) and then pqattn on the same weights, each through transformers'
 `generate` (a dynamic cache) and through `pqattn.integrations.hf.generate` (a static cache, the
 decode step captured as a CUDA graph on GPUs), and reports the greedy tokens, tokens per second
-of `generate` and milliseconds per token of the static loop's decode steps (rank 0 writes the
+of `generate` and milliseconds per token of the static loop's decode steps, with `--compile`
+also those of the loop whose decode forward runs through torch.compile (rank 0 writes the
 JSON). Wall-clock with a sync: `generate` once; the static loop's replayed steps in `samples`
 samples of `steps` steps each (median reported).
 
@@ -51,6 +52,21 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
     return out, time.perf_counter() - start
 
 
+def _static_samples(
+    model, ids: torch.Tensor, samples: int, steps: int, *, compile: bool
+) -> tuple[list[float], list]:
+    """(ms per token of the static loop's replayed steps, its greedy tokens): eager (and
+    compiling), capture, a first replay, then `samples` x `steps` timed."""
+    decoder = pq_hf.StaticDecoder(model, ids, 4 + samples * steps, compile=compile)  # + the prefill token
+    for _ in range(3):
+        decoder.step()
+    out = []
+    for _ in range(samples):
+        _, seconds = _timed(lambda d=decoder: [d.step() for _ in range(steps)])
+        out.append(seconds / steps * 1e3)
+    return out, decoder.tokens.tolist()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", help="a local checkpoint folder")
@@ -74,6 +90,12 @@ def main() -> None:
         action="store_true",
         help="prompts from held-out documents of pqattn.lab.corpus (byte-level models, e.g. "
         "models/byte-llama-13m); default: random token ids",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the static loop with the decode step's forward through torch.compile "
+        "(StaticDecoder(compile=True)), same weights, same run",
     )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
@@ -127,14 +149,7 @@ def main() -> None:
                 lambda m=mask: model.generate(ids, attention_mask=m, max_new_tokens=args.new, do_sample=False)
             )
         static = pq_hf.generate(model, ids, args.new)  # compiles and autotunes on its first steps
-        # the static loop's steps: eager, capture, a first replay, then `samples` x `steps` timed
-        decoder = pq_hf.StaticDecoder(model, ids, 4 + args.samples * args.steps)  # + the prefill token
-        for _ in range(3):
-            decoder.step()
-        samples = []
-        for _ in range(args.samples):
-            _, seconds = _timed(lambda d=decoder: [d.step() for _ in range(args.steps)])
-            samples.append(seconds / args.steps * 1e3)
+        samples, loop_tokens = _static_samples(model, ids, args.samples, args.steps, compile=False)
         states = [m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None]
         ms = statistics.median(samples)
         doc[kind] = {
@@ -146,7 +161,13 @@ def main() -> None:
             "static_tokens_per_s": args.batch * 1e3 / ms,
             "index_kv_heads": states[0].index.kv_heads if states else None,
         }
-        del decoder
+        if args.compile:
+            torch._dynamo.reset()
+            compiled, compiled_tokens = _static_samples(model, ids, args.samples, args.steps, compile=True)
+            doc[kind]["compiled_tokens_equal"] = compiled_tokens == loop_tokens
+            doc[kind]["compiled_static_ms_per_token"] = statistics.median(compiled)
+            doc[kind]["compiled_static_ms_per_token_samples"] = compiled
+            doc[kind]["compiled_static_tokens_per_s"] = args.batch * 1e3 / statistics.median(compiled)
         if rank == 0:
             print(kind, {k: v for k, v in doc[kind].items() if "_per_" in k}, flush=True)
     if rank == 0 and args.json:

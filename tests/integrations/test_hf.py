@@ -240,6 +240,22 @@ def test_static_generate_equals_dense(kind: str, prefill: str, device: torch.dev
         assert all(s.sparse_steps == 11 for s in _states(model))
 
 
+def test_static_generate_compiled_equals_eager(device: torch.device) -> None:
+    """compile=True (the decode step's forward through torch.compile, pqattn's attention eager
+    between its graphs): the eager static loop's greedy tokens on a ragged batch, every decode
+    step through the index, and the forward compiled into graphs."""
+    model = _model("llama", device)
+    ids, lengths = _ragged(device)
+    pq_hf.enable(model, pq_hf.HFConfig(heavy=500, sink=4, window=4, bits=3, iters=3))
+    eager = pq_hf.generate(model, ids, 8, prompt_lengths=lengths)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert torch.equal(pq_hf.generate(model, ids, 8, prompt_lengths=lengths, compile=True), eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    if device.type != "cuda":
+        assert [s.sparse_steps for s in _states(model)] == [14] * 3
+
+
 def test_static_generate_sparse_and_its_arguments(device: torch.device) -> None:
     """Sparse, the static loop's first layer indexes the keys that the dynamic cache's decode steps
     index for the same tokens (its new keys read at their slots; the first layer's keys do not

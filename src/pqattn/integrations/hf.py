@@ -233,7 +233,9 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(NAME, pq_attention_forward)
+    # (a compiled forward runs it eagerly between its graphs: it keeps host state and launches
+    # its own kernels)
+    AttentionInterface.register(NAME, torch.compiler.disable(pq_attention_forward))
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
@@ -280,7 +282,11 @@ class StaticDecoder:
     Each `step()` then runs one decode step of the whole model: the first eagerly (compiles,
     autotunes, allocates), the second captures it as a CUDA graph, every later one replays it (no
     host work per token but the replay). Works with pqattn enabled (`enable`) or with any other
-    attention implementation (the dense baseline of the same loop).
+    attention implementation (the dense baseline of the same loop). `compile=True` runs the decode
+    step's forward through `torch.compile` (inductor, static shapes): the model's element-wise
+    work (norms, rotary embedding, activations, residuals) fuses into few kernels, pqattn's
+    attention runs eagerly between the compiled graphs, and the capture then holds fewer, larger
+    launches.
 
     Ragged batches: `prompt_lengths` gives each sequence's length; the prompts are right-padded in
     `input_ids` and each sequence decodes at its own positions (its cache slots, rotary
@@ -296,6 +302,8 @@ class StaticDecoder:
             pads a finished sequence with it); the batch's graph keeps its shape and runs on.
         capture: replay a CUDA graph of the decode step (default: on a CUDA device).
         prefill_tokens: the most tokens (batch x chunk length) one prefill forward takes.
+        compile: compile the decode step's forward with `torch.compile` (the first step compiles;
+            the prefill stays eager).
 
     Example:
         >>> import transformers
@@ -318,6 +326,7 @@ class StaticDecoder:
         eos_token_id: int | None = None,
         capture: bool | None = None,
         prefill_tokens: int = 131072,
+        compile: bool = False,
     ) -> None:
         check.tensor("input_ids", input_ids, shape=(None, None), dims="[B, P]", dtypes=(torch.int64,))
         check.positive_int("max_new_tokens", max_new_tokens)
@@ -330,6 +339,7 @@ class StaticDecoder:
         if self.capture and dev.type != "cuda":
             raise ValueError(f"capture: CUDA graphs need a CUDA device, got input_ids on {dev}")
         self.model, self.input_ids, self.max_new_tokens = model, input_ids, max_new_tokens
+        self._forward = torch.compile(model, dynamic=False) if compile else model
         self.position = torch.tensor(lengths, dtype=torch.int64, device=dev)[:, None]  # [B, 1]
         self.cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
         if ragged:
@@ -392,7 +402,7 @@ class StaticDecoder:
     def _step(self) -> None:
         if self.mask is not None:
             self.mask.scatter_(3, self.position.view(-1, 1, 1, 1), True)
-        out = self.model(input_ids=self.ids, position_ids=self.position, **self._kw).logits
+        out = self._forward(input_ids=self.ids, position_ids=self.position, **self._kw).logits
         self.ids.copy_(out[:, -1:].argmax(-1))
         if self.eos is not None:
             self.ids.copy_(torch.where(self.done, self.eos, self.ids))
@@ -477,6 +487,7 @@ def generate(
     prompt_lengths: Sequence[int] | torch.Tensor | None = None,
     eos_token_id: int | None = None,
     capture: bool | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Greedy decoding through a StaticCache, the decode step captured as one CUDA graph and
     replayed: `StaticDecoder(...).run()`, whose arguments these are.
@@ -500,6 +511,7 @@ def generate(
         prompt_lengths=prompt_lengths,
         eos_token_id=eos_token_id,
         capture=capture,
+        compile=compile,
     )
     return decoder.run()
 
