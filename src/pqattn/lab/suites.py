@@ -805,11 +805,13 @@ def _generate_case(
     heavy: int,
     sink: int = 128,
     window: int = 128,
+    compiled: bool = False,
 ) -> Case:
     """A randomly initialised Llama-style model (no download), `batch` prompts of `context` random
     tokens, timed per decode step of the whole batch in the static loop
     (`pqattn.integrations.hf.StaticDecoder`: a StaticCache, the step captured as one CUDA graph on
-    a GPU and replayed): SDPA against pqattn (dense prefill, PQ index per layer, sparse decode)."""
+    a GPU and replayed): SDPA against pqattn (dense prefill, PQ index per layer, sparse decode);
+    with `compiled`, also both with the decode forward through torch.compile (compile=True)."""
     import transformers
 
     import pqattn.integrations.hf as pq_hf
@@ -839,18 +841,42 @@ def _generate_case(
         def build(kind: str) -> object:
             torch.manual_seed(seed)  # the same weights for every kind
             model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-            if kind == "pqattn":
+            attention = kind.removesuffix("-compiled")
+            if attention == "pqattn":
                 pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window))
             else:
                 model.set_attn_implementation(
-                    baselines.register_dense_decode() if kind == "split" else "sdpa"
+                    baselines.register_dense_decode() if attention == "split" else "sdpa"
                 )
-            return pq_hf.StaticDecoder(model, ids, GENERATE_TOKENS, prefill_tokens=65536)
+            return pq_hf.StaticDecoder(
+                model, ids, GENERATE_TOKENS, prefill_tokens=65536, compile=kind.endswith("-compiled")
+            )
 
         return _OneDecoder(build)
 
     no_graph = "the call replays the decode loop's own CUDA graph of the whole model's step"
     weights = n_params * _esize(dtype)
+    compiled_impls = [
+        Impl(
+            "pqattn-compiled",
+            "pqattn",
+            lambda x: x.step("pqattn-compiled"),
+            weights + kv_bytes * L // context,
+            2 * n_params * batch,
+            note="the pqattn loop, its decode forward through torch.compile (StaticDecoder(compile=True))",
+            versus=("sdpa-compiled",),
+            no_graph=no_graph,
+        ),
+        Impl(
+            "sdpa-compiled",
+            "baseline",
+            lambda x: x.step("dense-compiled"),
+            weights + kv_bytes,
+            2 * n_params * batch,
+            note="the SDPA loop with the decode forward through torch.compile",
+            no_graph=no_graph,
+        ),
+    ]
     return Case(
         "generate",
         name,
@@ -864,6 +890,7 @@ def _generate_case(
                 weights + kv_bytes * L // context,
                 2 * n_params * batch,
                 note="pqattn.integrations.hf.StaticDecoder: SDPA prefill + PQ index, sparse decode",
+                versus=("sdpa", "dense-split-k"),
                 no_graph=no_graph,
             ),
             Impl(
@@ -885,6 +912,7 @@ def _generate_case(
                 "decode kernel (a flash-decoding stand-in: lab.baselines.dense_decode_attention)",
                 no_graph=no_graph,
             ),
+            *(compiled_impls if compiled else []),
         ],
     )
 
@@ -894,9 +922,9 @@ def generate_suite(size: str, device: torch.device) -> list[Case]:
         tiny = dict(layers=2, hidden=64, intermediate=128, H=4, Hkv=2, vocab=128)
         return [_generate_case(device, "tiny", **tiny, batch=2, context=300, heavy=16, sink=4, window=4)]
     shapes = [(1, 32), (8, 32)] if size == "quick" else [(1, 32), (8, 32), (32, 32), (1, 128)]
+    llama = dict(LLAMA3_8B_LAYERS, heavy=1024, compiled=True)
     return [
-        _generate_case(device, f"llama8L-B{b}-{c}K", **LLAMA3_8B_LAYERS, batch=b, heavy=1024, context=c * KiB)
-        for b, c in shapes
+        _generate_case(device, f"llama8L-B{b}-{c}K", **llama, batch=b, context=c * KiB) for b, c in shapes
     ]
 
 
