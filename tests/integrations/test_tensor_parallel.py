@@ -17,23 +17,24 @@ import transformers
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
+# (backend, ranks): gloo on CPUs; NCCL on as many GPUs where the machine has them
+RUNS = [("gloo", 2), ("gloo", 4)] + [("nccl", n) for n in (2, 4) if torch.cuda.device_count() >= n]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="tp_plan needs accelerate")
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_two_ranks_generate_the_single_process_tokens(
-    backend: str, tmp_path: pathlib.Path, device: torch.device
+@pytest.mark.parametrize("backend,ranks", RUNS)
+def test_ranks_generate_the_single_process_tokens(
+    backend: str, ranks: int, tmp_path: pathlib.Path, device: torch.device
 ) -> None:
-    """Two ranks (gloo on CPUs; NCCL on two GPUs where the machine has them), float32 with heavy
-    covering every token: the greedy tokens of one process, dense and pqattn, through
-    transformers' generate and the static loop (captured on GPUs)."""
+    """Two and four ranks, float32 with heavy covering every token: the greedy tokens of one
+    process, dense and pqattn, through transformers' generate and the static loop (captured on
+    GPUs); each rank indexes its own of the 4 KV heads."""
     if backend == "gloo" and device.type == "cuda":
         pytest.skip("the CPU run: the GPUs take the NCCL case")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=512, eos_token_id=None,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(tmp_path / "model")
@@ -43,7 +44,8 @@ def test_two_ranks_generate_the_single_process_tokens(
         model, ids = model.to(on), ids.to(on)
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     out = tmp_path / "tp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    cmd += ["--master-port", "29517"]
     cmd += [str(ROOT / "bench" / "tp_generate.py"), "--model", str(tmp_path / "model"), "--prompt", "70"]
     cmd += ["--batch", "2", "--new", "8", "--heavy", "500", "--sink", "4", "--window", "4", "--bits", "3"]
     cmd += ["--dtype", "float32", "--samples", "2", "--steps", "2"]
@@ -53,12 +55,12 @@ def test_two_ranks_generate_the_single_process_tokens(
     run = subprocess.run([*cmd, "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["world_size"] == 2
+    assert doc["world_size"] == ranks
     want_tokens = want[:, 70:].tolist()
     for kind in ("dense", "pqattn"):
         assert doc[kind]["dynamic_tokens"] == want_tokens, kind
         assert doc[kind]["static_tokens"] == want_tokens, kind
-    assert doc["pqattn"]["index_kv_heads"] == 1  # each rank indexes its own of the 2 KV heads
+    assert doc["pqattn"]["index_kv_heads"] == 4 // ranks
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="tp_plan needs accelerate")
