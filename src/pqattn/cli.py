@@ -150,6 +150,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     from pqattn.lab.env import resolve_device
 
     size = "quick" if args.quick else "tiny" if args.tiny else "full"
+
+    def save(doc: dict) -> None:  # partial results survive an interrupted run
+        if args.json and args.json != "-":
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+
     doc = run_bench(
         args.suites,
         size=size,
@@ -158,6 +164,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         impls=args.impl,
         profile=args.profile,
         argv=sys.argv,
+        on_row=save,
     )
     if args.json == "-":
         json.dump(doc, sys.stdout)

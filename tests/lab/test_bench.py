@@ -14,9 +14,27 @@ from pqattn.lab.schema import validate
 
 
 @pytest.fixture(scope="module")
-def tiny_doc() -> dict:
-    device = torch.device("cpu")
-    return run_bench(list(suites.SUITES), size="tiny", device=device, profile=True)
+def tiny_run() -> tuple[dict, list[int]]:
+    """The tiny suites' document, and the row counts of the partial documents passed to on_row
+    (each validated when passed)."""
+    partial: list[int] = []
+
+    def on_row(doc: dict) -> None:
+        validate(doc)
+        partial.append(len(doc["results"]))
+
+    doc = run_bench(list(suites.SUITES), size="tiny", device=torch.device("cpu"), profile=True, on_row=on_row)
+    return doc, partial
+
+
+@pytest.fixture(scope="module")
+def tiny_doc(tiny_run) -> dict:
+    return tiny_run[0]
+
+
+def test_partial_documents_grow_a_row_at_a_time(tiny_run) -> None:
+    doc, partial = tiny_run
+    assert partial == list(range(1, len(doc["results"]) + 1))
 
 
 def test_every_suite_and_impl_is_timed(tiny_doc) -> None:

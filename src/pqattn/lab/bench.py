@@ -13,7 +13,7 @@ import datetime
 import gc
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -190,8 +190,11 @@ def run_bench(
     profile: bool = False,
     argv: Sequence[str] | None = None,
     log=sys.stderr,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Run the suites and return the results document (schema `pqattn-bench/1`)."""
+    """Run the suites and return the results document (schema `pqattn-bench/1`). on_row(doc) is
+    called after each implementation of each case with the document so far (partial results
+    of a run that may be cut short)."""
     import re
 
     cases = make_cases(suites, size, device)
@@ -207,7 +210,23 @@ def run_bench(
         file=log,
     )
     l2 = l2_bytes(device)
-    results = []
+    env = environment(device)
+    results: list[dict] = []
+
+    def document() -> dict:
+        _speedups(results)
+        return {
+            "schema": BENCH_SCHEMA,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "argv": list(argv) if argv is not None else None,
+            "size": size,
+            "suites": suites,
+            "environment": env,
+            "ceilings": ceilings,
+            "settings": settings.__dict__,
+            "results": results,
+        }
+
     for case in cases:
         rot = rotation(case, l2)
         chosen = [i for i in case.impls if impls is None or i.name in impls]
@@ -245,22 +264,13 @@ def run_bench(
                 if case.suite == "generate":
                     row.update(_token_rates(row))
             results.append(row)
+            if on_row is not None:
+                on_row(document())
         del inputs
         gc.collect()  # inputs that hold reference cycles (a model and its cache) go now
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    _speedups(results)
-    return {
-        "schema": BENCH_SCHEMA,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": list(argv) if argv is not None else None,
-        "size": size,
-        "suites": suites,
-        "environment": environment(device),
-        "ceilings": ceilings,
-        "settings": settings.__dict__,
-        "results": results,
-    }
+    return document()
 
 
 def _us(t: dict | None) -> str:
