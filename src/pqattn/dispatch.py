@@ -196,10 +196,9 @@ def build(
     encoded against those centroids (`sampled_keys`). head_offset / total_heads: the keys are
     those KV heads of a larger cache, whose build they match head for head
     (`reference.pq.group_ids`)."""
-    build_pq = ref.build_pq
-    kernels = keys.is_cuda and keys.dtype != torch.float64
-    if kernels:
-        from pqattn.kernels.kmeans import build_pq
+    build_pq, encode_keys = ref.build_pq, None
+    if keys.is_cuda and keys.dtype != torch.float64:
+        from pqattn.kernels.kmeans import build_pq, encode_keys
     common = dict(subvectors=subvectors, bits=bits, metric=metric, iters=iters, tol=tol, seed=seed)
     common |= dict(head_offset=head_offset, total_heads=total_heads)
     C = 1 << bits
@@ -211,10 +210,12 @@ def build(
     B, Hkv, N, _ = keys.shape
     codes = torch.zeros(B, Hkv, N, subvectors, dtype=torch.uint8, device=keys.device)
     tail = keys[:, :, init_offset:]
-    if kernel_path(tail, res.centroids):
-        encode(tail, res.centroids, None, codes[:, :, init_offset:])
-    else:
-        codes[:, :, init_offset:] = ref.encode(tail, res.centroids)
+    # the bulk encode: point tiles against every centroid (the build's codes launch), else per key
+    if encode_keys is None or not encode_keys(keys, lengths, res.centroids, codes, init_offset=init_offset):
+        if kernel_path(tail, res.centroids):
+            encode(tail, res.centroids, None, codes[:, :, init_offset:])
+        else:
+            codes[:, :, init_offset:] = ref.encode(tail, res.centroids)
     valid = torch.arange(N, device=keys.device)[None, :] < lengths[:, None]  # [B, N]
     codes.masked_fill_(~valid[:, None, :, None], 0)  # as the full build: 0 past each length
     return PQCodebook(res.centroids, codes, None)

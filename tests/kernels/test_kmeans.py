@@ -209,6 +209,36 @@ def test_every_config(config: triton.Config, dtype, device) -> None:
     _assert_same_build(got, want, lengths, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "D, M, bits", [(32, 4, 8), (64, 2, 4), (24, 3, 5)], ids=["d8-C256", "d32-C16", "d8-of-24-C32"]
+)
+def test_encode_keys_matches_the_reference_encode(D: int, M: int, bits: int, dtype, device) -> None:
+    """The bulk encode of a sampled build: every key from init_offset against given centroids, 0
+    past each length (NaN there never read), the rows before init_offset untouched; codes as the
+    float64 reference's up to float32 near-ties. d = 8 of 24 pads its sub-vectors to 16."""
+    B, Hkv, N, off = 2, 2, 700, 3
+    keys, lengths = _keys(device, B, Hkv, N, D, dtype, [N, 257])
+    C, d = 1 << bits, D // M
+    centroids = torch.randn(B, Hkv, M, C, d, device=device) * 2.0
+    codes = torch.full((B, Hkv, N, M), 255, dtype=torch.uint8, device=device)
+    assert kmeans.encode_keys(keys, lengths, centroids, codes, init_offset=off)
+    want = ref_pq.encode(keys[:, :, off:].nan_to_num().double(), centroids.double())
+    got = codes[:, :, off:]
+    for b, n in enumerate(lengths.tolist()):
+        assert (got[b, :, : n - off] != want[b, :, : n - off]).float().mean() <= 0.005
+        assert (got[b, :, n - off :] == 0).all()
+    assert (codes[:, :, :off] == 255).all()
+
+
+def test_encode_keys_refuses_tiles_that_fit_no_config(monkeypatch, device) -> None:
+    monkeypatch.setattr(kmeans, "_fit", lambda *args, **kwargs: None)
+    keys, lengths = _keys(device, 1, 2, 50, 16, torch.float32, [50])
+    codes = torch.full((1, 2, 50, 2), 7, dtype=torch.uint8, device=device)
+    assert not kmeans.encode_keys(keys, lengths, torch.randn(1, 2, 2, 8, 8, device=device), codes)
+    assert (codes == 7).all()
+
+
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
 def test_empty_clusters_are_reseeded_like_the_reference(metric: str, device) -> None:
     """Centres far from every point get no point: each update moves them onto the farthest points."""

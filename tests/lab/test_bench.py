@@ -107,7 +107,7 @@ def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
     ]
     assert all(name.startswith(suites.SWEEP) for name in decode[3:])
     builds = suites.build_suite("full", meta)
-    assert len(builds) == 9 + 4 and [c.params["sample"] for c in builds[9:]] == [64, 256, 64, 256]
+    assert len(builds) == 9 + 8 and [c.params["sample"] for c in builds[9:]] == [16, 32, 64, 256] * 2
     assert len(suites.prefill_suite("full", meta)) == 5
     gen = suites.generate_suite("quick", meta)[0]
     assert (gen.params["B"], gen.params["context"]) == (1, 32 * 1024) and all(i.no_graph for i in gen.impls)

@@ -546,6 +546,33 @@ def _reference_build(keys: torch.Tensor, lengths: torch.Tensor, iters: int, **kw
     )
 
 
+def _step_meta(keys: torch.Tensor, ip: bool, CP: int, BD: int, d: int, config: triton.Config) -> dict:
+    """The step kernel's compile-time arguments for these keys (blocks and warps come from _fit)."""
+    return dict(
+        IP=ip, SPLITS=_splits(keys.dtype), UPCAST=interpreted() and keys.dtype == torch.bfloat16,
+        CP=CP, BD=BD, RB=RESEED_BLOCK, FOLD=d + 4 <= BD,
+        num_stages=config.num_stages if keys.element_size() < 4 else 1,
+    )  # fmt: skip
+
+
+def _programs(dev: torch.device, resident: int, G: int, n: int, last_block: int) -> tuple[int, int]:
+    """(P, chunk): programs per group and tokens per program. One wave at the compiled occupancy,
+    at least one program per group and at most one per 512 tokens (the last program reads every
+    partial: more programs make its combine longer); chunk is a multiple of both point blocks.
+    The interpreter runs up to two, so that the tests exercise the combine."""
+    if dev.type == "cuda":
+        P = resident * torch.cuda.get_device_properties(dev).multi_processor_count // G
+        P = max(1, min(P, triton.cdiv(n, 512)))
+    else:
+        P = max(1, min(2, triton.cdiv(n, 512)))
+    return P, triton.cdiv(triton.cdiv(n, P), last_block) * last_block
+
+
+def _part_numel(CP: int, BD: int) -> int:
+    """A program's partial: [sums (CP x BD) | counts (CP) | ip sums (CP) | objective]."""
+    return CP * BD + 2 * CP + 1
+
+
 def build_pq(
     keys: torch.Tensor,
     lengths: torch.Tensor,
@@ -596,11 +623,7 @@ def build_pq(
     xx = torch.empty(G, n, **f32)
     dist = torch.empty(G, n, **f32)
     hist = torch.empty(iters + 1, G, **f32)
-    meta = dict(
-        IP=ip, SPLITS=_splits(keys.dtype), UPCAST=interpreted() and keys.dtype == torch.bfloat16,
-        CP=CP, BD=BD, RB=RESEED_BLOCK, FOLD=d + 4 <= BD,
-        num_stages=config.num_stages if keys.element_size() < 4 else 1,
-    )  # fmt: skip
+    meta = _step_meta(keys, ip, CP, BD, d, config)
     strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
     # (the fit compiles with stand-ins for the partials and the chunk: same specialisation)
     stand_in = (keys, lengths, cent, aug, phi, codes, xx, dist, dist, ctl, hist, *geometry, *strides, 16)
@@ -617,26 +640,10 @@ def build_pq(
         )  # fmt: skip
     block, last_block, warps, stages, resident = fit
     meta.update(BLOCK_N=block, num_warps=warps, num_stages=stages)
-    # One wave at the compiled occupancy, at least one program per group and at most one per 512
-    # tokens (the last program reads every partial: more programs make its combine longer). The
-    # interpreter runs up to two, so that the tests exercise the combine.
-    if dev.type == "cuda":
-        P = resident * torch.cuda.get_device_properties(dev).multi_processor_count // G
-        P = max(1, min(P, triton.cdiv(n, 512)))
-    else:
-        P = max(1, min(2, triton.cdiv(n, 512)))
-    chunk = triton.cdiv(triton.cdiv(n, P), last_block) * last_block  # a multiple of both blocks
-    parts = torch.empty(G, P, CP * BD + 2 * CP + 1, **f32)
+    P, chunk = _programs(dev, resident, G, n, last_block)
+    parts = torch.empty(G, P, _part_numel(CP, BD), **f32)
     tensors = (keys, lengths, cent, aug, phi, codes, xx, dist, parts, ctl, hist)
-    args = (
-        *tensors,
-        *geometry,
-        *strides,
-        chunk,
-        C,
-        d,
-        G,
-    )
+    args = (*tensors, *geometry, *strides, chunk, C, d, G)
 
     norms_block = max(16, 8192 // BD)
     _norms_kernel[(triton.cdiv(n, norms_block), G)](
@@ -672,3 +679,62 @@ def build_pq(
         objective=hist.reshape(-1, B, Hkv, M),
         iterations=ctl[3].amax(),
     )
+
+
+def encode_keys(
+    keys: torch.Tensor,
+    lengths: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    *,
+    init_offset: int = 0,
+    config: triton.Config | None = None,
+) -> bool:
+    """Every key's code against a euclidean build's centroids, as a build's last launch writes
+    them: keys fp16/bf16/fp32 [B, Hkv, N, D], lengths [B] on keys' device, centroids [B, Hkv, M,
+    C, D // M] float32, codes [B, Hkv, N, M] uint8 (last dim contiguous), rows init_offset.. N
+    written (0 past each length), the rows before left as they are. One launch of the step
+    kernel's codes pass (tensor-core distances over tiles of points, one wave of programs), then
+    no host sync: the bulk encode of a build on a sample, where the per-token encode kernel
+    re-reads every centroid for each key. False, with nothing written, where no config's tiles
+    fit the GPU's shared memory (the caller encodes another way).
+    """
+    B, Hkv, N = keys.shape[:3]
+    M, C, d = centroids.shape[2], centroids.shape[3], centroids.shape[4]
+    n, G = max(N - init_offset, 0), B * Hkv * M
+    if n == 0 or G == 0:
+        return True
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    dev = keys.device
+    lengths = lengths.to(device=dev, dtype=torch.int64)
+    CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
+    config = config or default_config(d)
+    geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
+    f32 = dict(dtype=torch.float32, device=dev)
+    cent = torch.zeros(G, CP, BD, **f32)
+    cent[:, :C, :d] = centroids.reshape(G, C, d)
+    no_ip = torch.zeros(G, CP, **f32)  # the augmented coordinate and phi: unused (euclidean)
+    ctl = torch.zeros(4, G, dtype=torch.int32, device=dev)  # the arrival counters
+    xx = torch.empty(G, n, **f32)
+    dist = torch.empty(G, n, **f32)
+    objective = torch.empty(1, G, **f32)
+    meta = _step_meta(keys, False, CP, BD, d, config)
+    strides = (codes.stride(0), codes.stride(1), codes.stride(2), init_offset, n)
+    stand_in = (keys, lengths, cent, no_ip, no_ip, codes, xx, dist, dist, ctl, objective)
+    fit = _fit((*stand_in, *geometry, *strides, 16, C, d, G), meta, config, CP, BD, dev)
+    if fit is None:
+        return False
+    _, last_block, warps, stages, resident = fit
+    P, chunk = _programs(dev, resident, G, n, last_block)
+    parts = torch.empty(G, P, _part_numel(CP, BD), **f32)
+    norms_block = max(16, 8192 // BD)
+    _norms_kernel[(triton.cdiv(n, norms_block), G)](
+        keys, lengths, xx, no_ip, *geometry, init_offset, n, d, IP=False, BD=BD, BLOCK_N=norms_block
+    )
+    _lloyd_step_kernel[(P, G)](
+        keys, lengths, cent, no_ip, no_ip, codes, xx, dist, parts, ctl, objective, *geometry, *strides,
+        chunk, C, d, G, 0, 0.0,
+        UPDATE=False, **{**meta, "BLOCK_N": last_block, "num_warps": warps, "num_stages": stages},
+    )  # fmt: skip
+    return True

@@ -53,12 +53,12 @@ def default_policies(density: float = 0.02) -> list[Policy]:
 def code_policies(density: float = 0.02) -> list[Policy]:
     """The code resolutions and builds compared at equal code bytes: 4-bit codes (whose 16-entry
     LUT rows a warp gathers from one or two cache lines) against 8-bit ones, and the index built
-    on 64 and 256 keys per centroid against every key; group max at 4 heavies and per head."""
+    on 16 to 256 keys per centroid against every key; group max at 4 heavies and per head."""
     pol = [Policy("oracle", density)]
     for m, b in ((16, 8), (32, 4), (16, 4)):
         pol.append(Policy("pq", density, subvectors=m, bits=b))
         pol.append(Policy("pq", density, subvectors=m, bits=b, share="group", group_rule="max", budget=4))
-    for smp in (64, 256):
+    for smp in (16, 32, 64, 256):
         pol.append(Policy("pq", density, subvectors=16, bits=8, sample=smp))
         pol.append(
             Policy(

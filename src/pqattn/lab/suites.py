@@ -617,7 +617,8 @@ def build_suite(size: str, device: torch.device) -> list[Case]:
         ]
     grid = [(n, m, b, 0) for n in (8, 32, 128) for m, b in ((2, 6), (4, 8), (16, 8))]
     # the fine codes of the group / re-rank policies, built on a sample (issue 40)
-    grid += [(n, m, b, s) for n in (32, 128) for m, b, s in ((16, 8, 64), (32, 4, 256))]
+    sampled = ((16, 8, 16), (16, 8, 32), (16, 8, 64), (32, 4, 256))
+    grid += [(n, m, b, s) for n in (32, 128) for m, b, s in sampled]
     if size == "quick":
         grid = [(32, 2, 6, 0), (8, 16, 8, 0)]
     cases = []
