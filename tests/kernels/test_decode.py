@@ -14,6 +14,7 @@ import triton
 
 import pqattn
 from pqattn import reference as ref
+from pqattn.kernels import decode
 from pqattn.kernels.decode import (
     DECODE_CONFIGS,
     GROUP_DECODE_CONFIGS,
@@ -74,9 +75,15 @@ def test_weights_entry_and_dense(config: triton.Config, device: torch.device) ->
     _check({**case, "scale": 0.3}, config)
 
 
-def test_more_splits_than_one_combine_step(device: torch.device) -> None:
+@pytest.mark.parametrize("unroll", [None, (1, 1), (1, 2)], ids=["unrolled", "loop-1", "loop-2"])
+def test_more_splits_than_one_combine_step(unroll, device: torch.device, monkeypatch) -> None:
     """Over 16 splits: the last program merges the partials in several steps (online maxima); one
-    row's count ends inside the first step, one inside the second."""
+    row's count ends inside the first step, one inside the second. Also with the steps in a loop
+    (a list wider than the unroll cap), over blocks of one and of two steps, the last block past
+    the splits."""
+    if unroll is not None:
+        monkeypatch.setattr(decode, "_UNROLL_MAX", unroll[0])
+        monkeypatch.setattr(decode, "_UNROLL_BLOCK", unroll[1])
     config = DECODE_CONFIGS[0]
     L = 17 * config.kwargs["BLOCK_L"] + 9
     counts = [L, 40, L - 20, 0]
@@ -158,10 +165,14 @@ GROUP_IDS = [f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for
     "G,dtype,q_dtype",
     [(4, torch.float32, torch.float32), (1, torch.float16, torch.float16), (8, torch.float16, torch.float32)],
 )
-def test_group_decode_matches_reference(device, config, G, dtype, q_dtype):
+def test_group_decode_matches_reference(device, config, G, dtype, q_dtype, monkeypatch):
     """The group kernel (one selection per KV head, each gathered row serving its G heads) against
     the per-head reference over the repeated selection: every config, several splits, an empty
-    and a full row, lse too."""
+    and a full row, lse too. G=1 combines its splits in a loop of two at a time (the path of a
+    list wider than the unroll cap), the last block past the splits."""
+    if G == 1:
+        monkeypatch.setattr(decode, "_UNROLL_MAX", 1)
+        monkeypatch.setattr(decode, "_UNROLL_BLOCK", 2)
     B, Hkv, N, D, L = 2, 2, 700, 32, 600
     H = G * Hkv
     q = torch.randn(B, H, D).to(q_dtype).to(device)

@@ -30,6 +30,11 @@ DECODE_CONFIGS = [
     for bl, bn, w in ((32, 16, 1), (32, 32, 1), (64, 32, 1), (128, 32, 1), (128, 64, 4))
 ]
 _COMBINE = 16  # partials combined per step by the last program of a row
+# The combine's steps (COMBINE partials a row, one split a group) are unrolled up to UNROLL_MAX;
+# a wider list loops over blocks of UNROLL_BLOCK unrolled steps: a full unroll of the 165 splits
+# of a group list at N=512K compiled for minutes.
+_UNROLL_MAX = 64
+_UNROLL_BLOCK = 16
 _LOG2E = 1.4426950408889634
 
 
@@ -85,6 +90,8 @@ def _sparse_decode_kernel(
     HAS_LSE: tl.constexpr,
     PAGE: tl.constexpr,  # tokens per block of a paged cache (SPEC §8); 0: contiguous [B, Hkv, N, D]
     COMBINE: tl.constexpr,
+    UNROLL_MAX: tl.constexpr,
+    UNROLL_BLOCK: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -155,28 +162,42 @@ def _sparse_decode_kernel(
         if arrived == SPLITS - 1:  # the last split of the row combines
             tl.atomic_xchg(lock_ptr + row, 0)  # ready for the next call
             rows = part_ptr + row.to(tl.int64) * SPLITS * (D + 2)
-            c = tl.arange(0, COMBINE)
             # One pass, the partials' maxima merged online. The loop is unrolled (SPLITS is a
             # constexpr) so that no chunk's loads wait for the previous chunk's arithmetic.
             m_all = tl.full([], float("-inf"), tl.float32)
             acc = tl.zeros([D], dtype=tl.float32)
             s_sum = tl.zeros([], dtype=tl.float32)
-            for s0 in tl.static_range(0, SPLITS, COMBINE):
-                here = s0 + c < SPLITS
-                base = rows + (s0 + c) * (D + 2)
-                ms = tl.load(base + D, mask=here, other=float("-inf"), cache_modifier=".cg")
-                ls = tl.load(base + D + 1, mask=here, other=0.0, cache_modifier=".cg")
-                accs = tl.load(
-                    base[:, None] + d[None, :], mask=here[:, None], other=0.0, cache_modifier=".cg"
-                )
-                m_new = tl.maximum(m_all, tl.max(ms, axis=0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_all - m_safe)
-                f = tl.exp2(ms - m_safe)
-                acc = acc * alpha + tl.sum(accs * f[:, None], axis=0)
-                s_sum = s_sum * alpha + tl.sum(ls * f, axis=0)
-                m_all = m_new
+            if SPLITS <= UNROLL_MAX * COMBINE:
+                for s0 in tl.static_range(0, SPLITS, COMBINE):
+                    acc, s_sum, m_all = _merge_partials(acc, s_sum, m_all, rows, s0, SPLITS, D, COMBINE)
+            else:
+                for s1 in range(0, SPLITS, UNROLL_BLOCK * COMBINE):
+                    for j in tl.static_range(UNROLL_BLOCK):
+                        s0 = s1 + j * COMBINE
+                        acc, s_sum, m_all = _merge_partials(acc, s_sum, m_all, rows, s0, SPLITS, D, COMBINE)
             _finish(out_row, lse_ptr + row, acc, m_all, s_sum, D, HAS_LSE)
+
+
+@triton.jit
+def _merge_partials(
+    acc, s_sum, m_all, rows, s0, SPLITS: tl.constexpr, D: tl.constexpr, COMBINE: tl.constexpr
+):
+    """Partials s0 .. s0 + COMBINE (those below SPLITS) of a row's [SPLITS, D + 2] (values, max,
+    sum) merged into the running (acc, s_sum, m_all), online-softmax style."""
+    c = tl.arange(0, COMBINE)
+    d = tl.arange(0, D)
+    here = s0 + c < SPLITS
+    base = rows + (s0 + c) * (D + 2)
+    ms = tl.load(base + D, mask=here, other=float("-inf"), cache_modifier=".cg")
+    ls = tl.load(base + D + 1, mask=here, other=0.0, cache_modifier=".cg")
+    accs = tl.load(base[:, None] + d[None, :], mask=here[:, None], other=0.0, cache_modifier=".cg")
+    m_new = tl.maximum(m_all, tl.max(ms, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_all - m_safe)
+    f = tl.exp2(ms - m_safe)
+    acc = acc * alpha + tl.sum(accs * f[:, None], axis=0)
+    s_sum = s_sum * alpha + tl.sum(ls * f, axis=0)
+    return acc, s_sum, m_new
 
 
 @triton.jit
@@ -239,6 +260,8 @@ def _group_decode_kernel(
     F32_DOTS: tl.constexpr,  # products in float32 (a float32 cache, or q of another dtype)
     HAS_LSE: tl.constexpr,
     PAGE: tl.constexpr,
+    UNROLL_MAX: tl.constexpr,
+    UNROLL_BLOCK: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -310,19 +333,37 @@ def _group_decode_kernel(
             m_all = tl.full([GP], float("-inf"), tl.float32)
             acc = tl.zeros([GP, D], dtype=tl.float32)
             s_sum = tl.zeros([GP], dtype=tl.float32)
-            for sp in tl.static_range(SPLITS):  # unrolled: no split's loads wait on another's sums
-                base = first + sp * GP * (D + 2)
-                ms = tl.load(base + D, cache_modifier=".cg")
-                ls = tl.load(base + D + 1, cache_modifier=".cg")
-                accs = tl.load(base[:, None] + d[None, :], cache_modifier=".cg")
-                m_new = tl.maximum(m_all, ms)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_all - m_safe)
-                f = tl.exp2(ms - m_safe)
-                acc = acc * alpha[:, None] + accs * f[:, None]
-                s_sum = s_sum * alpha + ls * f
-                m_all = m_new
+            if SPLITS <= UNROLL_MAX:  # unrolled: no split's loads wait on another's sums
+                for sp in tl.static_range(SPLITS):
+                    acc, s_sum, m_all = _merge_group_partial(acc, s_sum, m_all, first, sp, SPLITS, GP, D)
+            else:
+                for s0 in range(0, SPLITS, UNROLL_BLOCK):
+                    for j in tl.static_range(UNROLL_BLOCK):
+                        acc, s_sum, m_all = _merge_group_partial(
+                            acc, s_sum, m_all, first, s0 + j, SPLITS, GP, D
+                        )
             _finish_group(out_rows, lse_at, g < G, acc, m_all, s_sum, D, HAS_LSE)
+
+
+@triton.jit
+def _merge_group_partial(
+    acc, s_sum, m_all, first, sp, SPLITS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr
+):
+    """Split sp's partial (its [GP] rows' values, max and sum; none at or past SPLITS) of a group
+    merged into the running (acc, s_sum, m_all), online-softmax style."""
+    d = tl.arange(0, D)
+    here = (sp + tl.zeros([GP], dtype=tl.int32)) < SPLITS
+    base = first + sp * GP * (D + 2)
+    ms = tl.load(base + D, mask=here, other=float("-inf"), cache_modifier=".cg")
+    ls = tl.load(base + D + 1, mask=here, other=0.0, cache_modifier=".cg")
+    accs = tl.load(base[:, None] + d[None, :], mask=here[:, None], other=0.0, cache_modifier=".cg")
+    m_new = tl.maximum(m_all, ms)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_all - m_safe)
+    f = tl.exp2(ms - m_safe)
+    acc = acc * alpha[:, None] + accs * f[:, None]
+    s_sum = s_sum * alpha + ls * f
+    return acc, s_sum, m_new
 
 
 @triton.jit
@@ -415,6 +456,8 @@ def sparse_decode(
         HAS_LSE=lse is not None,
         PAGE=k.shape[1] if block_table is not None else 0,
         COMBINE=_COMBINE,
+        UNROLL_MAX=_UNROLL_MAX,
+        UNROLL_BLOCK=_UNROLL_BLOCK,
     )
     if config is None:
         key = (width, D, H, H // Hkv, weights is not None, dense_weights, meta["PAGE"])
@@ -472,6 +515,7 @@ def group_decode(
     )
     page = k.shape[1] if block_table is not None else 0
     meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page)
+    meta |= dict(UNROLL_MAX=_UNROLL_MAX, UNROLL_BLOCK=_UNROLL_BLOCK)
     if config is None:
         key = (width, D, gp, f32, page)
         _group_decode_tuned(

@@ -31,10 +31,11 @@ FAITHFUL = "pq-faithful"
 
 def faithful_config(config: PQConfig, group: int) -> PQConfig:
     """The faithful operating point beside `config` (docs/kernels/select.md, fidelity tables):
-    M=16, 8 bits on 64 keys per centroid, one selection per KV head by the max of its G heads'
-    scores with G per-head heavies, re-ranked exactly from a shortlist of twice that."""
+    M=16, 8 bits built on 16 keys per centroid (docs/kernels/kmeans.md: the attention mass of
+    every key's build), one selection per KV head by the max of its G heads' scores with G
+    per-head heavies, re-ranked exactly from a shortlist of twice that."""
     return dataclasses.replace(
-        config, subvectors=16, bits=8, sample=64, share="group", group_rule="max", heavy=group * config.heavy,
+        config, subvectors=16, bits=8, sample=16, share="group", group_rule="max", heavy=group * config.heavy,
         rerank=2,
     )  # fmt: skip
 
