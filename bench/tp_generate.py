@@ -173,6 +173,9 @@ def main() -> None:
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
+    if torch.distributed.is_initialized():
+        # an exit that skips it may abort: Gloo's worker threads outlive the interpreter
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from pqattn import reference as ref
-from pqattn.integrations.sparse_attention_hub import indexer_next, sparse_attention
+from pqattn.integrations import sparse_attention_hub as sah
+from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_next, sparse_attention
+from pqattn.kernels.launch import Address
 from pqattn.lab.kernel_checks import selection_problem
+from pqattn.reference import Selection
 
 
 def make_call(
@@ -340,9 +343,10 @@ def test_the_originals_benchmark_replays_the_kept_launch(
 ) -> None:
     """The original's benchmark passes one codebook back every call (its last row re-sent, one
     new key): once a call's signature, N and re-sent rows have come twice in a row, its one
-    launch is replayed from a plan on the codebook's state (no launcher's host work). Each call's
-    outputs follow the checker's rules for its own query; a query of other strides, or a rebuild
-    of the buckets, launches again."""
+    launch is replayed from a plan on the codebook's state (no launcher's host work), and from the
+    call after the first replay with the new addresses alone (no checked path). Each call's
+    outputs follow the checker's rules for its own query; a query of other strides, an in-place
+    write to the codebook, or a rebuild of the buckets, launches again."""
     args, keys, _ = make_call(device, N=300, fresh=3)
     args = list(args)
     args[1] = keys[:, :, :298]
@@ -351,14 +355,32 @@ def test_the_originals_benchmark_replays_the_kept_launch(
     codebook = indexer_next(*args)[4]  # the state counts its buckets
     args[1], args[12] = keys, codebook  # from here the same codebook every call
     calls = _spied(monkeypatch)
-    for i in range(5):  # 0: no row re-sent yet; 1: the signature of the rest; 2: kept; 3, 4: replayed
+    checked = []
+    monkeypatch.setattr(sah, "codebook_buffer", lambda *a: checked.append(1) or codebook_buffer(*a))
+    state = codebook._base._pqattn_state
+    for i in range(6):  # 0: no row re-sent yet; 1: the signature of the rest; 2: kept; 3-5: replayed
         args[0] = torch.randn_like(args[0])
         calls.clear()
+        checked.clear()
         out = indexer_next(*args)
         assert calls == (["pq_select_buckets"] if i < 3 else []), i
+        assert len(checked) == (0 if i > 3 else 1), i  # from the second replay: by addresses
+        assert (state.repeat is not None) == (i >= 3)
         check_selection(args, out[0], out[1], out[2], out[4])
-    state = codebook._base._pqattn_state
     assert state.plan is not None
+    # the repeat's inputs by address are the views the checked path passes
+    repeat, buf = state.repeat, codebook._base
+    call = (*args[:8], args[9], args[11], args[10], args[13])  # _Repeat's order
+    sel = Selection(out[0].clone(), out[1].clone())
+    for given in repeat.inputs(call, buf, sel, out[2].clone()):
+        if isinstance(given, Address):
+            assert given.make().data_ptr() == given.ptr
+    assert repeat.inputs(call, buf, sel, out[2])[0].make().equal(args[0][:, :, -1])
+    codebook[0, 0, 0, 0] = codebook[0, 0, 0, 0]  # an in-place write: counted again, launched again
+    calls.clear()
+    out = indexer_next(*args)
+    assert calls == ["pq_encode", "bucket_tokens", "pq_select_buckets"] and state.repeat is None
+    check_selection(args, out[0], out[1], out[2], out[4])
     wide = torch.randn(*args[0].shape[:3], 2 * args[0].shape[3], device=device)
     args[0] = wide[..., ::2]  # other strides: launched again
     calls.clear()

@@ -282,6 +282,21 @@ def signature(*tensors: torch.Tensor) -> tuple | None:
         return None
 
 
+class Address:
+    """A Plan input given by its address: a bound launch reads only `data_ptr()`, so the caller
+    need not make the tensor view; a launch through its Launcher (the interpreter, a hook, a
+    recording, another device) gets `make()`'s tensor, which must start at `ptr`."""
+
+    __slots__ = ("make", "ptr")
+
+    def __init__(self, ptr: int, make: Callable[[], torch.Tensor]) -> None:
+        self.ptr = ptr
+        self.make = make
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
 def _substituted(tensors: tuple, slots: tuple, inputs: tuple) -> tuple:
     out = list(tensors)
     for i, j in slots:
@@ -345,18 +360,19 @@ class Plan:
             launches.append((kept, tuple(slots), bound))
         return cls(launches, tuple(used.values()))
 
-    def __call__(self, *inputs: torch.Tensor) -> None:
+    def __call__(self, *inputs: torch.Tensor | Address) -> None:
         slow = interpreted() or _recording is not None or hooked()
+        tensors = None  # the inputs as tensors, made for the first launch through its Launcher
         for r, slots, bound in self._launches:
             if r.tuned is not None:
                 r.tuned[0].best_config = r.tuned[1]  # as TunedLauncher does: the lab reads it
-            if slow or bound is None:
-                r.launcher(r.grid, _substituted(r.tensors, slots, inputs), r.scalars, r.kwargs)
+            # (a bound kernel is loaded on the recorded device only)
+            if slow or bound is None or current_device() != bound[1]:
+                if tensors is None:
+                    tensors = tuple(t.make() if isinstance(t, Address) else t for t in inputs)
+                r.launcher(r.grid, _substituted(r.tensors, slots, tensors), r.scalars, r.kwargs)
                 continue
             run, device, head, tail, args = bound
-            if current_device() != device:  # the kernel is loaded on the recorded device
-                r.launcher(r.grid, _substituted(r.tensors, slots, inputs), r.scalars, r.kwargs)
-                continue
             if slots:
                 args = args.copy()
                 for i, j in slots:
