@@ -31,8 +31,8 @@ DECODE_CONFIGS = [
 ]
 _COMBINE = 16  # partials combined per step by the last program of a row
 # The combine's steps (COMBINE partials a row, one split a group) are unrolled up to UNROLL_MAX;
-# a wider list loops over blocks of UNROLL_BLOCK unrolled steps: a full unroll of the 165 splits
-# of a group list at N=512K compiled for minutes.
+# a wider list loops over blocks of UNROLL_BLOCK unrolled steps, since a full unroll's compile
+# time grows with the list's width (docs/kernels/decode.md).
 _UNROLL_MAX = 64
 _UNROLL_BLOCK = 16
 _LOG2E = 1.4426950408889634
