@@ -231,6 +231,18 @@ def test_encode_keys_matches_the_reference_encode(D: int, M: int, bits: int, dty
     assert (codes[:, :, :off] == 255).all()
 
 
+def test_encode_keys_checks_its_codes_buffer(device) -> None:
+    keys, lengths = _keys(device, 1, 2, 50, 16, torch.float32, [50])
+    cent = torch.randn(1, 2, 2, 8, 8, device=device)
+    for bad in (
+        torch.zeros(1, 2, 49, 2, dtype=torch.uint8, device=device),
+        torch.zeros(1, 2, 50, 2, dtype=torch.int64, device=device),
+        torch.zeros(1, 2, 2, 50, dtype=torch.uint8, device=device).transpose(2, 3),
+    ):
+        with pytest.raises(ValueError, match="codes"):
+            kmeans.encode_keys(keys, lengths, cent, bad)
+
+
 def test_encode_keys_refuses_tiles_that_fit_no_config(monkeypatch, device) -> None:
     monkeypatch.setattr(kmeans, "_fit", lambda *args, **kwargs: None)
     keys, lengths = _keys(device, 1, 2, 50, 16, torch.float32, [50])

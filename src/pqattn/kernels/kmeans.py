@@ -701,6 +701,11 @@ def encode_keys(
     """
     B, Hkv, N = keys.shape[:3]
     M, C, d = centroids.shape[2], centroids.shape[3], centroids.shape[4]
+    if codes.shape != (B, Hkv, N, M) or codes.dtype != torch.uint8 or codes.stride(-1) != 1:
+        raise ValueError(
+            f"codes: expected uint8 {(B, Hkv, N, M)} with a contiguous last dim, got {codes.dtype} "
+            f"{tuple(codes.shape)} strides {codes.stride()}"
+        )
     n, G = max(N - init_offset, 0), B * Hkv * M
     if n == 0 or G == 0:
         return True
