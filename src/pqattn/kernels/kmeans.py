@@ -573,6 +573,19 @@ def _part_numel(CP: int, BD: int) -> int:
     return CP * BD + 2 * CP + 1
 
 
+def _prepared(
+    keys: torch.Tensor, lengths: torch.Tensor, M: int, C: int, d: int, config: triton.Config | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, triton.Config, tuple]:
+    """(keys with a contiguous last dim, lengths int64 on their device, CP, BD, config, the step
+    kernel's geometry arguments) for M groups a KV head of C centres over d dimensions."""
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    lengths = lengths.to(device=keys.device, dtype=torch.int64)
+    geometry = (keys.shape[1], M, keys.stride(0), keys.stride(1), keys.stride(2))
+    CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
+    return keys, lengths, CP, BD, config or default_config(d), geometry
+
+
 def build_pq(
     keys: torch.Tensor,
     lengths: torch.Tensor,
@@ -606,13 +619,8 @@ def build_pq(
             keys, lengths, subvectors=M, bits=bits, metric=metric, init_offset=init_offset,
             iters=iters, tol=tol, seed=seed, init=init, **heads,
         )  # fmt: skip
-    if keys.stride(-1) != 1:
-        keys = keys.contiguous()
+    keys, lengths, CP, BD, config, geometry = _prepared(keys, lengths, M, C, d, config)
     dev, ip = keys.device, metric == "ip"
-    lengths = lengths.to(device=dev, dtype=torch.int64)
-    CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
-    config = config or default_config(d)
-    geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
 
     f32 = dict(dtype=torch.float32, device=dev)
     cent = torch.empty(G, CP, BD, **f32)
@@ -709,13 +717,8 @@ def encode_keys(
     n, G = max(N - init_offset, 0), B * Hkv * M
     if n == 0 or G == 0:
         return True
-    if keys.stride(-1) != 1:
-        keys = keys.contiguous()
+    keys, lengths, CP, BD, config, geometry = _prepared(keys, lengths, M, C, d, config)
     dev = keys.device
-    lengths = lengths.to(device=dev, dtype=torch.int64)
-    CP, BD = max(C, 16), max(16, triton.next_power_of_2(d))
-    config = config or default_config(d)
-    geometry = (Hkv, M, keys.stride(0), keys.stride(1), keys.stride(2))
     f32 = dict(dtype=torch.float32, device=dev)
     cent = torch.zeros(G, CP, BD, **f32)
     cent[:, :C, :d] = centroids.reshape(G, C, d)
