@@ -58,6 +58,7 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
         GROUP=tables > 1,
         MAX_RULE=tables > 1,
         TABLES=tables,
+        TABLES_P2=triton.next_power_of_2(tables),
         CHUNKS=fine.lut_chunks(M, C, 128 // M),
         M=M,
         C=C,
@@ -89,32 +90,40 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     args = p.parse_args()
-    default_block = lambda M: max(fine.SCORE_ELEMENTS // M, 16)  # noqa: E731 (pq_select_fine's rule)
+
+    def step(M: int, tables: int) -> int:  # pq_select_fine's memory-path step
+        return max(fine.SCORE_ELEMENTS * 4 // (M * max(triton.next_power_of_2(tables), 4)), 16)
+
+    warps = fine.SCORE_WARPS
     cases = [
-        ("score", "M16 C256 max x4, 1024 tokens", score_config(16, 256, 4, 1024)),
+        ("score", "M16 C256 max x4, 1024 tokens", score_config(16, 256, 4, 1024), 4),
         (
             "score",
-            f"M16 C256 max x4, {default_block(16)} tokens (default)",
-            score_config(16, 256, 4, default_block(16)),
+            f"M16 C256 max x4, {step(16, 4)} tokens a step, {warps} warps (default)",
+            score_config(16, 256, 4, step(16, 4)),
+            warps,
         ),
-        ("score", "M16 C256 sum, 1024 tokens", score_config(16, 256, 1, 1024)),
+        ("score", "M16 C256 sum, 1024 tokens", score_config(16, 256, 1, 1024), 4),
         (
             "score",
-            f"M16 C256 sum, {default_block(16)} tokens (default)",
-            score_config(16, 256, 1, default_block(16)),
+            f"M16 C256 sum, {step(16, 1)} tokens a step, {warps} warps (default)",
+            score_config(16, 256, 1, step(16, 1)),
+            warps,
         ),
-        ("score", "M32 C16 max x4, registers, 128 tokens", score_config(32, 16, 4, 128)),
-        ("collect", "TIE 256, whole tiles (4096 counts, 256 x 256 rank)", collect_config(256, 256, 4096)),
+        ("score", "M32 C16 max x4, registers, 128 tokens", score_config(32, 16, 4, 128), 4),
+        ("collect", "TIE 256, whole tiles (4096 counts, 256 x 256 rank)", collect_config(256, 256, 4096), 4),
         (
             "collect",
             f"TIE {fine.TIE_TILE}, rank by {fine.RANK_CHUNK}, counts by {fine.KTH_CHUNK} (default)",
             collect_config(fine.TIE_TILE, fine.RANK_CHUNK, fine.KTH_CHUNK),
+            4,
         ),
     ]
     kernels = {"score": fine._score_kernel, "collect": fine._collect_kernel}
     rows = []
-    for kernel, what, config in cases:
-        row = {"kernel": kernel, "config": what} | resources(kernels[kernel], config)
+    for kernel, what, config, num_warps in cases:
+        row = {"kernel": kernel, "config": what, "num_warps": num_warps}
+        row |= resources(kernels[kernel], config, num_warps)
         rows.append(row)
         print(f"{kernel:8s} {what:60s} registers {row['registers']:4d}  stack {row['stack']:5d} B")
     if args.json:

@@ -369,7 +369,7 @@ def test_the_config_follows_the_rows(monkeypatch) -> None:
     cap beyond (and 4 off the GPU)."""
     import pqattn.kernels.select.buckets as select_buckets
 
-    monkeypatch.setattr(select_buckets, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(select_buckets, "sm_count", lambda device: 4)
     cuda = torch.device("cuda")
     assert select_buckets.select_config(4, cuda) is BUCKET_CONFIGS[1]
     assert select_buckets.select_config(5, cuda) is BUCKET_CONFIGS[0]

@@ -85,9 +85,10 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
 )
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
 def test_fine_launch_tilings(device, monkeypatch, score_elements, kth_chunk, rank_chunk, share, rule):
-    """The score launch's codes per program, the boundary-bin search's count tiles and the
-    all-pairs rank's column tiles change how the work is cut, never the selection."""
+    """The score launch's codes per step and program, the boundary-bin search's count tiles and
+    the all-pairs rank's column tiles change how the work is cut, never the selection."""
     monkeypatch.setattr(fine, "SCORE_ELEMENTS", score_elements)
+    monkeypatch.setattr(fine, "REG_LUT_ELEMENTS", score_elements)
     monkeypatch.setattr(fine, "KTH_CHUNK", kth_chunk)
     monkeypatch.setattr(fine, "RANK_CHUNK", rank_chunk)
     _run(
@@ -106,13 +107,18 @@ def test_fine_selection_ties(device, monkeypatch, finish):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("G,bits", [(1, 6), (4, 4), (8, 5)])
-def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G, bits):
+@pytest.mark.parametrize(
+    "G,bits,rule",
+    # max rule: G tables side by side in the LUT, a vector load a code (G = 3: a padded, masked
+    # vector; C <= 32: gathered from registers)
+    [(1, 6, "sum"), (8, 5, "sum"), (2, 6, "max"), (3, 6, "max"), (3, 4, "max"), (4, 4, "max"), (8, 6, "max")],
+)
+def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G, bits, rule):
     # lengths: a full row, a short row (n <= sink + heavy + window), one with heavy beyond its
     # candidates is short by the native rule, so heavy > candidates shows with cand_lo > sink
     _run(
         device, B=3, H=2 * G, Hkv=2, N=1200, D=16, M=8, bits=bits, lengths=[1200, 150, 0], sink=8,
-        window=32, heavy=100, share="group", rule="max" if G == 4 else "sum",
+        window=32, heavy=100, share="group", rule=rule,
     )  # fmt: skip
 
 

@@ -40,8 +40,6 @@ tokens cost a scan, so it does so when they grow (PQIndex.REINDEX_AFTER).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -57,6 +55,7 @@ from pqattn.kernels.select.common import (
     lut_base,
     order_key,
     row_need,
+    sm_count,
     weighted_cut,
     write_lut,
 )
@@ -82,7 +81,7 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     per SM; some spill) with the runs' bounds loaded after the search. The figures, and the
     warps and caps measured slower: docs/kernels/select.md."""
     if device.type == "cuda":
-        sms = _sm_count(device)
+        sms = sm_count(device)
         if rows <= sms:
             return BUCKET_CONFIGS[1]
         if rows > 2 * sms:
@@ -94,11 +93,6 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
 _CONFIG_KWARGS = {id(c): c.all_kwargs() for c in BUCKET_CONFIGS}
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 _BIAS: tl.constexpr = tl.constexpr(1 << 31)
 
 
@@ -108,7 +102,7 @@ def zero_programs_for(rows: int, device: torch.device) -> int:
     of the original's weights is 128 KB at N = 32K, a burden on one SM's store bandwidth."""
     if device.type != "cuda":
         return 0
-    return min(8, max(0, _sm_count(device) // rows - 1))
+    return min(8, max(0, sm_count(device) // rows - 1))
 
 
 def workspace_layout(rows: int, M: int, C: int, heavy: int) -> tuple[int, int, int, int]:

@@ -1,4 +1,4 @@
-"""Device helpers shared by the selection kernels (`tree`, `hist`, `buckets`).
+"""Device helpers shared by the selection kernels (`tree`, `hist`, `buckets`, `fine`).
 
 Scores become order-preserving uint32 keys (`order_key`, 0 = not a candidate); a row's lookup
 table LUT[m, c] = <q_m, centroid[m, c]> lives in the workspace (`write_lut`, `lut_base`); a top-k
@@ -9,10 +9,18 @@ measured slower: docs/kernels/select.md.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (launch splits that aim at one wave)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

@@ -3,16 +3,19 @@ a histogram of the scores (SPEC §2; §7 fine codes, group selection, the re-ran
 
 A row is what one selection serves: a query head (share="head") or a KV head and its G query
 heads (share="group"). Three launches, none of which waits on one program's chain over the row:
-1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[t, m, c] =
+1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[m, c, t] =
    <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
-   max rule) and each chunk's share of the bounds of any score, lo = sum_m min_c LUT and
-   hi = sum_m max_c LUT (maxed over the tables for the max rule; `_pq_bins` combines them).
-2. `_score_kernel`, grid (chunks of SCORE_ELEMENTS // M tokens, rows): each candidate's score (float32) into
-   the workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
+   max rule), a code's entries of every table side by side, and each chunk's share of the bounds
+   of any score, lo = sum_m min_c LUT and hi = sum_m max_c LUT (maxed over the tables for the
+   max rule; `_pq_bins` combines them).
+2. `_score_kernel`, grid (spans of tokens, rows): each candidate's score (float32) into the
+   workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
    The bins are monotone in the score, so the need-th best score lies in one known bin. LUT
-   entries are gathered from memory (L1), or, for the max rule's G tables of at most 32 entries,
-   from registers (`tl.gather` along the token axis: a warp shuffle a code).
+   entries are gathered from memory (L1; one vector load a code for the max rule's tables), or,
+   for the max rule's G tables of at most 32 entries, from registers (`tl.gather` along the
+   token axis: a warp shuffle a code). Memory-gather programs span about rows x N / SMs tokens:
+   an SM then serves one row, whose tables stay in its L1.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
    to a boundary list, and writes its share of sink, window and padding. The last program of a
@@ -37,7 +40,7 @@ import triton.language as tl
 
 from pqattn.kernels import paged
 from pqattn.kernels.launch import Launcher
-from pqattn.kernels.select.common import order_key
+from pqattn.kernels.select.common import order_key, sm_count
 from pqattn.reference import SelectParams
 
 NBINS = 4096
@@ -46,7 +49,13 @@ RANK_CHUNK = 32  # list entries each step of the all-pairs rank compares against
 KTH_CHUNK = 2048  # bin counts each step of the search for the boundary bin reads
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
-SCORE_ELEMENTS = 2048  # codes per program of the score launch (tokens x M; more spills registers)
+# The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
+# (tokens x M, for at most 4 tables; more spills registers) a step, about one program per SM in
+# all, so that an SM's L1 holds one row's tables; register-LUT programs take REG_LUT_ELEMENTS.
+SCORE_ELEMENTS = 4096
+SCORE_WARPS = 8
+REG_LUT_ELEMENTS = 2048
+INTERPRETER_SMS = 16  # the SM count assumed off the GPU (small test rows still split and loop)
 # The max rule's G tables of at most this many centroids are gathered from registers (faster
 # there; one table gathers as fast from memory: docs/kernels/select.md)
 REG_LUT_MAX_C = 32
@@ -60,7 +69,7 @@ class RowLayout(NamedTuple):
     """int32 offsets inside a row's workspace. The counters and bins must be zero before a call
     and are zero after it; the rest is written before it is read."""
 
-    lut: int  # the tables, float32 [tables, M, C]
+    lut: int  # the tables, float32 [M, C, tables_p2] (a code's entries of every table side by side)
     bounds: int  # partial bounds of the PQ scores, float32 [tables, M-chunks <= M, 2]
     list_bounds: int  # min and max of the re-rank's exact scores
     counters: int
@@ -75,9 +84,10 @@ class RowLayout(NamedTuple):
 @functools.cache
 def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLayout:
     """The workspace layout of a row with `tables` LUTs of M x C over N tokens and a re-rank
-    shortlist of `shortlist` entries."""
+    shortlist of `shortlist` entries. Rows start 64-byte aligned, so that a code's entries of
+    every table load as one vector."""
     lut = 0
-    bounds = lut + tables * M * C
+    bounds = lut + triton.next_power_of_2(tables) * M * C
     list_bounds = bounds + 2 * tables * M
     ctr = list_bounds + 2
     bins = ctr + _CTR
@@ -85,7 +95,7 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     boundary = scores + N
     short = boundary + BOUNDARY_CAP
     list_scores = short + shortlist
-    size = list_scores + shortlist
+    size = -(-(list_scores + shortlist) // 16) * 16
     return RowLayout(lut, bounds, list_bounds, ctr, bins, scores, boundary, short, list_scores, size)
 
 
@@ -124,8 +134,9 @@ def _lut_kernel(
     C: tl.constexpr,
     DSUB: tl.constexpr,
     CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
+    TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
 ):
-    """Program (row, table * CHUNKS + chunk): LUT[t, m, c] = <q_t,m, centroid[m, c]> for the
+    """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
     chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
     min_c and max_c LUT), which `_pq_bins` combines."""
     row = tl.program_id(0)
@@ -150,7 +161,7 @@ def _lut_kernel(
         cent + m[:, None, None] * stride_cm + c_idx[None, :, None] * stride_cc + d_idx[None, None, :]
     ).to(tl.float32)
     lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
-    tl.store(lut_row + (t * M + m[:, None]) * C + c_idx[None, :], lut)
+    tl.store(lut_row + (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t, lut)
     part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
     tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
     tl.store(part + 1, tl.sum(tl.max(lut, axis=1), axis=0))
@@ -232,14 +243,16 @@ def _score_kernel(
     CTR_AT,
     BINS_AT,
     SCORES_AT,
+    span,  # tokens a program covers
     GROUP: tl.constexpr,
     MAX_RULE: tl.constexpr,
     TABLES: tl.constexpr,
+    TABLES_P2: tl.constexpr,
     CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial bounds)
     M: tl.constexpr,
     C: tl.constexpr,
     NBINS_: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,  # tokens per step of the memory-gather loop
     REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
 ):
@@ -251,8 +264,8 @@ def _score_kernel(
     n = tl.load(len_ptr + b).to(tl.int32)
     _, _, cand_hi, need, _ = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
     cand_end = tl.where(need > 0, cand_hi, cand_lo)
-    first = chunk * BLOCK
-    if (first + BLOCK > cand_lo) & (first < cand_end):
+    first = chunk * span
+    if (first + span > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
         lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
@@ -263,9 +276,9 @@ def _score_kernel(
             m3 = tl.arange(0, M)[:, None, None]
             j3 = tl.arange(0, C)[None, None, :]
             t3 = tl.arange(0, SUB // C)[None, :, None]
-            table = tl.broadcast_to(tl.load(wsf + m3 * C + j3), [M, SUB // C, C])
+            table = tl.broadcast_to(tl.load(wsf + (m3 * C + j3) * TABLES_P2), [M, SUB // C, C])
             tok2 = tl.arange(0, SUB // C)[:, None] * C + tl.arange(0, C)[None, :]
-            for step in range(0, BLOCK, SUB):
+            for step in range(0, span, SUB):
                 base = first + step
                 tok3 = base + t3 * C + j3
                 cand3 = (tok3 >= cand_lo) & (tok3 < cand_end)
@@ -273,25 +286,33 @@ def _score_kernel(
                 code = tl.load(codes_row + at3 * stride_kn + m3 * stride_km, mask=cand3, other=0).to(tl.int32)
                 s = tl.sum(tl.gather(table, code, axis=2), axis=0)
                 for t in range(1, TABLES):  # (the register route serves the max rule only)
-                    other = tl.broadcast_to(tl.load(wsf + t * M * C + m3 * C + j3), [M, SUB // C, C])
+                    other = tl.broadcast_to(tl.load(wsf + (m3 * C + j3) * TABLES_P2 + t), [M, SUB // C, C])
                     s = tl.maximum(s, tl.sum(tl.gather(other, code, axis=2), axis=0))
                 tok = base + tok2
                 cand = (tok >= cand_lo) & (tok < cand_end)
                 _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
         else:
-            tok = first + tl.arange(0, BLOCK)
-            cand = (tok >= cand_lo) & (tok < cand_end)
-            m = tl.arange(0, M)
-            at = (tok - code_base).to(tl.int64)
-            code = tl.load(
-                codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
-            ).to(tl.int32)
-            lut = wsf + m[None, :] * C + code
-            s = tl.sum(tl.load(lut), axis=1)
-            if MAX_RULE:
-                for t in range(1, TABLES):
-                    s = tl.maximum(s, tl.sum(tl.load(lut + t * M * C), axis=1))
-            _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
+            for step in range(0, span, BLOCK):
+                tok = first + step + tl.arange(0, BLOCK)
+                cand = (tok >= cand_lo) & (tok < cand_end)
+                m = tl.arange(0, M)
+                at = (tok - code_base).to(tl.int64)
+                code = tl.load(
+                    codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
+                ).to(tl.int32)
+                entry = (m[None, :] * C + code) * TABLES_P2
+                if MAX_RULE:
+                    # a code's entries of every table side by side: one vector load serves them all
+                    tt = tl.arange(0, TABLES_P2)[None, None, :]
+                    lut_at = wsf + entry[:, :, None] + tt
+                    if TABLES == TABLES_P2:
+                        vals = tl.load(lut_at)
+                    else:
+                        vals = tl.load(lut_at, mask=tt < TABLES, other=float("-inf"))
+                    s = tl.max(tl.sum(vals, axis=1), axis=1)
+                else:
+                    s = tl.sum(tl.load(wsf + entry), axis=1)
+                _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
 
 
 @triton.jit
@@ -695,6 +716,7 @@ def pq_select_fine(
     rows_per_b = Hkv if group else H
     rows = B * rows_per_b
     list_heavy = rerank * params.heavy
+    tables_p2 = triton.next_power_of_2(tables)
     lay = row_layout(tables, M, C, N, list_heavy)
     sink, window, heavy, cand_lo, short_threshold, width = params
     chunks = max(-(-N // BLOCK_N), 1)
@@ -703,13 +725,30 @@ def pq_select_fine(
         (rows, tables * lut_progs),
         (q, centroids, workspace),
         (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
-        dict(GROUP=group, SUM_RULE=sum_rule, M=M, C=C, DSUB=D // M, CHUNKS=lut_progs, num_warps=4),
+        dict(
+            GROUP=group,
+            SUM_RULE=sum_rule,
+            M=M,
+            C=C,
+            DSUB=D // M,
+            CHUNKS=lut_progs,
+            TABLES_P2=tables_p2,
+            num_warps=4,
+        ),
     )
     reg_lut = C <= REG_LUT_MAX_C and tables > 1
     sub = max(REG_LUT_SUB, C)
-    score_block = max(SCORE_ELEMENTS // M, sub if reg_lut else 16)
+    if reg_lut:
+        score_block = span = max(REG_LUT_ELEMENTS // M, sub)
+        score_warps = 4
+    else:
+        # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step
+        score_block = max(SCORE_ELEMENTS * 4 // (M * max(tables_p2, 4)), 16)
+        sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
+        span = max(-(-rows * N // (sms * score_block)), 1) * score_block
+        score_warps = SCORE_WARPS
     _score_launch(
-        (max(-(-N // score_block), 1), rows),
+        (max(-(-N // span), 1), rows),
         (codes, lengths, workspace),
         (
             *codes.stride(),
@@ -727,11 +766,13 @@ def pq_select_fine(
             lay.counters,
             lay.bins,
             lay.scores,
+            span,
         ),
         dict(
             GROUP=group,
             MAX_RULE=group and not sum_rule,
             TABLES=tables,
+            TABLES_P2=tables_p2,
             CHUNKS=lut_progs,
             M=M,
             C=C,
@@ -739,7 +780,7 @@ def pq_select_fine(
             BLOCK=score_block,
             REG_LUT=reg_lut,
             SUB=sub,
-            num_warps=4,
+            num_warps=score_warps,
         ),
     )
 
