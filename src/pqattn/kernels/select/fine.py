@@ -14,8 +14,8 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    The bins are monotone in the score, so the need-th best score lies in one known bin. LUT
    entries are gathered from memory (L1; one vector load a code for the max rule's tables), or,
    for the max rule's G tables of at most 32 entries, from registers (`tl.gather` along the
-   token axis: a warp shuffle a code). Memory-gather programs span about rows x N / SMs tokens:
-   an SM then serves one row, whose tables stay in its L1.
+   token axis: a warp shuffle a code). Memory-gather programs split each row evenly, about one
+   program per SM in all: an SM then serves one row, whose tables stay in its L1.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
    to a boundary list, and writes its share of sink, window and padding. The last program of a
@@ -50,8 +50,9 @@ KTH_CHUNK = 2048  # bin counts each step of the search for the boundary bin read
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
-# (tokens x M, for at most 4 tables; more spills registers) a step, about one program per SM in
-# all, so that an SM's L1 holds one row's tables; register-LUT programs take REG_LUT_ELEMENTS.
+# (tokens x M, for at most 4 tables; more spills registers) a step, each row split evenly into
+# about SMs / rows programs, so that an SM's L1 holds one row's tables (a ragged last program
+# per row measured slower); register-LUT programs take REG_LUT_ELEMENTS.
 SCORE_ELEMENTS = 4096
 SCORE_WARPS = 8
 REG_LUT_ELEMENTS = 2048
@@ -744,8 +745,10 @@ def pq_select_fine(
     else:
         # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step
         score_block = max(SCORE_ELEMENTS * 4 // (M * max(tables_p2, 4)), 16)
+        # each row in the same number of programs, about one program per SM in all
         sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
-        span = max(-(-rows * N // (sms * score_block)), 1) * score_block
+        per_row = max(sms // rows, 1)
+        span = max(-(-N // (per_row * score_block)), 1) * score_block
         score_warps = SCORE_WARPS
     _score_launch(
         (max(-(-N // span), 1), rows),
