@@ -59,7 +59,6 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
         MAX_RULE=tables > 1,
         TABLES=tables,
         TABLES_P2=triton.next_power_of_2(tables),
-        CHUNKS=fine.lut_chunks(M, C, 128 // M),
         M=M,
         C=C,
         NBINS_=fine.NBINS,
@@ -71,8 +70,6 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
 
 def collect_config(tie: int, rank_chunk: int, kth_chunk: int) -> dict:
     return dict(
-        TABLES=4,
-        CHUNKS=1,
         WIDTH=2880,
         ENTRIES=128,
         NBINS_=fine.NBINS,

@@ -19,16 +19,24 @@ FINISHES = {"all-pairs": (256, 4096), "kept-list": (16, 4096), "row-scan": (16, 
 
 
 def _fine_case(
-    device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, shortlist=0, ties=False
-):
+    device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, shortlist=0, ties=False,
+    skewed=False,
+):  # fmt: skip
     """Random query, centroids and codes, the selection params, outputs pre-filled with -7, and
-    a zeroed workspace with its row layout, for a fine-route call."""
+    a zeroed workspace with its row layout, for a fine-route call. skewed: LUT entries that rise
+    with the centroid's index and codes mostly 0 or 1 (1% uniform), so that the bins' normal
+    model over uniform codes puts t0 above most of the real scores."""
     C = 2**bits
     q = torch.randn(B, H, D, device=device)
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
     if ties:
         q, cent = q.round(), (cent * 0.5).round()
     codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8, device=device)
+    if skewed:
+        q = q.abs() + 0.5
+        cent = 0.1 * cent + torch.linspace(-1, 1, C, device=device)[:, None]
+        few = torch.rand(B, Hkv, N, 1, device=device) < 0.01
+        codes = torch.where(few, codes, codes % 2)
     params = SelectParams.make(
         sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
     )
@@ -43,10 +51,15 @@ def _fine_case(
     return q, cent, codes, torch.tensor(lengths, device=device), params, positions, counts, ws, lay
 
 
-def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, ties=False, calls=2):
+def _run(
+    device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, share, rule, ties=False, skewed=False,
+    calls=2,
+):  # fmt: skip
+    """Selections of a random case against the reference; returns the reference scores [B, R, N],
+    the workspace and its row layout."""
     q, cent, codes, lengths, params, positions, counts, ws, lay = _fine_case(
         device, B=B, H=H, Hkv=Hkv, N=N, D=D, M=M, bits=bits, lengths=lengths, sink=sink, window=window,
-        heavy=heavy, share=share, rule=rule, ties=ties,
+        heavy=heavy, share=share, rule=rule, ties=ties, skewed=skewed,
     )  # fmt: skip
     R = positions.shape[1]
     scores = ref.pq_scores(q.double(), cent.double(), codes)
@@ -64,6 +77,7 @@ def _run(device, *, B, H, Hkv, N, D, M, bits, lengths, sink, window, heavy, shar
         )  # fmt: skip
         assert problem is None, problem
         assert not ws.view(B * R, -1)[:, lay.counters : lay.scores].any(), "counters and bins not left zeroed"
+    return scores, ws, lay
 
 
 @pytest.mark.parametrize("bits", [4, 8])  # max-rule tables gathered from registers (C <= 32), from memory
@@ -120,6 +134,23 @@ def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G, bits
         device, B=3, H=2 * G, Hkv=2, N=1200, D=16, M=8, bits=bits, lengths=[1200, 150, 0], sink=8,
         window=32, heavy=100, share="group", rule=rule,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("finish", FINISHES)
+@pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
+def test_fine_bins_start_above_the_needed_scores(device, monkeypatch, finish, share, rule):
+    """Skewed codes put the bins' start t0 above all but about 1% of the scores, fewer than need:
+    the boundary is then the bin below t0, and the selection stays exact."""
+    monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
+    monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
+    N, sink, window, heavy = 2500, 4, 16, 90
+    scores, ws, lay = _run(
+        device, B=1, H=8, Hkv=2, N=N, D=32, M=4, bits=4, lengths=[N], sink=sink, window=window,
+        heavy=heavy, share=share, rule=rule, skewed=True,
+    )  # fmt: skip
+    t0 = ws.view(torch.float32).view(scores.shape[1], -1)[:, lay.pq_bins]
+    reaching = (scores[0, :, sink : N - window] >= t0[:, None].double()).sum(-1)
+    assert (reaching < heavy).all(), reaching
 
 
 @pytest.mark.parametrize("C", [16, 256])

@@ -6,12 +6,16 @@ heads (share="group"). Three launches, none of which waits on one program's chai
 1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[m, c, t] =
    <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
-   max rule), a code's entries of every table side by side, and each chunk's share of the bounds
-   of any score, lo = sum_m min_c LUT and hi = sum_m max_c LUT (maxed over the tables for the
-   max rule; `_pq_bins` combines them).
+   max rule), a code's entries of every table side by side, and each chunk's share of the
+   scores' bounds (lo = sum_m min_c LUT, hi = sum_m max_c LUT) and of their mean and variance
+   over uniform codes. The row's last program combines them into the bins (`_pq_bins`): NBINS
+   equal bins of [t0, hi], where t0 is the score above which a normal model of the scores
+   (independent tables for the max rule) puts TAIL_MARGIN x need candidates.
 2. `_score_kernel`, grid (spans of tokens, rows): each candidate's score (float32) into the
-   workspace and a count per bin of NBINS equal bins of [lo, hi] (a relaxed atomic a token).
-   The bins are monotone in the score, so the need-th best score lies in one known bin. LUT
+   workspace and a count per bin (a relaxed atomic a token at or above t0; the bulk of the
+   scores, below t0, takes none). The bins are monotone in the score, so the need-th best score
+   lies in one known bin; if fewer than need scores reach t0 (the model was wrong), that bin is
+   the one below t0, all of whose tokens are candidates for the rest. LUT
    entries are gathered from memory (L1; one vector load a code for the max rule's tables), or,
    for the max rule's G tables of at most 32 entries, from registers (`tl.gather` along the
    token axis: a warp shuffle a code). Memory-gather programs split each row evenly, about one
@@ -22,10 +26,12 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    row to arrive takes the rest from the boundary list: an all-pairs rank of at most TIE_TILE
    tokens, else a bisection over the order keys (exact for any count, slower); it then zeroes the
    row's counts and counters for the next call.
-Linear bins over the bounds put few tokens in the boundary bin for the bell-shaped sums that PQ
-scores are; the fallback keeps any distribution exact. A re-rank (rerank=R) runs the collect into
-a shortlist of the top R * heavy, then `_exact_kernel` (the shortlist's exact scores and their
-range), `_list_bins_kernel` (their bins over that range) and the collect over the shortlist.
+Linear bins from t0 put few tokens in the boundary bin for the bell-shaped sums that PQ scores
+are; the fallbacks keep any distribution exact (a boundary bin below t0 is a long one: the
+bisection). A
+re-rank (rerank=R) runs the collect into a shortlist of the top R * heavy, then `_exact_kernel`
+(the shortlist's exact scores and their range), `_list_bins_kernel` (their bins over that range)
+and the collect over the shortlist.
 Design notes: docs/kernels/select.md.
 """
 
@@ -48,6 +54,12 @@ TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 RANK_CHUNK = 32  # list entries each step of the all-pairs rank compares against
 KTH_CHUNK = 2048  # bin counts each step of the search for the boundary bin reads
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
+# The PQ bins start where a normal model of the scores puts TAIL_MARGIN x need candidates above
+# (the model's tail was 0.5-1.0x the real one on the generators and the trained model's keys:
+# docs/kernels/select.md); a model tail of TAIL_CUTOFF or more bins every candidate.
+TAIL_MARGIN: tl.constexpr = tl.constexpr(3.0)
+TAIL_CUTOFF: tl.constexpr = tl.constexpr(0.5)
+THRESHOLD_STEPS: tl.constexpr = tl.constexpr(32)  # bisection steps for t0 over [lo, hi]
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
 # (tokens x M, for at most 4 tables; more spills registers) a step, each row split evenly into
@@ -63,7 +75,7 @@ REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
 LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
-_CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
+_CTR = 4  # per-row counters: heavy slots taken, boundary size, collect and LUT programs arrived
 
 
 class RowLayout(NamedTuple):
@@ -71,7 +83,8 @@ class RowLayout(NamedTuple):
     and are zero after it; the rest is written before it is read."""
 
     lut: int  # the tables, float32 [M, C, tables_p2] (a code's entries of every table side by side)
-    bounds: int  # partial bounds of the PQ scores, float32 [tables, M-chunks <= M, 2]
+    bounds: int  # partial min, max, mean, variance of the PQ scores, float32 [tables, M-chunks <= M, 4]
+    pq_bins: int  # the PQ scores' bins: their start t0 and bins per unit score, float32
     list_bounds: int  # min and max of the re-rank's exact scores
     counters: int
     bins: int
@@ -89,7 +102,8 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     every table load as one vector."""
     lut = 0
     bounds = lut + triton.next_power_of_2(tables) * M * C
-    list_bounds = bounds + 2 * tables * M
+    pq_bins = bounds + 4 * tables * M
+    list_bounds = pq_bins + 2
     ctr = list_bounds + 2
     bins = ctr + _CTR
     scores = bins + NBINS
@@ -97,7 +111,7 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     short = boundary + BOUNDARY_CAP
     list_scores = short + shortlist
     size = -(-(list_scores + shortlist) // 16) * 16
-    return RowLayout(lut, bounds, list_bounds, ctr, bins, scores, boundary, short, list_scores, size)
+    return RowLayout(lut, bounds, pq_bins, list_bounds, ctr, bins, scores, boundary, short, list_scores, size)
 
 
 def workspace_numel(rows: int, tables: int, M: int, C: int, N: int, shortlist: int = 0) -> int:
@@ -117,6 +131,7 @@ def lut_chunks(M: int, C: int, dsub: int) -> int:
 def _lut_kernel(
     q_ptr,
     cent_ptr,
+    len_ptr,
     ws_ptr,
     stride_qb,
     stride_qh,
@@ -126,20 +141,30 @@ def _lut_kernel(
     stride_cc,
     ROWS_PER_B,
     G,
+    sink,
+    window,
+    heavy,  # the score stage's need (the shortlist's size under a re-rank)
+    cand_lo,
+    short_threshold,
     ROW_WS,
     BOUNDS_AT,
+    PQ_BINS_AT,
     LIST_BOUNDS_AT,
+    CTR_AT,
     GROUP: tl.constexpr,  # a row is a KV head (else a query head)
     SUM_RULE: tl.constexpr,  # one table of the group's summed query (else one per head)
     M: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
     CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
+    TABLES: tl.constexpr,
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
+    NBINS_: tl.constexpr,
 ):
     """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
-    chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
-    min_c and max_c LUT), which `_pq_bins` combines."""
+    chunk's sub-quantizers, and the chunk's share of the scores' bounds, mean and variance (sums
+    over its m of min_c, max_c, mean_c and variance_c of LUT). The row's last program to arrive
+    turns them into the bins (`_pq_bins`)."""
     row = tl.program_id(0)
     t = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
@@ -163,35 +188,79 @@ def _lut_kernel(
     ).to(tl.float32)
     lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
     tl.store(lut_row + (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t, lut)
-    part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
+    part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 4
+    mean = tl.sum(lut, axis=1) / C
+    dev = lut - mean[:, None]
     tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
     tl.store(part + 1, tl.sum(tl.max(lut, axis=1), axis=0))
+    tl.store(part + 2, tl.sum(mean, axis=0))
+    tl.store(part + 3, tl.sum(tl.sum(dev * dev, axis=1), axis=0) / C)
     if (t == 0) & (chunk == 0):
         # the re-rank's exact scores take their range by atomics: start it empty
         tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
         tl.store(lut_row + LIST_BOUNDS_AT + 1, float("-inf"))
+    tl.debug_barrier()  # every thread's stores precede the release below
+    arrived = ws_ptr + row.to(tl.int64) * ROW_WS + CTR_AT + 3
+    if tl.atomic_add(arrived, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        n = tl.load(len_ptr + b).to(tl.int32)
+        _, _, cand_hi, need, _ = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
+        lo, inv = _pq_bins(lut_row, BOUNDS_AT, need, cand_hi - cand_lo, TABLES, TABLES_P2, CHUNKS, NBINS_)
+        tl.store(lut_row + PQ_BINS_AT, lo)
+        tl.store(lut_row + PQ_BINS_AT + 1, inv)
+        tl.store(arrived, 0)  # for the next call
 
 
 @triton.jit
-def _pq_bins(wsf, BOUNDS_AT, TABLES: tl.constexpr, CHUNKS: tl.constexpr, NBINS_: tl.constexpr):
-    """(lo, inv) of the PQ scores' bins from the LUT launch's partial bounds: lo and hi are each
-    table's sums over sub-quantizers of min_c and max_c LUT, maxed over the tables (any score of
-    the sum or max rule lies in [lo, hi]). A flat table puts every score in bin 0."""
-    lo = tl.full([], float("-inf"), tl.float32)
-    hi = tl.full([], float("-inf"), tl.float32)
-    for t in tl.static_range(TABLES):
-        at = BOUNDS_AT + (t * CHUNKS + tl.arange(0, CHUNKS)) * 2
-        lo = tl.maximum(lo, tl.sum(tl.load(wsf + at), axis=0))
-        hi = tl.maximum(hi, tl.sum(tl.load(wsf + at + 1), axis=0))
-    inv = tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
-    return lo, inv
+def _table_sums(at, real):
+    """A partial quantity summed over the LUT launch's chunks, per table [TABLES_P2]."""
+    return tl.sum(tl.load(at, mask=real[:, None], other=0.0), axis=1)
+
+
+@triton.jit
+def _pq_bins(
+    wsf,
+    BOUNDS_AT,
+    need,
+    n_cand,
+    TABLES: tl.constexpr,
+    TABLES_P2: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    NBINS_: tl.constexpr,
+):
+    """(t0, inv) of the PQ scores' bins from the LUT launch's partial sums: NBINS bins over [t0,
+    hi]. hi (lo) is each table's sum over sub-quantizers of max_c (min_c) LUT, maxed over the
+    tables: any score of the sum or max rule lies in [lo, hi]. t0 in [lo, hi] is where a normal
+    model puts TAIL_MARGIN x need of the n_cand candidates above it: each table's score as a sum
+    of independent uniform picks of a centroid per sub-quantizer (its mean and variance), the max
+    rule's tables independent; found by bisection. A model tail of TAIL_CUTOFF or more keeps t0 =
+    lo. A flat range puts every score from t0 in bin 0."""
+    t = tl.arange(0, TABLES_P2)
+    at = BOUNDS_AT + (t[:, None] * CHUNKS + tl.arange(0, CHUNKS)[None, :]) * 4
+    real = t < TABLES
+    lo = tl.max(tl.where(real, _table_sums(wsf + at, real), float("-inf")))
+    hi = tl.max(tl.where(real, _table_sums(wsf + at + 1, real), float("-inf")))
+    mu = _table_sums(wsf + at + 2, real)
+    var = _table_sums(wsf + at + 3, real)
+    inv_sd = 0.7071067811865476 / tl.sqrt(tl.maximum(var, 1e-30))  # 1 / (sigma sqrt 2)
+    tail = TAIL_MARGIN * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
+    tail = tl.where((need > 0) & (tail < TAIL_CUTOFF), tail, 2.0)  # 2: never reached, t0 = lo
+    t0 = lo
+    top = hi
+    for _ in range(THRESHOLD_STEPS):
+        mid = t0 + (top - t0) * 0.5
+        above = tl.where(real, 0.5 - 0.5 * tl.erf((mid - mu) * inv_sd), 0.0)  # each table's P(score > mid)
+        model = 1.0 - tl.exp(tl.sum(tl.log(tl.maximum(1.0 - above, 1e-30)), axis=0))  # P(max > mid)
+        t0 = tl.where(model >= tail, mid, t0)
+        top = tl.where(model >= tail, top, mid)
+    inv = tl.where(hi > t0, NBINS_ / tl.where(hi > t0, hi - t0, 1.0), 0.0)
+    return t0, inv
 
 
 @triton.jit
 def _score_bin(s, lo, inv, NBINS_: tl.constexpr):
-    """The bin of scores s: monotone in s; NaN in bin 0."""
+    """The bin of scores s: monotone in s; -1 below lo; NaN in bin 0."""
     x = tl.minimum(tl.maximum((s - lo) * inv, 0.0), NBINS_ - 1.0)
-    return tl.where(s == s, x.to(tl.int32), 0)
+    return tl.where(s < lo, -1, tl.where(s == s, x.to(tl.int32), 0))
 
 
 @triton.jit
@@ -218,7 +287,8 @@ def _row_sizes(n, sink, window, heavy, cand_lo, short_threshold):
 @triton.jit
 def _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_: tl.constexpr):
     tl.store(wsf + SCORES_AT + tok, s, mask=cand)
-    tl.atomic_add(ws_row + BINS_AT + _score_bin(s, lo, inv, NBINS_), 1, mask=cand, sem="relaxed")
+    bin_ = _score_bin(s, lo, inv, NBINS_)
+    tl.atomic_add(ws_row + BINS_AT + bin_, 1, mask=cand & (bin_ >= 0), sem="relaxed")
 
 
 @triton.jit
@@ -240,8 +310,7 @@ def _score_kernel(
     cand_lo,
     short_threshold,
     ROW_WS,
-    BOUNDS_AT,
-    CTR_AT,
+    PQ_BINS_AT,
     BINS_AT,
     SCORES_AT,
     span,  # tokens a program covers
@@ -249,7 +318,6 @@ def _score_kernel(
     MAX_RULE: tl.constexpr,
     TABLES: tl.constexpr,
     TABLES_P2: tl.constexpr,
-    CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial bounds)
     M: tl.constexpr,
     C: tl.constexpr,
     NBINS_: tl.constexpr,
@@ -269,7 +337,8 @@ def _score_kernel(
     if (first + span > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
-        lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
+        lo = tl.load(wsf + PQ_BINS_AT)
+        inv = tl.load(wsf + PQ_BINS_AT + 1)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         if REG_LUT:
             # The max rule's tables of at most a warp's width live in registers, a sub-quantizer's
@@ -319,8 +388,9 @@ def _score_kernel(
 @triton.jit
 def _kth_bin(bins_row, need, NBINS_: tl.constexpr, CHUNK: tl.constexpr):
     """(the bin holding the need-th best score, tokens in higher bins) from the row's counts
-    (need >= 1, at most the tokens binned). Tokens at or above a bin never grow with its index,
-    so the bins that reach need are a prefix; the counts are read CHUNK at a time from the top."""
+    (need >= 1). Tokens at or above a bin never grow with its index, so the bins that reach need
+    are a prefix; the counts are read CHUNK at a time from the top. Fewer than need tokens binned:
+    (-1, all of them), the bin below the bins' start."""
     kth = tl.full([], -1, tl.int32)
     above = tl.zeros([], tl.int32)
     run = tl.zeros([], tl.int32)  # tokens in the bins above the chunk
@@ -335,7 +405,7 @@ def _kth_bin(bins_row, need, NBINS_: tl.constexpr, CHUNK: tl.constexpr):
         above = tl.where(first, tl.sum(tl.where(idx == last_hit, at_or_above - h, 0), axis=0), above)
         kth = tl.where(first, last_hit, kth)
         run += tl.sum(h, axis=0)
-    return kth, above
+    return kth, tl.where(kth < 0, run, above)
 
 
 @triton.jit
@@ -356,7 +426,7 @@ def _collect_kernel(
     short_threshold,
     list_heavy,
     ROW_WS,
-    BOUNDS_AT,
+    PQ_BINS_AT,
     LIST_BOUNDS_AT,
     CTR_AT,
     BINS_AT,
@@ -364,8 +434,6 @@ def _collect_kernel(
     BOUNDARY_AT,
     LIST_AT,
     LIST_SCORES_AT,
-    TABLES: tl.constexpr,
-    CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial bounds)
     WIDTH: tl.constexpr,
     ENTRIES: tl.constexpr,  # entries of the positions list each program writes (a power of two)
     NBINS_: tl.constexpr,
@@ -413,7 +481,8 @@ def _collect_kernel(
         if FROM_LIST:
             lo, inv = _list_bins(wsf, LIST_BOUNDS_AT, NBINS_)
         else:
-            lo, inv = _pq_bins(wsf, BOUNDS_AT, TABLES, CHUNKS, NBINS_)
+            lo = tl.load(wsf + PQ_BINS_AT)
+            inv = tl.load(wsf + PQ_BINS_AT + 1)
         scores_at = LIST_SCORES_AT if FROM_LIST else SCORES_AT
         i = chunk * BLOCK + tl.arange(0, BLOCK)
         cand = (i >= src_lo) & (i < src_hi)
@@ -724,8 +793,23 @@ def pq_select_fine(
     lut_progs = lut_chunks(M, C, D // M)
     _lut_launch(
         (rows, tables * lut_progs),
-        (q, centroids, workspace),
-        (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
+        (q, centroids, lengths, workspace),
+        (
+            *q.stride()[:2],
+            *centroids.stride()[:4],
+            rows_per_b,
+            G,
+            sink,
+            window,
+            list_heavy or heavy,
+            cand_lo,
+            short_threshold,
+            lay.size,
+            lay.bounds,
+            lay.pq_bins,
+            lay.list_bounds,
+            lay.counters,
+        ),
         dict(
             GROUP=group,
             SUM_RULE=sum_rule,
@@ -733,7 +817,9 @@ def pq_select_fine(
             C=C,
             DSUB=D // M,
             CHUNKS=lut_progs,
+            TABLES=tables,
             TABLES_P2=tables_p2,
+            NBINS_=NBINS,
             num_warps=4,
         ),
     )
@@ -765,8 +851,7 @@ def pq_select_fine(
             cand_lo,
             short_threshold,
             lay.size,
-            lay.bounds,
-            lay.counters,
+            lay.pq_bins,
             lay.bins,
             lay.scores,
             span,
@@ -776,7 +861,6 @@ def pq_select_fine(
             MAX_RULE=group and not sum_rule,
             TABLES=tables,
             TABLES_P2=tables_p2,
-            CHUNKS=lut_progs,
             M=M,
             C=C,
             NBINS_=NBINS,
@@ -802,7 +886,7 @@ def pq_select_fine(
                 short_threshold,
                 list_heavy,
                 lay.size,
-                lay.bounds,
+                lay.pq_bins,
                 lay.list_bounds,
                 lay.counters,
                 lay.bins,
@@ -812,8 +896,6 @@ def pq_select_fine(
                 lay.list_scores,
             ),
             dict(
-                TABLES=tables,
-                CHUNKS=lut_progs,
                 WIDTH=width,
                 ENTRIES=triton.next_power_of_2(max(-(-width // grid_chunks), 1)),
                 NBINS_=NBINS,
