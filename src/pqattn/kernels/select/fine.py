@@ -46,7 +46,7 @@ import triton.language as tl
 
 from pqattn.kernels import paged
 from pqattn.kernels.launch import Launcher
-from pqattn.kernels.select.common import order_key, sm_count
+from pqattn.kernels.select.common import order_key, sm_count, upper_probit
 from pqattn.reference import SelectParams
 
 NBINS = 4096
@@ -59,7 +59,7 @@ BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program
 # docs/kernels/select.md); a model tail of TAIL_CUTOFF or more bins every candidate.
 TAIL_MARGIN: tl.constexpr = tl.constexpr(3.0)
 TAIL_CUTOFF: tl.constexpr = tl.constexpr(0.5)
-THRESHOLD_STEPS: tl.constexpr = tl.constexpr(32)  # bisection steps for t0 over [lo, hi]
+THRESHOLD_STEPS: tl.constexpr = tl.constexpr(8)  # bisection steps for the max rule's t0
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
 # (tokens x M, for at most 4 tables; more spills registers) a step, each row split evenly into
@@ -95,6 +95,11 @@ class RowLayout(NamedTuple):
     size: int
 
 
+def _aligned(at: int) -> int:
+    """at rounded up to 16 int32 (64 bytes): Triton then knows the offset's alignment."""
+    return -(-at // 16) * 16
+
+
 @functools.cache
 def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLayout:
     """The workspace layout of a row with `tables` LUTs of M x C over N tokens and a re-rank
@@ -105,12 +110,12 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     pq_bins = bounds + 4 * tables * M
     list_bounds = pq_bins + 2
     ctr = list_bounds + 2
-    bins = ctr + _CTR
+    bins = _aligned(ctr + _CTR)
     scores = bins + NBINS
-    boundary = scores + N
+    boundary = _aligned(scores + N)
     short = boundary + BOUNDARY_CAP
-    list_scores = short + shortlist
-    size = -(-(list_scores + shortlist) // 16) * 16
+    list_scores = _aligned(short + shortlist)
+    size = _aligned(list_scores + shortlist)
     return RowLayout(lut, bounds, pq_bins, list_bounds, ctr, bins, scores, boundary, short, list_scores, size)
 
 
@@ -230,28 +235,32 @@ def _pq_bins(
     """(t0, inv) of the PQ scores' bins from the LUT launch's partial sums: NBINS bins over [t0,
     hi]. hi (lo) is each table's sum over sub-quantizers of max_c (min_c) LUT, maxed over the
     tables: any score of the sum or max rule lies in [lo, hi]. t0 in [lo, hi] is where a normal
-    model puts TAIL_MARGIN x need of the n_cand candidates above it: each table's score as a sum
-    of independent uniform picks of a centroid per sub-quantizer (its mean and variance), the max
-    rule's tables independent; found by bisection. A model tail of TAIL_CUTOFF or more keeps t0 =
-    lo. A flat range puts every score from t0 in bin 0."""
+    model puts TAIL_MARGIN x need of the n_cand candidates above it: each table's score a sum of
+    independent uniform picks of a centroid per sub-quantizer (its mean and variance), the max
+    rule's tables independent. A model tail of TAIL_CUTOFF or more keeps t0 = lo. A flat range
+    puts every score from t0 in bin 0."""
     t = tl.arange(0, TABLES_P2)
     at = BOUNDS_AT + (t[:, None] * CHUNKS + tl.arange(0, CHUNKS)[None, :]) * 4
     real = t < TABLES
     lo = tl.max(tl.where(real, _table_sums(wsf + at, real), float("-inf")))
     hi = tl.max(tl.where(real, _table_sums(wsf + at + 1, real), float("-inf")))
     mu = _table_sums(wsf + at + 2, real)
-    var = _table_sums(wsf + at + 3, real)
-    inv_sd = 0.7071067811865476 / tl.sqrt(tl.maximum(var, 1e-30))  # 1 / (sigma sqrt 2)
+    sd = tl.sqrt(tl.maximum(_table_sums(wsf + at + 3, real), 1e-30))
     tail = TAIL_MARGIN * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
-    tail = tl.where((need > 0) & (tail < TAIL_CUTOFF), tail, 2.0)  # 2: never reached, t0 = lo
-    t0 = lo
-    top = hi
-    for _ in range(THRESHOLD_STEPS):
-        mid = t0 + (top - t0) * 0.5
-        above = tl.where(real, 0.5 - 0.5 * tl.erf((mid - mu) * inv_sd), 0.0)  # each table's P(score > mid)
-        model = 1.0 - tl.exp(tl.sum(tl.log(tl.maximum(1.0 - above, 1e-30)), axis=0))  # P(max > mid)
-        t0 = tl.where(model >= tail, mid, t0)
-        top = tl.where(model >= tail, top, mid)
+    use = (need > 0) & (tail < TAIL_CUTOFF)
+    tail = tl.where(use, tail, TAIL_CUTOFF)
+    # One table: t0 = mu + z sd. The max of T tables passes `tail` between where the table that
+    # reaches furthest alone passes it and where each passes tail / T: bisect in between.
+    t0 = tl.max(tl.where(real, mu + upper_probit(tail, 1.0) * sd, float("-inf")))
+    if TABLES > 1:
+        top = tl.max(tl.where(real, mu + upper_probit(tail / TABLES, 1.0) * sd, float("-inf")))
+        for _ in range(THRESHOLD_STEPS):
+            mid = t0 + (top - t0) * 0.5
+            above = tl.where(real, 0.5 - 0.5 * tl.erf((mid - mu) * (0.7071067811865476 / sd)), 0.0)
+            model = 1.0 - tl.exp(tl.sum(tl.log(tl.maximum(1.0 - above, 1e-30)), axis=0))  # P(max > mid)
+            t0 = tl.where(model >= tail, mid, t0)
+            top = tl.where(model >= tail, top, mid)
+    t0 = tl.where(use, tl.minimum(tl.maximum(t0, lo), hi), lo)
     inv = tl.where(hi > t0, NBINS_ / tl.where(hi > t0, hi - t0, 1.0), 0.0)
     return t0, inv
 
