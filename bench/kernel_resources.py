@@ -59,6 +59,7 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
         MAX_RULE=tables > 1,
         TABLES=tables,
         TABLES_P2=triton.next_power_of_2(tables),
+        CHUNKS=fine.lut_chunks(M, C, 128 // M),
         M=M,
         C=C,
         NBINS_=fine.NBINS,

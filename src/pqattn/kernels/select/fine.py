@@ -8,18 +8,20 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
    max rule), a code's entries of every table side by side, and each chunk's share of the
    scores' bounds (lo = sum_m min_c LUT, hi = sum_m max_c LUT) and of their mean and variance
-   over uniform codes. The row's last program combines them into the bins (`_pq_bins`): NBINS
+   over uniform codes.
+2. `_score_kernel`, grid (spans of tokens, rows): each program combines the partials into the
+   bins (`_pq_bins`; the program of the first candidate stores them for the collect): NBINS
    equal bins of [t0, hi], where t0 is the score above which a normal model of the scores
-   (independent tables for the max rule) puts TAIL_MARGIN x need candidates.
-2. `_score_kernel`, grid (spans of tokens, rows): each candidate's score (float32) into the
-   workspace and a count per bin (a relaxed atomic a token at or above t0; the bulk of the
-   scores, below t0, takes none). The bins are monotone in the score, so the need-th best score
-   lies in one known bin; if fewer than need scores reach t0 (the model was wrong), that bin is
-   the one below t0, all of whose tokens are candidates for the rest. LUT
-   entries are gathered from memory (L1; one vector load a code for the max rule's tables), or,
-   for the max rule's G tables of at most 32 entries, from registers (`tl.gather` along the
-   token axis: a warp shuffle a code). Memory-gather programs split each row evenly, about one
-   program per SM in all: an SM then serves one row, whose tables stay in its L1.
+   (independent tables for the max rule) puts TAIL_MARGIN x need candidates. Then each
+   candidate's score (float32) into the workspace and a count per bin (a relaxed atomic a
+   token at or above t0; the bulk of the scores, below t0, takes none). The bins are monotone in
+   the score, so the need-th best score lies in one known bin; if fewer than need scores reach
+   t0 (the model was wrong), that bin is the one below t0, all of whose tokens are candidates
+   for the rest. LUT entries are gathered from memory (L1; one vector load a code for the max
+   rule's tables), or, for the max rule's G tables of at most 32 entries, from registers
+   (`tl.gather` along the token axis: a warp shuffle a code). Memory-gather programs split each
+   row evenly, about one program per SM in all: an SM then serves one row, whose tables stay in
+   its L1.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
    to a boundary list, and writes its share of sink, window and padding. The last program of a
@@ -75,7 +77,7 @@ REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
 LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
-_CTR = 4  # per-row counters: heavy slots taken, boundary size, collect and LUT programs arrived
+_CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
 
 class RowLayout(NamedTuple):
@@ -136,7 +138,6 @@ def lut_chunks(M: int, C: int, dsub: int) -> int:
 def _lut_kernel(
     q_ptr,
     cent_ptr,
-    len_ptr,
     ws_ptr,
     stride_qb,
     stride_qh,
@@ -146,30 +147,20 @@ def _lut_kernel(
     stride_cc,
     ROWS_PER_B,
     G,
-    sink,
-    window,
-    heavy,  # the score stage's need (the shortlist's size under a re-rank)
-    cand_lo,
-    short_threshold,
     ROW_WS,
     BOUNDS_AT,
-    PQ_BINS_AT,
     LIST_BOUNDS_AT,
-    CTR_AT,
     GROUP: tl.constexpr,  # a row is a KV head (else a query head)
     SUM_RULE: tl.constexpr,  # one table of the group's summed query (else one per head)
     M: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
     CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
-    TABLES: tl.constexpr,
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
-    NBINS_: tl.constexpr,
 ):
     """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
     chunk's sub-quantizers, and the chunk's share of the scores' bounds, mean and variance (sums
-    over its m of min_c, max_c, mean_c and variance_c of LUT). The row's last program to arrive
-    turns them into the bins (`_pq_bins`)."""
+    over its m of min_c, max_c, mean_c and variance_c of LUT), which `_pq_bins` combines."""
     row = tl.program_id(0)
     t = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
@@ -204,15 +195,6 @@ def _lut_kernel(
         # the re-rank's exact scores take their range by atomics: start it empty
         tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
         tl.store(lut_row + LIST_BOUNDS_AT + 1, float("-inf"))
-    tl.debug_barrier()  # every thread's stores precede the release below
-    arrived = ws_ptr + row.to(tl.int64) * ROW_WS + CTR_AT + 3
-    if tl.atomic_add(arrived, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        n = tl.load(len_ptr + b).to(tl.int32)
-        _, _, cand_hi, need, _ = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
-        lo, inv = _pq_bins(lut_row, BOUNDS_AT, need, cand_hi - cand_lo, TABLES, TABLES_P2, CHUNKS, NBINS_)
-        tl.store(lut_row + PQ_BINS_AT, lo)
-        tl.store(lut_row + PQ_BINS_AT + 1, inv)
-        tl.store(arrived, 0)  # for the next call
 
 
 @triton.jit
@@ -319,6 +301,7 @@ def _score_kernel(
     cand_lo,
     short_threshold,
     ROW_WS,
+    BOUNDS_AT,
     PQ_BINS_AT,
     BINS_AT,
     SCORES_AT,
@@ -327,6 +310,7 @@ def _score_kernel(
     MAX_RULE: tl.constexpr,
     TABLES: tl.constexpr,
     TABLES_P2: tl.constexpr,
+    CHUNKS: tl.constexpr,  # the LUT launch's programs per table (its partial sums)
     M: tl.constexpr,
     C: tl.constexpr,
     NBINS_: tl.constexpr,
@@ -346,8 +330,10 @@ def _score_kernel(
     if (first + span > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
-        lo = tl.load(wsf + PQ_BINS_AT)
-        inv = tl.load(wsf + PQ_BINS_AT + 1)
+        lo, inv = _pq_bins(wsf, BOUNDS_AT, need, cand_hi - cand_lo, TABLES, TABLES_P2, CHUNKS, NBINS_)
+        if (cand_lo >= first) & (cand_lo < first + span):  # the first candidate's program
+            tl.store(wsf + PQ_BINS_AT, lo)
+            tl.store(wsf + PQ_BINS_AT + 1, inv)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         if REG_LUT:
             # The max rule's tables of at most a warp's width live in registers, a sub-quantizer's
@@ -802,23 +788,8 @@ def pq_select_fine(
     lut_progs = lut_chunks(M, C, D // M)
     _lut_launch(
         (rows, tables * lut_progs),
-        (q, centroids, lengths, workspace),
-        (
-            *q.stride()[:2],
-            *centroids.stride()[:4],
-            rows_per_b,
-            G,
-            sink,
-            window,
-            list_heavy or heavy,
-            cand_lo,
-            short_threshold,
-            lay.size,
-            lay.bounds,
-            lay.pq_bins,
-            lay.list_bounds,
-            lay.counters,
-        ),
+        (q, centroids, workspace),
+        (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
         dict(
             GROUP=group,
             SUM_RULE=sum_rule,
@@ -826,9 +797,7 @@ def pq_select_fine(
             C=C,
             DSUB=D // M,
             CHUNKS=lut_progs,
-            TABLES=tables,
             TABLES_P2=tables_p2,
-            NBINS_=NBINS,
             num_warps=4,
         ),
     )
@@ -860,6 +829,7 @@ def pq_select_fine(
             cand_lo,
             short_threshold,
             lay.size,
+            lay.bounds,
             lay.pq_bins,
             lay.bins,
             lay.scores,
@@ -870,6 +840,7 @@ def pq_select_fine(
             MAX_RULE=group and not sum_rule,
             TABLES=tables,
             TABLES_P2=tables_p2,
+            CHUNKS=lut_progs,
             M=M,
             C=C,
             NBINS_=NBINS,
