@@ -24,8 +24,8 @@ def _fine_case(
 ):  # fmt: skip
     """Random query, centroids and codes, the selection params, outputs pre-filled with -7, and
     a zeroed workspace with its row layout, for a fine-route call. skewed: LUT entries that rise
-    with the centroid's index and codes mostly 0 or 1 (1% uniform), so that the bins' normal
-    model over uniform codes puts t0 above most of the real scores."""
+    with the centroid's index, codes of the upper half at the candidates the bins' sample scores
+    and the lowest two elsewhere, so that t0 lies above all but sampled candidates (one full row)."""
     C = 2**bits
     q = torch.randn(B, H, D, device=device)
     cent = torch.randn(B, Hkv, M, C, D // M, device=device)
@@ -35,8 +35,11 @@ def _fine_case(
     if skewed:
         q = q.abs() + 0.5
         cent = 0.1 * cent + torch.linspace(-1, 1, C, device=device)[:, None]
-        few = torch.rand(B, Hkv, N, 1, device=device) < 0.01
-        codes = torch.where(few, codes, codes % 2)
+        tables = H // Hkv if share == "group" and rule == "max" else 1
+        sampled = fine.sample_tokens(sink, N - window - sink, fine.sample_size(M, tables)).to(device)
+        high = C // 2 + codes[:, :, sampled] % (C // 2)
+        codes = codes % 2
+        codes[:, :, sampled] = high
     params = SelectParams.make(
         sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
     )
@@ -139,8 +142,9 @@ def test_fine_group_sizes_short_rows_and_heavy_beyond_candidates(device, G, bits
 @pytest.mark.parametrize("finish", FINISHES)
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
 def test_fine_bins_start_above_the_needed_scores(device, monkeypatch, finish, share, rule):
-    """Skewed codes put the bins' start t0 above all but about 1% of the scores, fewer than need:
-    the boundary is then the bin below t0, and the selection stays exact."""
+    """A sample of candidates far from the row (skewed codes) puts the bins' start t0 above all but
+    a few of the sampled scores, fewer than need: the boundary is then the bin below t0, and the
+    selection stays exact."""
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
     monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
     N, sink, window, heavy = 2500, 4, 16, 90

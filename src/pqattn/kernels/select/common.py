@@ -119,7 +119,7 @@ def row_need(n, heavy, window, cand_lo):
 
 
 @triton.jit
-def upper_probit(c, total):
+def _upper_probit(c, total):
     """z with P(Z > z) = c / total for a standard normal Z (Abramowitz & Stegun 26.2.23, error
     below 5e-4; the tail clamped at 2^-40 and 1 - 2^-23): where a normal distribution of the
     scores would put the value that c of `total` tokens reach."""
@@ -175,8 +175,8 @@ def _normal_probes(key, w, k, total):
     mean = s1 / n
     kf = k.to(tl.float32)
     sd = tl.sqrt(tl.maximum(s2 / n - mean * mean, 0.0))
-    p_hi = order_key(mean + upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
-    p_lo = order_key(mean + upper_probit(tl.minimum(kf * _SPREAD, n - 0.5), n) * sd).to(tl.int64)
+    p_hi = order_key(mean + _upper_probit(kf / _SPREAD, n) * sd).to(tl.int64)
+    p_lo = order_key(mean + _upper_probit(tl.minimum(kf * _SPREAD, n - 0.5), n) * sd).to(tl.int64)
     return p_hi, p_lo
 
 

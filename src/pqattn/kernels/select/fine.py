@@ -6,18 +6,18 @@ heads (share="group"). Three launches, none of which waits on one program's chai
 1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[m, c, t] =
    <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
-   max rule), a code's entries of every table side by side, and each chunk's share of the
-   scores' bounds (lo = sum_m min_c LUT, hi = sum_m max_c LUT) and of their mean and variance
-   over uniform codes.
-2. `_score_kernel`, grid (spans of tokens, rows): each program combines the partials into the
-   bins (`_pq_bins`; the program of the first candidate stores them for the collect): NBINS
-   equal bins of [t0, hi], where t0 is the score above which a normal model of the scores
-   (independent tables for the max rule) puts TAIL_MARGIN x need candidates. Then each
-   candidate's score (float32) into the workspace and a count per bin (a relaxed atomic a
-   token at or above t0; the bulk of the scores, below t0, takes none). The bins are monotone in
-   the score, so the need-th best score lies in one known bin; if fewer than need scores reach
-   t0 (the model was wrong), that bin is the one below t0, all of whose tokens are candidates
-   for the rest. LUT entries are gathered from memory (L1; one vector load a code for the max
+   max rule), a code's entries of every table side by side, and each chunk's share of the bounds
+   of any score, lo = sum_m min_c LUT and hi = sum_m max_c LUT (maxed over the tables for the
+   max rule).
+2. `_score_kernel`, grid (spans of tokens, rows): each program first scores a strided sample of
+   the row's candidates and takes from it the bins (`_pq_bins`; the program of the first
+   candidate stores them for the collect): NBINS equal bins of [t0, hi], with t0 a sample score
+   that about need + SAMPLE_SIGMAS standard deviations of the sample's count lie above. Then
+   each candidate's score (float32) into the workspace and a count per bin (a relaxed atomic a
+   token at or above t0; the bulk of the scores, below t0, takes none). The bins are monotone
+   in the score, so the need-th best score lies in one known bin; if fewer than need scores
+   reach t0 (a sample far from the row), that bin is the one below t0, all of whose tokens are
+   candidates for the rest. LUT entries are gathered from memory (L1; one vector load a code for the max
    rule's tables), or, for the max rule's G tables of at most 32 entries, from registers
    (`tl.gather` along the token axis: a warp shuffle a code). Memory-gather programs split each
    row evenly, about one program per SM in all: an SM then serves one row, whose tables stay in
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from pqattn.kernels import paged
 from pqattn.kernels.launch import Launcher
-from pqattn.kernels.select.common import order_key, sm_count, upper_probit
+from pqattn.kernels.select.common import order_key, sm_count
 from pqattn.reference import SelectParams
 
 NBINS = 4096
@@ -56,12 +56,11 @@ TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 RANK_CHUNK = 32  # list entries each step of the all-pairs rank compares against
 KTH_CHUNK = 2048  # bin counts each step of the search for the boundary bin reads
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
-# The PQ bins start where a normal model of the scores puts TAIL_MARGIN x need candidates above
-# (the model's tail was 0.5-1.0x the real one on the generators and the trained model's keys:
-# docs/kernels/select.md); a model tail of TAIL_CUTOFF or more bins every candidate.
-TAIL_MARGIN: tl.constexpr = tl.constexpr(3.0)
-TAIL_CUTOFF: tl.constexpr = tl.constexpr(0.5)
-THRESHOLD_STEPS: tl.constexpr = tl.constexpr(8)  # bisection steps for the max rule's t0
+# The PQ bins start at t0, the sample score that k = S f + SAMPLE_SIGMAS sqrt(S f) of the S sample
+# scores reach (f: need over candidates): under binomial sampling fewer than need candidates then
+# reach t0 with a probability below 1e-6. k of S / 2 or more bins every candidate.
+SAMPLE_SIGMAS: tl.constexpr = tl.constexpr(5.0)
+THRESHOLD_STEPS: tl.constexpr = tl.constexpr(16)  # bisection steps for t0 in the sample's range
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
 # (tokens x M, for at most 4 tables; more spills registers) a step, each row split evenly into
@@ -85,7 +84,7 @@ class RowLayout(NamedTuple):
     and are zero after it; the rest is written before it is read."""
 
     lut: int  # the tables, float32 [M, C, tables_p2] (a code's entries of every table side by side)
-    bounds: int  # partial min, max, mean, variance of the PQ scores, float32 [tables, M-chunks <= M, 4]
+    bounds: int  # partial bounds of the PQ scores, float32 [tables, M-chunks <= M, 2]
     pq_bins: int  # the PQ scores' bins: their start t0 and bins per unit score, float32
     list_bounds: int  # min and max of the re-rank's exact scores
     counters: int
@@ -109,7 +108,7 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     every table load as one vector."""
     lut = 0
     bounds = lut + triton.next_power_of_2(tables) * M * C
-    pq_bins = bounds + 4 * tables * M
+    pq_bins = bounds + 2 * tables * M
     list_bounds = pq_bins + 2
     ctr = list_bounds + 2
     bins = _aligned(ctr + _CTR)
@@ -123,6 +122,17 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
 
 def workspace_numel(rows: int, tables: int, M: int, C: int, N: int, shortlist: int = 0) -> int:
     return rows * row_layout(tables, M, C, N, shortlist).size
+
+
+def sample_size(M: int, tables: int) -> int:
+    """Tokens a step of the score launch's memory gathers takes (SCORE_ELEMENTS codes, of tables
+    side by side for the max rule), and candidates its bins' sample scores."""
+    return max(SCORE_ELEMENTS * 4 // (M * max(triton.next_power_of_2(tables), 4)), 16)
+
+
+def sample_tokens(cand_lo: int, n_cand: int, sample: int) -> torch.Tensor:
+    """The candidates whose scores place the bins' start (`_pq_bins`), int64 [sample]."""
+    return cand_lo + torch.arange(sample, dtype=torch.int64) * max(n_cand, 1) // sample
 
 
 def lut_chunks(M: int, C: int, dsub: int) -> int:
@@ -159,8 +169,8 @@ def _lut_kernel(
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
 ):
     """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
-    chunk's sub-quantizers, and the chunk's share of the scores' bounds, mean and variance (sums
-    over its m of min_c, max_c, mean_c and variance_c of LUT), which `_pq_bins` combines."""
+    chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
+    min_c and max_c LUT), which `_pq_bins` combines."""
     row = tl.program_id(0)
     t = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
@@ -184,13 +194,9 @@ def _lut_kernel(
     ).to(tl.float32)
     lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
     tl.store(lut_row + (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t, lut)
-    part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 4
-    mean = tl.sum(lut, axis=1) / C
-    dev = lut - mean[:, None]
+    part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
     tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
     tl.store(part + 1, tl.sum(tl.max(lut, axis=1), axis=0))
-    tl.store(part + 2, tl.sum(mean, axis=0))
-    tl.store(part + 3, tl.sum(tl.sum(dev * dev, axis=1), axis=0) / C)
     if (t == 0) & (chunk == 0):
         # the re-rank's exact scores take their range by atomics: start it empty
         tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
@@ -198,53 +204,90 @@ def _lut_kernel(
 
 
 @triton.jit
-def _table_sums(at, real):
-    """A partial quantity summed over the LUT launch's chunks, per table [TABLES_P2]."""
-    return tl.sum(tl.load(at, mask=real[:, None], other=0.0), axis=1)
-
-
-@triton.jit
 def _pq_bins(
     wsf,
-    BOUNDS_AT,
-    need,
+    codes_row,
+    stride_kn,
+    stride_km,
+    code_base,
+    cand_lo,
     n_cand,
+    need,
+    BOUNDS_AT,
     TABLES: tl.constexpr,
     TABLES_P2: tl.constexpr,
     CHUNKS: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    MAX_RULE: tl.constexpr,
+    SAMPLE: tl.constexpr,
     NBINS_: tl.constexpr,
 ):
-    """(t0, inv) of the PQ scores' bins from the LUT launch's partial sums: NBINS bins over [t0,
-    hi]. hi (lo) is each table's sum over sub-quantizers of max_c (min_c) LUT, maxed over the
-    tables: any score of the sum or max rule lies in [lo, hi]. t0 in [lo, hi] is where a normal
-    model puts TAIL_MARGIN x need of the n_cand candidates above it: each table's score a sum of
-    independent uniform picks of a centroid per sub-quantizer (its mean and variance), the max
-    rule's tables independent. A model tail of TAIL_CUTOFF or more keeps t0 = lo. A flat range
-    puts every score from t0 in bin 0."""
+    """(t0, inv) of the PQ scores' bins: NBINS bins over [t0, hi]. hi (lo) is each table's sum
+    over sub-quantizers of max_c (min_c) LUT from the LUT launch's partials, maxed over the
+    tables: any score of the sum or max rule lies in [lo, hi]. t0 is a score that k of SAMPLE
+    candidates spread evenly over the row reach (k: see SAMPLE_SIGMAS), found by bisection in
+    the sample's range; t0 = lo when k is half the sample or more. A flat range puts every score
+    from t0 in bin 0."""
     t = tl.arange(0, TABLES_P2)
-    at = BOUNDS_AT + (t[:, None] * CHUNKS + tl.arange(0, CHUNKS)[None, :]) * 4
-    real = t < TABLES
-    lo = tl.max(tl.where(real, _table_sums(wsf + at, real), float("-inf")))
-    hi = tl.max(tl.where(real, _table_sums(wsf + at + 1, real), float("-inf")))
-    mu = _table_sums(wsf + at + 2, real)
-    sd = tl.sqrt(tl.maximum(_table_sums(wsf + at + 3, real), 1e-30))
-    tail = TAIL_MARGIN * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
-    use = (need > 0) & (tail < TAIL_CUTOFF)
-    tail = tl.where(use, tail, TAIL_CUTOFF)
-    # One table: t0 = mu + z sd. The max of T tables passes `tail` between where the table that
-    # reaches furthest alone passes it and where each passes tail / T: bisect in between.
-    t0 = tl.max(tl.where(real, mu + upper_probit(tail, 1.0) * sd, float("-inf")))
-    if TABLES > 1:
-        top = tl.max(tl.where(real, mu + upper_probit(tail / TABLES, 1.0) * sd, float("-inf")))
-        for _ in range(THRESHOLD_STEPS):
-            mid = t0 + (top - t0) * 0.5
-            above = tl.where(real, 0.5 - 0.5 * tl.erf((mid - mu) * (0.7071067811865476 / sd)), 0.0)
-            model = 1.0 - tl.exp(tl.sum(tl.log(tl.maximum(1.0 - above, 1e-30)), axis=0))  # P(max > mid)
-            t0 = tl.where(model >= tail, mid, t0)
-            top = tl.where(model >= tail, top, mid)
-    t0 = tl.where(use, tl.minimum(tl.maximum(t0, lo), hi), lo)
+    at = BOUNDS_AT + (t[:, None] * CHUNKS + tl.arange(0, CHUNKS)[None, :]) * 2
+    real = t[:, None] < TABLES
+    lo = tl.max(tl.where(t < TABLES, tl.sum(tl.load(wsf + at, mask=real, other=0.0), axis=1), float("-inf")))
+    hi = tl.max(
+        tl.where(t < TABLES, tl.sum(tl.load(wsf + at + 1, mask=real, other=0.0), axis=1), float("-inf"))
+    )
+    i = tl.arange(0, SAMPLE)
+    tok = cand_lo + (i.to(tl.int64) * tl.maximum(n_cand, 1) // SAMPLE).to(tl.int32)
+    s = _pq_scores(
+        wsf, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
+    )
+    expect = SAMPLE * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
+    k = expect + SAMPLE_SIGMAS * tl.sqrt(expect)
+    t0 = tl.min(s, axis=0)  # invariant: at least k sample scores reach t0
+    top = tl.max(s, axis=0)
+    for _ in range(THRESHOLD_STEPS):
+        mid = t0 + (top - t0) * 0.5
+        reach = tl.sum((s >= mid).to(tl.float32), axis=0) >= k
+        t0 = tl.where(reach, mid, t0)
+        top = tl.where(reach, top, mid)
+    t0 = tl.where((need > 0) & (k < SAMPLE * 0.5), tl.minimum(tl.maximum(t0, lo), hi), lo)
     inv = tl.where(hi > t0, NBINS_ / tl.where(hi > t0, hi - t0, 1.0), 0.0)
     return t0, inv
+
+
+@triton.jit
+def _pq_scores(
+    wsf,
+    codes_row,
+    tok,
+    cand,
+    stride_kn,
+    stride_km,
+    code_base,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    TABLES: tl.constexpr,
+    TABLES_P2: tl.constexpr,
+    MAX_RULE: tl.constexpr,
+):
+    """The PQ scores of tokens [BLOCK] (candidates where cand) from the row's LUT in memory."""
+    m = tl.arange(0, M)
+    at = (tok - code_base).to(tl.int64)
+    code = tl.load(
+        codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
+    ).to(tl.int32)
+    entry = (m[None, :] * C + code) * TABLES_P2
+    if MAX_RULE:
+        # a code's entries of every table side by side: one vector load serves them all
+        tt = tl.arange(0, TABLES_P2)[None, None, :]
+        lut_at = wsf + entry[:, :, None] + tt
+        if TABLES == TABLES_P2:
+            vals = tl.load(lut_at)
+        else:
+            vals = tl.load(lut_at, mask=tt < TABLES, other=float("-inf"))
+        return tl.max(tl.sum(vals, axis=1), axis=1)
+    else:
+        return tl.sum(tl.load(wsf + entry), axis=1)
 
 
 @triton.jit
@@ -317,6 +360,7 @@ def _score_kernel(
     BLOCK: tl.constexpr,  # tokens per step of the memory-gather loop
     REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
+    SAMPLE: tl.constexpr,  # candidates scored for the bins' start
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -330,11 +374,14 @@ def _score_kernel(
     if (first + span > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
-        lo, inv = _pq_bins(wsf, BOUNDS_AT, need, cand_hi - cand_lo, TABLES, TABLES_P2, CHUNKS, NBINS_)
+        codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+        lo, inv = _pq_bins(
+            wsf, codes_row, stride_kn, stride_km, code_base, cand_lo, cand_hi - cand_lo, need, BOUNDS_AT,
+            TABLES, TABLES_P2, CHUNKS, M, C, MAX_RULE, SAMPLE, NBINS_,
+        )  # fmt: skip
         if (cand_lo >= first) & (cand_lo < first + span):  # the first candidate's program
             tl.store(wsf + PQ_BINS_AT, lo)
             tl.store(wsf + PQ_BINS_AT + 1, inv)
-        codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         if REG_LUT:
             # The max rule's tables of at most a warp's width live in registers, a sub-quantizer's
             # C entries across C lanes: tl.gather along the token axis is one warp shuffle a code.
@@ -360,23 +407,20 @@ def _score_kernel(
             for step in range(0, span, BLOCK):
                 tok = first + step + tl.arange(0, BLOCK)
                 cand = (tok >= cand_lo) & (tok < cand_end)
-                m = tl.arange(0, M)
-                at = (tok - code_base).to(tl.int64)
-                code = tl.load(
-                    codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
-                ).to(tl.int32)
-                entry = (m[None, :] * C + code) * TABLES_P2
-                if MAX_RULE:
-                    # a code's entries of every table side by side: one vector load serves them all
-                    tt = tl.arange(0, TABLES_P2)[None, None, :]
-                    lut_at = wsf + entry[:, :, None] + tt
-                    if TABLES == TABLES_P2:
-                        vals = tl.load(lut_at)
-                    else:
-                        vals = tl.load(lut_at, mask=tt < TABLES, other=float("-inf"))
-                    s = tl.max(tl.sum(vals, axis=1), axis=1)
-                else:
-                    s = tl.sum(tl.load(wsf + entry), axis=1)
+                s = _pq_scores(
+                    wsf,
+                    codes_row,
+                    tok,
+                    cand,
+                    stride_kn,
+                    stride_km,
+                    code_base,
+                    M,
+                    C,
+                    TABLES,
+                    TABLES_P2,
+                    MAX_RULE,
+                )
                 _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
 
 
@@ -803,12 +847,13 @@ def pq_select_fine(
     )
     reg_lut = C <= REG_LUT_MAX_C and tables > 1
     sub = max(REG_LUT_SUB, C)
+    # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step
+    gather_block = sample_size(M, tables)
     if reg_lut:
         score_block = span = max(REG_LUT_ELEMENTS // M, sub)
         score_warps = 4
     else:
-        # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step
-        score_block = max(SCORE_ELEMENTS * 4 // (M * max(tables_p2, 4)), 16)
+        score_block = gather_block
         # each row in the same number of programs, about one program per SM in all
         sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
         per_row = max(sms // rows, 1)
@@ -847,6 +892,7 @@ def pq_select_fine(
             BLOCK=score_block,
             REG_LUT=reg_lut,
             SUB=sub,
+            SAMPLE=gather_block,
             num_warps=score_warps,
         ),
     )
