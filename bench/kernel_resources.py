@@ -66,7 +66,7 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
         BLOCK=block,
         REG_LUT=reg,
         SUB=max(fine.REG_LUT_SUB, C),
-        SAMPLE=fine.sample_size(M, tables),
+        SAMPLE=0 if reg else fine.sample_size(M, tables),
     )
 
 

@@ -227,8 +227,8 @@ def _pq_bins(
     over sub-quantizers of max_c (min_c) LUT from the LUT launch's partials, maxed over the
     tables: any score of the sum or max rule lies in [lo, hi]. t0 is a score that k of SAMPLE
     candidates spread evenly over the row reach (k: see SAMPLE_SIGMAS), found by bisection in
-    the sample's range; t0 = lo when k is half the sample or more. A flat range puts every score
-    from t0 in bin 0."""
+    the sample's range; t0 = lo when k is half the sample or more, or without a sample (SAMPLE =
+    0). A flat range puts every score from t0 in bin 0."""
     t = tl.arange(0, TABLES_P2)
     at = BOUNDS_AT + (t[:, None] * CHUNKS + tl.arange(0, CHUNKS)[None, :]) * 2
     real = t[:, None] < TABLES
@@ -236,6 +236,8 @@ def _pq_bins(
     hi = tl.max(
         tl.where(t < TABLES, tl.sum(tl.load(wsf + at + 1, mask=real, other=0.0), axis=1), float("-inf"))
     )
+    if SAMPLE == 0:
+        return lo, tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
     i = tl.arange(0, SAMPLE)
     tok = cand_lo + (i.to(tl.int64) * tl.maximum(n_cand, 1) // SAMPLE).to(tl.int32)
     s = _pq_scores(
@@ -360,7 +362,7 @@ def _score_kernel(
     BLOCK: tl.constexpr,  # tokens per step of the memory-gather loop
     REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
-    SAMPLE: tl.constexpr,  # candidates scored for the bins' start
+    SAMPLE: tl.constexpr,  # candidates scored for the bins' start (0: the bins span [lo, hi])
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -847,7 +849,8 @@ def pq_select_fine(
     )
     reg_lut = C <= REG_LUT_MAX_C and tables > 1
     sub = max(REG_LUT_SUB, C)
-    # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step
+    # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step. Register-LUT
+    # programs cover a step each: a sample there would double their work, so they bin every score.
     gather_block = sample_size(M, tables)
     if reg_lut:
         score_block = span = max(REG_LUT_ELEMENTS // M, sub)
@@ -892,7 +895,7 @@ def pq_select_fine(
             BLOCK=score_block,
             REG_LUT=reg_lut,
             SUB=sub,
-            SAMPLE=gather_block,
+            SAMPLE=0 if reg_lut else gather_block,
             num_warps=score_warps,
         ),
     )
