@@ -236,23 +236,23 @@ def _pq_bins(
     hi = tl.max(
         tl.where(t < TABLES, tl.sum(tl.load(wsf + at + 1, mask=real, other=0.0), axis=1), float("-inf"))
     )
-    if SAMPLE == 0:
-        return lo, tl.where(hi > lo, NBINS_ / tl.where(hi > lo, hi - lo, 1.0), 0.0)
-    i = tl.arange(0, SAMPLE)
-    tok = cand_lo + (i.to(tl.int64) * tl.maximum(n_cand, 1) // SAMPLE).to(tl.int32)
-    s = _pq_scores(
-        wsf, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
-    )
-    expect = SAMPLE * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
-    k = expect + SAMPLE_SIGMAS * tl.sqrt(expect)
-    t0 = tl.min(s, axis=0)  # invariant: at least k sample scores reach t0
-    top = tl.max(s, axis=0)
-    for _ in range(THRESHOLD_STEPS):
-        mid = t0 + (top - t0) * 0.5
-        reach = tl.sum((s >= mid).to(tl.float32), axis=0) >= k
-        t0 = tl.where(reach, mid, t0)
-        top = tl.where(reach, top, mid)
-    t0 = tl.where((need > 0) & (k < SAMPLE * 0.5), tl.minimum(tl.maximum(t0, lo), hi), lo)
+    t0 = lo
+    if SAMPLE > 0:
+        i = tl.arange(0, SAMPLE)
+        tok = cand_lo + (i.to(tl.int64) * tl.maximum(n_cand, 1) // SAMPLE).to(tl.int32)
+        s = _pq_scores(
+            wsf, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
+        )
+        expect = SAMPLE * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
+        k = expect + SAMPLE_SIGMAS * tl.sqrt(expect)
+        t0 = tl.min(s, axis=0)  # invariant: at least k sample scores reach t0
+        top = tl.max(s, axis=0)
+        for _ in range(THRESHOLD_STEPS):
+            mid = t0 + (top - t0) * 0.5
+            reach = tl.sum((s >= mid).to(tl.float32), axis=0) >= k
+            t0 = tl.where(reach, mid, t0)
+            top = tl.where(reach, top, mid)
+        t0 = tl.where((need > 0) & (k < SAMPLE * 0.5), tl.minimum(tl.maximum(t0, lo), hi), lo)
     inv = tl.where(hi > t0, NBINS_ / tl.where(hi > t0, hi - t0, 1.0), 0.0)
     return t0, inv
 
