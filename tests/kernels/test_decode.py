@@ -173,7 +173,7 @@ def test_group_decode_matches_reference(device, config, G, dtype, q_dtype, monke
     if G == 1:
         monkeypatch.setattr(decode, "_UNROLL_MAX", 1)
         monkeypatch.setattr(decode, "_UNROLL_BLOCK", 2)
-    B, Hkv, N, D, L = 2, 2, 700, 32, 600
+    B, Hkv, N, D, L = 2, 2, 1200, 32, 1100  # two splits or more at every config's BLOCK_L
     H = G * Hkv
     q = torch.randn(B, H, D).to(q_dtype).to(device)
     k = (3 * torch.randn(B, Hkv, N, D)).to(dtype).to(device)

@@ -212,9 +212,11 @@ def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constex
 
 
 # The group kernel's space (entries per split, rows gathered per step, warps): G query rows share
-# each gathered key and value row, as one [GP, BLOCK_N] tensor-core product a step.
+# each gathered key and value row, as one [GP, BLOCK_N] tensor-core product a step. Longer splits
+# serve wide lists: the last program merges one partial a split (docs/kernels/decode.md).
 GROUP_DECODE_CONFIGS = [
-    triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w) for bl, bn, w in ((256, 32, 4), (512, 64, 4))
+    triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
+    for bl, bn, w in ((256, 64, 4), (512, 64, 4), (1024, 64, 4))
 ]
 
 
@@ -321,10 +323,12 @@ def _group_decode_kernel(
     else:
         lock_ptr = ws_ptr
         part_ptr = (ws_ptr + tl.num_programs(1)).to(tl.pointer_type(tl.float32), bitcast=True)
+        # the partials of the G real rows only (the padding rows' are never read)
+        real = g < G
         part = part_ptr + ((row.to(tl.int64) * SPLITS + split) * GP + g) * (D + 2)
-        tl.store(part[:, None] + d[None, :], acc)
-        tl.store(part + D, m)
-        tl.store(part + D + 1, s_sum)
+        tl.store(part[:, None] + d[None, :], acc, mask=real[:, None])
+        tl.store(part + D, m, mask=real)
+        tl.store(part + D + 1, s_sum, mask=real)
         tl.debug_barrier()  # every thread's partial stores precede the release below
         arrived = tl.atomic_add(lock_ptr + row, 1, sem="acq_rel")
         if arrived == SPLITS - 1:  # the last split of the group combines
@@ -335,24 +339,27 @@ def _group_decode_kernel(
             s_sum = tl.zeros([GP], dtype=tl.float32)
             if SPLITS <= UNROLL_MAX:  # unrolled: no split's loads wait on another's sums
                 for sp in tl.static_range(SPLITS):
-                    acc, s_sum, m_all = _merge_group_partial(acc, s_sum, m_all, first, sp, SPLITS, GP, D)
+                    acc, s_sum, m_all = _merge_group_partial(
+                        acc, s_sum, m_all, first, sp, real, SPLITS, GP, D
+                    )
             else:
                 for s0 in range(0, SPLITS, UNROLL_BLOCK):
                     for j in tl.static_range(UNROLL_BLOCK):
                         acc, s_sum, m_all = _merge_group_partial(
-                            acc, s_sum, m_all, first, s0 + j, SPLITS, GP, D
+                            acc, s_sum, m_all, first, s0 + j, real, SPLITS, GP, D
                         )
             _finish_group(out_rows, lse_at, g < G, acc, m_all, s_sum, D, HAS_LSE)
 
 
 @triton.jit
 def _merge_group_partial(
-    acc, s_sum, m_all, first, sp, SPLITS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr
+    acc, s_sum, m_all, first, sp, real, SPLITS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr
 ):
-    """Split sp's partial (its [GP] rows' values, max and sum; none at or past SPLITS) of a group
-    merged into the running (acc, s_sum, m_all), online-softmax style."""
+    """Split sp's partial (its [GP] rows' values, max and sum; none at or past SPLITS, none for
+    rows that are not `real`) of a group merged into the running (acc, s_sum, m_all),
+    online-softmax style."""
     d = tl.arange(0, D)
-    here = (sp + tl.zeros([GP], dtype=tl.int32)) < SPLITS
+    here = ((sp + tl.zeros([GP], dtype=tl.int32)) < SPLITS) & real
     base = first + sp * GP * (D + 2)
     ms = tl.load(base + D, mask=here, other=float("-inf"), cache_modifier=".cg")
     ls = tl.load(base + D + 1, mask=here, other=0.0, cache_modifier=".cg")
