@@ -65,7 +65,6 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
         NBINS_=fine.NBINS,
         BLOCK=block,
         REG_LUT=reg,
-        SHARED_LUT=tables == 1 and C >= fine.SHARED_LUT_MIN_C,
         SUB=max(fine.REG_LUT_SUB, C),
         SAMPLE=0 if reg else fine.sample_size(M, tables),
     )

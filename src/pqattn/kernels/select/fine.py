@@ -73,7 +73,6 @@ INTERPRETER_SMS = 16  # the SM count assumed off the GPU (small test rows still 
 # The max rule's G tables of at most this many centroids are gathered from registers (faster
 # there; one table gathers as fast from memory: docs/kernels/select.md)
 REG_LUT_MAX_C = 32
-SHARED_LUT_MIN_C = 64  # one table of at least this many centroids: gathered through shared memory
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
 LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
@@ -362,7 +361,6 @@ def _score_kernel(
     NBINS_: tl.constexpr,
     BLOCK: tl.constexpr,  # tokens per step of the memory-gather loop
     REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
-    SHARED_LUT: tl.constexpr,  # one table gathered through shared memory (steps of C tokens)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
     SAMPLE: tl.constexpr,  # candidates scored for the bins' start (0: the bins span [lo, hi])
 ):
@@ -406,20 +404,6 @@ def _score_kernel(
                     s = tl.maximum(s, tl.sum(tl.gather(other, code, axis=2), axis=0))
                 tok = base + tok2
                 cand = (tok >= cand_lo) & (tok < cand_end)
-                _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
-        elif SHARED_LUT:
-            # One table, gathered by tl.gather from a [M, C] register tensor, which Triton stages
-            # through shared memory; a step is C tokens, so that the codes' tile has its shape.
-            m2 = tl.arange(0, M)[:, None]
-            table = tl.load(wsf + (m2 * C + tl.arange(0, C)[None, :]) * TABLES_P2)
-            for step in range(0, span, C):
-                tok = first + step + tl.arange(0, C)
-                cand = (tok >= cand_lo) & (tok < cand_end)
-                at = (tok - code_base).to(tl.int64)
-                code = tl.load(
-                    codes_row + at[None, :] * stride_kn + m2 * stride_km, mask=cand[None, :], other=0
-                ).to(tl.int32)
-                s = tl.sum(tl.gather(table, code, axis=1), axis=0)
                 _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
         else:
             for step in range(0, span, BLOCK):
@@ -868,12 +852,11 @@ def pq_select_fine(
     # the max rule's vector loads hold tables_p2 entries a code: fewer codes a step. Register-LUT
     # programs cover a step each: a sample there would double their work, so they bin every score.
     gather_block = sample_size(M, tables)
-    shared_lut = tables == 1 and C >= SHARED_LUT_MIN_C
     if reg_lut:
         score_block = span = max(REG_LUT_ELEMENTS // M, sub)
         score_warps = 4
     else:
-        score_block = C if shared_lut else gather_block
+        score_block = gather_block
         # each row in the same number of programs, about one program per SM in all
         sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
         per_row = max(sms // rows, 1)
@@ -911,7 +894,6 @@ def pq_select_fine(
             NBINS_=NBINS,
             BLOCK=score_block,
             REG_LUT=reg_lut,
-            SHARED_LUT=shared_lut,
             SUB=sub,
             SAMPLE=0 if reg_lut else gather_block,
             num_warps=score_warps,
