@@ -147,7 +147,7 @@ def test_fine_bins_start_above_the_needed_scores(device, monkeypatch, finish, sh
     selection stays exact."""
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])
     monkeypatch.setattr(fine, "BOUNDARY_CAP", FINISHES[finish][1])
-    N, sink, window, heavy = 2500, 4, 16, 90
+    N, sink, window, heavy = 2500, 4, 16, 150
     # bits 6: memory gathers, which sample (register-LUT programs bin every score)
     scores, ws, lay = _run(
         device, B=1, H=8, Hkv=2, N=N, D=32, M=4, bits=6, lengths=[N], sink=sink, window=window,

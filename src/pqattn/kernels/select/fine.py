@@ -12,7 +12,7 @@ heads (share="group"). Three launches, none of which waits on one program's chai
 2. `_score_kernel`, grid (spans of tokens, rows): each program first scores a strided sample of
    the row's candidates and takes from it the bins (`_pq_bins`; the program of the first
    candidate stores them for the collect): NBINS equal bins of [t0, hi], with t0 a sample score
-   that about need + SAMPLE_SIGMAS standard deviations of the sample's count lie above. Then
+   that the sample's expected count above the need-th score plus a margin reaches. Then
    each candidate's score (float32) into the workspace and a count per bin (a relaxed atomic a
    token at or above t0; the bulk of the scores, below t0, takes none). The bins are monotone
    in the score, so the need-th best score lies in one known bin; if fewer than need scores
@@ -56,10 +56,12 @@ TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs
 RANK_CHUNK = 32  # list entries each step of the all-pairs rank compares against
 KTH_CHUNK = 2048  # bin counts each step of the search for the boundary bin reads
 BOUNDARY_CAP = 4096  # boundary positions kept per row; past it the last program scans the row
-# The PQ bins start at t0, the sample score that k = S f + SAMPLE_SIGMAS sqrt(S f) of the S sample
-# scores reach (f: need over candidates): under binomial sampling fewer than need candidates then
-# reach t0 with a probability below 1e-6. k of S / 2 or more bins every candidate.
-SAMPLE_SIGMAS: tl.constexpr = tl.constexpr(5.0)
+# The PQ bins start at t0, a sample score that k = S f + SAMPLE_SIGMAS sqrt(S f) + SAMPLE_SLACK of
+# the S sample scores reach (f: need over candidates). The sample's count above the need-th score
+# is binomial (S, f), so fewer than need candidates reach t0 with a probability below 1e-9 a row
+# for S in [128, 512] and f in [0.005, 0.16]. k of S / 2 or more bins every candidate.
+SAMPLE_SIGMAS: tl.constexpr = tl.constexpr(6.0)
+SAMPLE_SLACK: tl.constexpr = tl.constexpr(6.0)
 THRESHOLD_STEPS: tl.constexpr = tl.constexpr(16)  # bisection steps for t0 in the sample's range
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
@@ -226,7 +228,7 @@ def _pq_bins(
     """(t0, inv) of the PQ scores' bins: NBINS bins over [t0, hi]. hi (lo) is each table's sum
     over sub-quantizers of max_c (min_c) LUT from the LUT launch's partials, maxed over the
     tables: any score of the sum or max rule lies in [lo, hi]. t0 is a score that k of SAMPLE
-    candidates spread evenly over the row reach (k: see SAMPLE_SIGMAS), found by bisection in
+    candidates spread evenly over the row reach (k: see SAMPLE_SLACK), found by bisection in
     the sample's range; t0 = lo when k is half the sample or more, or without a sample (SAMPLE =
     0). A flat range puts every score from t0 in bin 0."""
     t = tl.arange(0, TABLES_P2)
@@ -244,7 +246,7 @@ def _pq_bins(
             wsf, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
         )
         expect = SAMPLE * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
-        k = expect + SAMPLE_SIGMAS * tl.sqrt(expect)
+        k = expect + SAMPLE_SIGMAS * tl.sqrt(expect) + SAMPLE_SLACK
         t0 = tl.min(s, axis=0)  # invariant: at least k sample scores reach t0
         top = tl.max(s, axis=0)
         for _ in range(THRESHOLD_STEPS):
