@@ -17,8 +17,8 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    token at or above t0; the bulk of the scores, below t0, takes none). The bins are monotone
    in the score, so the need-th best score lies in one known bin; if fewer than need scores
    reach t0 (a sample far from the row), that bin is the one below t0, all of whose tokens are
-   candidates for the rest. LUT entries are gathered from memory (L1; one vector load a code for the max
-   rule's tables), or, for the max rule's G tables of at most 32 entries, from registers
+   candidates for the rest. LUT entries are gathered from memory (L1; one vector load a code for
+   the max rule's tables), or, for the max rule's G tables of at most 32 entries, from registers
    (`tl.gather` along the token axis: a warp shuffle a code). Memory-gather programs split each
    row evenly, about one program per SM in all: an SM then serves one row, whose tables stay in
    its L1.
@@ -30,10 +30,9 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    row's counts and counters for the next call.
 Linear bins from t0 put few tokens in the boundary bin for the bell-shaped sums that PQ scores
 are; the fallbacks keep any distribution exact (a boundary bin below t0 is a long one: the
-bisection). A
-re-rank (rerank=R) runs the collect into a shortlist of the top R * heavy, then `_exact_kernel`
-(the shortlist's exact scores and their range), `_list_bins_kernel` (their bins over that range)
-and the collect over the shortlist.
+bisection). A re-rank (rerank=R) runs the collect into a shortlist of the top R * heavy, then
+`_exact_kernel` (the shortlist's exact scores and their range), `_list_bins_kernel` (their bins
+over that range) and the collect over the shortlist.
 Design notes: docs/kernels/select.md.
 """
 
