@@ -109,7 +109,7 @@ def main() -> None:
     args = p.parse_args()
     _stub_launches()
     B, H, Hkv, N, D = 1, 32, 8, 32768, 128
-    config = pqattn.PQConfig(subvectors=2, bits=6, sink=128, window=128, heavy=128)
+    config = pqattn.PQConfig(subvectors=2, bits=6, sink=128, window=128, heavy=128, share="head")
     book = ops.PQCodebook(
         torch.randn(B, Hkv, 2, 64, D // 2), torch.randint(0, 64, (B, Hkv, N - 64, 2), dtype=torch.uint8), None
     )
@@ -134,7 +134,7 @@ def main() -> None:
     out_sel = pqattn.Selection(torch.empty_like(sel.positions), torch.empty_like(sel.counts))
     select_ws = torch.zeros(ops.select_workspace_numel(B * H, 2, 64, N, c.heavy), dtype=torch.int32)
     out = torch.empty_like(q)
-    attn_ws = torch.zeros(ops.decode_workspace_numel(B * H, c.width, D), dtype=torch.int32)
+    attn_ws = torch.zeros(ops.decode_workspace_numel(B * H, c.width(), D), dtype=torch.int32)
     compat = _compat_calls(index, q, k_cache, steps=2000 * 7 + 2)
     calls = {
         "PQIndex.select": lambda: index.select(q),

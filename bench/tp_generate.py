@@ -81,6 +81,9 @@ def main() -> None:
     p.add_argument("--subvectors", type=int, default=2)
     p.add_argument("--share", choices=["head", "group"], default="head", help="per-head or group selection")
     p.add_argument("--group-rule", choices=["sum", "max"], default="sum")
+    p.add_argument(
+        "--group-budget", type=float, help="a group's rows in per-head heavies (default: G, PQConfig's)"
+    )
     p.add_argument("--rerank", type=int, default=0, help="exact re-rank of a shortlist of RERANK x heavy")
     p.add_argument("--samples", type=int, default=5, help="timed samples of the static loop")
     p.add_argument("--steps", type=int, default=16, help="decode steps per sample")
@@ -132,13 +135,19 @@ def main() -> None:
         bits=args.bits,
         share=args.share,
         group_rule=args.group_rule,
+        group_budget=args.group_budget,
         rerank=args.rerank,
         capacity=args.new + 8,
     )
     doc: dict = {"world_size": world, "prompt": args.prompt, "batch": args.batch, "new": args.new}
     doc |= {"model": args.model, "corpus_prompts": args.corpus, "heavy": args.heavy, "sink": args.sink}
     doc |= {"window": args.window, "subvectors": args.subvectors, "bits": args.bits, "share": args.share}
-    doc |= {"group_rule": args.group_rule, "rerank": args.rerank, "dtype": str(dtype).removeprefix("torch.")}
+    doc |= {
+        "group_rule": args.group_rule,
+        "group_budget": args.group_budget,
+        "rerank": args.rerank,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     doc["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for kind in ("dense", "pqattn"):
         if kind == "pqattn":

@@ -60,8 +60,9 @@ def assert_selection_exact(
 
 
 def assert_index_selection(index, sel, q) -> None:
-    """A PQIndex's selection for q obeys SPEC §2 for the index's config, codes and lengths."""
+    """A per-head PQIndex's selection for q obeys SPEC §2 for the index's config, codes and lengths."""
     c = index.config
+    assert c.share == "head", "a per-head index"
     assert_selection_exact(
         *sel,
         None,
@@ -73,7 +74,7 @@ def assert_index_selection(index, sel, q) -> None:
         window=c.window,
         heavy=c.heavy,
         cand_lo=max(c.offset, c.sink),
-        short_threshold=c.width,
+        short_threshold=c.width(),
     )
 
 

@@ -11,11 +11,14 @@ from pqattn import reference as ref
 from pqattn.index import _MAX_PLANS
 from tests.helpers import assert_close, assert_index_selection, count_plan_replays
 
+# a small per-head index: M=2 sub-vectors of 2 bits
+COARSE = PQConfig(subvectors=2, bits=2, sink=2, window=2, heavy=4, iters=1, share="head")
+
 
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
 def test_build_append_select_attend(device: torch.device, metric: str) -> None:
     B, H, Hkv, N, D, steps = 3, 8, 2, 120, 16, 5
-    cfg = PQConfig(subvectors=4, bits=3, metric=metric, sink=4, window=8, heavy=16, iters=5)
+    cfg = PQConfig(subvectors=4, bits=3, metric=metric, sink=4, window=8, heavy=16, iters=5, share="head")
     k = torch.randn(B, Hkv, N + steps, D, device=device)
     v = torch.randn_like(k)
     lengths = torch.tensor([120, 77, 30], device=device)
@@ -56,7 +59,7 @@ def test_build_append_select_attend(device: torch.device, metric: str) -> None:
 
 def test_append_beyond_capacity_is_refused() -> None:
     k = torch.randn(1, 2, 50, 8)
-    index = PQIndex.build(k, capacity=52, config=PQConfig(bits=2, sink=2, window=2, heavy=4, iters=1))
+    index = PQIndex.build(k, capacity=52, config=COARSE)
     index.append(torch.randn(1, 2, 2, 8))
     with pytest.raises(ValueError, match=r"keys.*capacity=52.*got 53"):
         index.append(torch.randn(1, 2, 1, 8))
@@ -68,7 +71,7 @@ def test_build_and_append_validation() -> None:
         PQIndex.build(k, capacity=30)
     with pytest.raises(ValueError, match=r"subvectors.*D=8.*M=3"):
         PQIndex.build(k, config=PQConfig(subvectors=3))
-    index = PQIndex.build(k, capacity=64, config=PQConfig(bits=2, sink=2, window=2, heavy=4, iters=1))
+    index = PQIndex.build(k, capacity=64, config=COARSE)
     with pytest.raises(ValueError, match=r"keys.*\[B, Hkv, T, D\].*\[2, 3, 1, 8\]"):
         index.append(torch.randn(2, 3, 1, 8))
     with pytest.raises(ValueError, match=r"k_cache.*at least 40.*got 39"):
@@ -85,6 +88,11 @@ def test_build_and_append_validation() -> None:
         ("heavy", 1.5, TypeError),
         ("subvectors", 0, ValueError),
         ("tol", -1.0, ValueError),
+        ("group_budget", 0, ValueError),
+        ("group_budget", float("inf"), ValueError),
+        ("group_budget", True, ValueError),
+        ("sample", -1, ValueError),
+        ("share", "kv", ValueError),
     ],
 )
 def test_config_validation(field: str, value: object, exc: type[Exception]) -> None:
@@ -94,7 +102,52 @@ def test_config_validation(field: str, value: object, exc: type[Exception]) -> N
 
 def test_default_init_offset_is_sink() -> None:
     assert PQConfig(sink=7).offset == 7 and PQConfig(sink=7, init_offset=3).offset == 3
-    assert PQConfig(sink=1, heavy=2, window=3).width == 6
+    assert PQConfig(sink=1, heavy=2, window=3, share="head").width(4) == 6
+
+
+def test_defaults_are_the_measured_operating_point() -> None:
+    """PQConfig() is M=16, 8 bits, built on 16 keys per centroid, one selection per KV head by
+    the max of its heads' scores keeping G per-head heavies (docs/kernels/select.md, "The
+    defaults"); heavy counts tokens per query head whatever the sharing."""
+    c = PQConfig()
+    assert (c.subvectors, c.bits, c.share, c.group_rule, c.rerank) == (16, 8, "group", "max", 0)
+    assert c.keys_per_centroid == 16 and PQConfig(metric="ip").keys_per_centroid == 0
+    assert PQConfig(sample=0).keys_per_centroid == 0
+    with pytest.raises(ValueError, match=r"sample.*'ip'.*every key"):
+        PQConfig(metric="ip", sample=4)
+    c = PQConfig(sink=4, window=8, heavy=10)
+    assert [c.row_heavy(g) for g in (1, 4, 8)] == [10, 40, 80]
+    assert c.width(4) == 4 + 40 + 8
+    assert PQConfig(heavy=10, group_budget=2.5).row_heavy(4) == 25
+    assert PQConfig(heavy=1, group_budget=0.1).row_heavy(4) == 1  # never below one row
+    assert PQConfig(heavy=0).row_heavy(4) == 0
+    assert PQConfig(heavy=10, share="head").row_heavy(4) == 10
+    with pytest.raises(ValueError, match="group"):
+        c.row_heavy(0)
+
+
+def test_a_default_group_index_keeps_g_heavies_per_kv_head(device: torch.device) -> None:
+    """The default config's selection: Hkv rows of sink + G x heavy + window, the reference's
+    group-max selection of that budget, whatever G the queries bring."""
+    B, Hkv, N, D = 1, 2, 300, 32
+    config = PQConfig(subvectors=4, sink=4, window=8, heavy=12, iters=2)
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    index = PQIndex.build(keys, capacity=N, config=config)
+    for g in (1, 4):
+        q = torch.randn(B, Hkv * g, D, device=device)
+        sel = index.select(q)
+        assert sel.positions.shape == (B, Hkv, 4 + 12 * g + 8)
+        scores = ref.group_scores(
+            ref.pq_scores(q.double(), index.centroids.double(), index.codes), Hkv, "max"
+        )
+        want = ref.select_from_scores(scores, index.lengths, sink=4, window=8, heavy=12 * g, init_offset=4)
+        assert torch.equal(sel.counts, want.counts)
+        for r in range(Hkv):
+            c = int(sel.counts[0, r])
+            got = scores[0, r, sel.positions[0, r, :c].long()].sort().values
+            assert_close(
+                got, scores[0, r, want.positions[0, r, :c].long()].sort().values, atol=1e-6, rtol=1e-6
+            )
 
 
 def test_public_names() -> None:
@@ -103,7 +156,7 @@ def test_public_names() -> None:
 
 
 def _step_setup(device, *, B=2, H=8, Hkv=2, N=600, D=64, steps=3, dtype=torch.float32):
-    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=32, iters=3)
+    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=32, iters=3, share="head")
     keys = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
     values = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
     lengths = [N, N - 50]
@@ -193,7 +246,7 @@ def test_decode_step_in_a_cuda_graph(device: torch.device) -> None:
 
 
 def test_from_codebook_holds_a_codebook_built_elsewhere(device: torch.device) -> None:
-    cfg = PQConfig(subvectors=2, bits=3, sink=2, window=2, heavy=5, iters=2)
+    cfg = PQConfig(subvectors=2, bits=3, sink=2, window=2, heavy=5, iters=2, share="head")
     keys = torch.randn(2, 2, 60, 16, device=device)
     book = pqattn.build_index(
         keys, torch.tensor([60, 41], device=device), subvectors=2, bits=3, iters=2, init_offset=2
@@ -219,7 +272,7 @@ def test_eager_decode_steps_replay_their_plan(subvectors: int, kernel_routes, mo
     the next ones replay them: each step's caches, lengths and output match the reference. (A first
     run warms Triton's caches: a launch that compiles or autotunes is not recorded.)"""
     B, H, Hkv, N, D, steps = 2, 8, 2, 300, 64, 4
-    config = pqattn.PQConfig(subvectors=subvectors, bits=4, sink=4, window=8, heavy=32, iters=2)
+    config = pqattn.PQConfig(subvectors=subvectors, bits=4, sink=4, window=8, heavy=32, iters=2, share="head")
     lengths = [N, N - 70]
     for warm in (True, False):
         keys = torch.randn(B, Hkv, N + steps, D, device=device)
@@ -325,6 +378,7 @@ def test_group_selection_decode_steps(
         iters=2,
         share="group",
         group_rule=rule,
+        group_budget=1,
         sample=8,
         rerank=rerank,
     )

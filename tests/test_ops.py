@@ -211,7 +211,9 @@ class TestValidation:
 
     def test_index_select_names_the_query(self) -> None:
         _, k, _ = _inputs(torch.device("cpu"))
-        index = pqattn.PQIndex.build(k, config=pqattn.PQConfig(bits=2, sink=2, window=2, heavy=4, iters=1))
+        index = pqattn.PQIndex.build(
+            k, config=pqattn.PQConfig(subvectors=2, bits=2, sink=2, window=2, heavy=4, iters=1, share="head")
+        )
         with _raises(ValueError, "q", r"\[B, H, D\]", r"\[2, \*, 16\]", r"\[2, 8, 8\]"):
             index.select(torch.randn(2, 8, 8))
 

@@ -6,6 +6,7 @@ passes a [B, H, N, D] tensor where [B, H, D] was meant learns it from the messag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -271,12 +272,27 @@ def exact_selection_inputs(
     sizes(sink, window, heavy, init_offset)
 
 
-def share_options(share: str, group_rule: str, rerank: int) -> None:
+def share_options(share: str, group_rule: str, rerank: int, group_budget: float | None = None) -> None:
     """A selection's sharing (SPEC §7): share in ("head", "group"), group_rule in ("sum", "max"),
-    rerank a non-negative int."""
+    rerank a non-negative int, group_budget None or a positive number (heavies per group)."""
     if share not in ("head", "group"):
         raise ValueError(f"share: expected 'head' or 'group', got {share!r}")
     if group_rule not in ("sum", "max"):
         raise ValueError(f"group_rule: expected 'sum' or 'max', got {group_rule!r}")
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ValueError(f"rerank: expected a non-negative int, got {rerank!r}")
+    if group_budget is not None and (
+        isinstance(group_budget, bool)
+        or not isinstance(group_budget, (int, float))
+        or not 0 < group_budget < math.inf
+    ):
+        raise ValueError(f"group_budget: expected None or a positive number, got {group_budget!r}")
+
+
+def build_sample(sample: int | None, metric: str) -> None:
+    """A build's sample: None (the metric's default) or keys per centroid >= 0, 0 for ip."""
+    if sample is None:
+        return
+    non_negative_int("sample", sample)
+    if sample and metric != "euclidean":
+        raise ValueError(f"sample: the {metric!r} metric builds on every key, got sample={sample}")

@@ -18,6 +18,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from pqattn.lab.demo import VARIANTS
+
     d, c = WorkloadSpec(), PQConfig()
     p = sub.add_parser(
         "demo",
@@ -39,20 +41,30 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help="sequences B")
     p.add_argument("--sink", type=int, default=c.sink, help="always-kept first tokens")
     p.add_argument("--window", type=int, default=c.window, help="always-kept last tokens")
-    p.add_argument("--heavy", type=int, default=256, help="tokens chosen by the PQ scores")
+    p.add_argument("--heavy", type=int, default=256, help="tokens chosen by the PQ scores, per query head")
     p.add_argument("--subvectors", type=int, default=c.subvectors, help="sub-vectors per key M")
     p.add_argument("--bits", type=int, default=c.bits, help="bits per code (2**bits centroids)")
     p.add_argument("--metric", default=c.metric, choices=["euclidean", "ip"], help="k-means metric (SPEC §1)")
     p.add_argument("--iters", type=int, default=c.iters, help="k-means iterations")
+    p.add_argument(
+        "--sample",
+        type=int,
+        help="k-means keys per centroid (0: every key; default: PQConfig's for the metric)",
+    )
+    p.add_argument(
+        "--share", default=c.share, choices=["head", "group"], help="a selection per query or KV head"
+    )
+    p.add_argument(
+        "--group-rule", default=c.group_rule, choices=["sum", "max"], help="a group's score (SPEC §7)"
+    )
+    p.add_argument("--group-budget", type=float, help="a group's rows in per-head heavies (default: G)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the cache and the k-means init")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per method")
     p.add_argument(
-        "--faithful",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="also run pq-faithful, the fine-code operating point (M=16, 8 bits, group max, re-rank 2): "
-        "auto runs it on a GPU only (on a CPU its reference k-means of 256 centroids takes about a "
-        "minute per cache)",
+        "--variants",
+        default=",".join(VARIANTS),
+        help="indexes run beside the config, comma-separated ('' for none): faithful (the config with an "
+        "exact re-rank of twice its rows), coarse (M=2, 6 bits, per-head selection)",
     )
     p.add_argument(
         "--generators",
@@ -66,7 +78,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from pqattn.lab.demo import faithful_config, format_table, generator_spec, run_demo
+    from pqattn.lab.demo import format_table, generator_spec, run_demo, variant_configs
     from pqattn.lab.env import resolve_device
 
     device = resolve_device(args.device)
@@ -93,9 +105,12 @@ def _run_demo(args: argparse.Namespace) -> int:
         heavy=args.heavy,
         iters=args.iters,
         seed=args.seed,
+        sample=args.sample,
+        share=args.share,
+        group_rule=args.group_rule,
+        group_budget=args.group_budget,
     )
-    on = args.faithful == "on" or (args.faithful == "auto" and device.type == "cuda")
-    faithful = faithful_config(config, args.group) if on else None
+    variants = variant_configs(config, tuple(v for v in args.variants.split(",") if v))
     runs = [
         run_demo(
             generator_spec(g, spec),
@@ -103,7 +118,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             device=device,
             dtype=dtype,
             repeats=args.repeats,
-            faithful=faithful,
+            variants=variants,
         )
         for g in (x for x in args.generators.split(",") if x)
     ]
@@ -470,6 +485,12 @@ def _add_policy_args(p: argparse.ArgumentParser, density_help: str) -> None:
         help="PQ configs as MxBITS, comma-separated",
     )
     p.add_argument("--page", type=int, default=t.page, help="tokens per page of the page policy")
+    p.add_argument(
+        "--families",
+        default="",
+        help="further policy families at each density, comma-separated, e.g. "
+        "pq-M16-b8-group-max-x4-rr2,oracle-group-max-x1 (group selection, re-rank, sample builds)",
+    )
     p.add_argument("--sink", type=int, default=t.sink, help="always-kept first tokens")
     p.add_argument("--window", type=int, default=t.window, help="always-kept last tokens")
     p.add_argument("--iters", type=int, default=t.iters, help="k-means iterations of the PQ builds")
@@ -501,12 +522,6 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-buckets", type=int, default=t.passkey_buckets, help="depth buckets")
     p.add_argument("--passkey-trials", type=int, default=t.passkey_trials, help="trials per depth bucket")
     _add_policy_args(p, "heavy / prefill length")
-    p.add_argument(
-        "--families",
-        default="",
-        help="further policy families at each density, comma-separated, e.g. "
-        "pq-M16-b8-group-max-x4-rr2,oracle-group-max-x1 (group selection, re-rank, sample builds)",
-    )
     p.add_argument(
         "--batch-tokens", type=int, default=t.batch_tokens, help="tokens per forward (documents batched)"
     )
@@ -597,12 +612,12 @@ def _pq_configs(text: str) -> tuple[tuple[int, int], ...]:
 def _run_pareto(args: argparse.Namespace) -> int:
     from pqattn.lab import pareto
     from pqattn.lab.env import environment, resolve_device
-    from pqattn.lab.policies import policy_grid
+    from pqattn.lab.policies import from_family, policy_grid
 
     device = resolve_device(args.device)
-    policies = policy_grid(
-        tuple(float(d) for d in args.densities.split(",")), _pq_configs(args.pq), args.page
-    )
+    densities = tuple(float(d) for d in args.densities.split(","))
+    policies = policy_grid(densities, _pq_configs(args.pq), args.page)
+    policies += [from_family(f, d) for d in densities for f in args.families.split(",") if f]
     tasks_doc = None
     if args.tasks:
         with open(args.tasks) as f:

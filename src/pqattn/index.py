@@ -13,23 +13,30 @@ from pqattn.kernels.launch import PlanCache, recording, signature
 from pqattn.reference import Selection, SelectParams
 
 _MAX_PLANS = 16  # plans an index keeps (the least recently used goes first)
+DEFAULT_SAMPLE = 16  # keys per centroid of a euclidean build (docs/kernels/kmeans.md)
 
 
 @dataclass(frozen=True)
 class PQConfig:
     """What to quantize and what to select.
 
+    The defaults are the operating point the quality harness measured best (docs/kernels/select.md,
+    "The defaults"): M=16 sub-vectors of 8 bits, one selection per KV head by the max of its G
+    heads' PQ scores, keeping G per-head heavies.
+
     subvectors (M) and bits (C = 2**bits centroids per sub-vector) shape the index; sink, window
-    and heavy are the selection sizes; init_offset (default: sink) is the first quantized token;
-    iters / tol / seed drive the k-means build, on a strided sample of `sample` keys per centroid
-    when sample > 0 (euclidean; 0: every key). share="group" selects one set per KV head for
-    its G query heads (heavy is then the group's budget) by the group score of `group_rule`
-    ("sum" or "max" of the heads' PQ scores; SPEC §7). rerank=R >= 1 takes the top heavy by the
-    exact <q, k> among the top R * heavy by PQ score (the selection then reads the key cache).
+    and heavy are the selection sizes, heavy in tokens per query head; init_offset (default:
+    sink) is the first quantized token; iters / tol / seed drive the k-means build, on a strided
+    sample of `sample` keys per centroid (None: 16 for euclidean, every key for ip; 0: every
+    key). share="group" selects one set per KV head for its G query heads by the group score of
+    `group_rule` ("sum" or "max" of the heads' PQ scores; SPEC §7), of group_budget x heavy
+    tokens (None: G x heavy, the rows its heads would select one by one); share="head" selects
+    heavy tokens per query head. rerank=R >= 1 takes the top by the exact <q, k> among R times as
+    many by PQ score (the selection then reads the key cache).
     """
 
-    subvectors: int = 2
-    bits: int = 6
+    subvectors: int = 16
+    bits: int = 8
     metric: str = "euclidean"
     sink: int = 128
     window: int = 128
@@ -38,19 +45,16 @@ class PQConfig:
     iters: int = 10
     tol: float = 1e-4
     seed: int = 0
-    sample: int = 0
-    share: str = "head"
-    group_rule: str = "sum"
+    sample: int | None = None
+    share: str = "group"
+    group_rule: str = "max"
+    group_budget: float | None = None
     rerank: int = 0
 
     def __post_init__(self) -> None:
         check.positive_int("subvectors", self.subvectors)
-        check.non_negative_int("sample", self.sample)
-        if self.sample and self.metric != "euclidean":
-            raise ValueError(
-                f"sample: the {self.metric!r} metric builds on every key, got sample={self.sample}"
-            )
-        check.share_options(self.share, self.group_rule, self.rerank)
+        check.build_sample(self.sample, self.metric)
+        check.share_options(self.share, self.group_rule, self.rerank, self.group_budget)
         check.bits(self.bits)
         check.metric(self.metric)
         for name in ("sink", "window", "heavy", "iters"):
@@ -66,9 +70,24 @@ class PQConfig:
         return self.sink if self.init_offset is None else self.init_offset
 
     @property
-    def width(self) -> int:
-        """L, the selection list width: sink + heavy + window."""
-        return self.sink + self.heavy + self.window
+    def keys_per_centroid(self) -> int:
+        """The build's sample in keys per centroid (0: every key), `sample` resolved for the metric."""
+        if self.sample is not None:
+            return self.sample
+        return DEFAULT_SAMPLE if self.metric == "euclidean" else 0
+
+    def row_heavy(self, group: int) -> int:
+        """The heavy tokens one selection row keeps for queries of `group` heads per KV head: heavy
+        per query head, or a group's group_budget x heavy (G x heavy when None) per KV head."""
+        check.positive_int("group", group)
+        if self.share == "head" or self.heavy == 0:
+            return self.heavy
+        budget = group if self.group_budget is None else self.group_budget
+        return max(1, round(budget * self.heavy))
+
+    def width(self, group: int = 1) -> int:
+        """L, the selection list width for `group` query heads per KV head: sink + row_heavy + window."""
+        return self.sink + self.row_heavy(group) + self.window
 
 
 class PQIndex:
@@ -185,10 +204,10 @@ class PQIndex:
             the PQIndex.
 
         Example:
-            >>> index = PQIndex.build(torch.randn(1, 2, 256, 16), [200], capacity=260,
-            ...                       config=PQConfig(bits=4, sink=4, window=8, heavy=16, iters=2))
+            >>> config = PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=16, iters=2)
+            >>> index = PQIndex.build(torch.randn(1, 2, 256, 16), [200], capacity=260, config=config)
             >>> index.lengths.tolist(), index.codes.shape
-            ([200], torch.Size([1, 2, 260, 2]))
+            ([200], torch.Size([1, 2, 260, 4]))
         """
         config = config or PQConfig()
         check.key_cache("keys", keys)
@@ -202,7 +221,7 @@ class PQIndex:
         check.kv_head_share(head_offset, total_heads, keys.shape[1])
         c = config
         built = dispatch.build(
-            keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed, c.sample,
+            keys, lens, c.subvectors, c.bits, c.metric, c.offset, c.iters, c.tol, c.seed, c.keys_per_centroid,
             head_offset, total_heads,
         )  # fmt: skip
         return cls._filled(config, built, lens, capacity, D)
@@ -432,14 +451,17 @@ class PQIndex:
 
         Returns:
             Selection(positions [B, H, sink + heavy + window] int32, -1 past the count; counts
-            [B, H] int32), with Hkv rows for share="group". On the kernel path it is a buffer of
-            the index's, overwritten by the next call.
+            [B, H] int32); for share="group" Hkv rows of width `config.width(H // Hkv)`. On the
+            kernel path it is a buffer of the index's, overwritten by the next call.
 
         Example:
-            >>> index = PQIndex.build(torch.randn(1, 2, 256, 16), config=PQConfig(bits=4, sink=4, window=8,
-            ...                                                                  heavy=16, iters=2))
-            >>> index.select(torch.randn(1, 4, 16)).counts.tolist()
-            [[28, 28, 28, 28]]
+            >>> keys = torch.randn(1, 2, 256, 16)
+            >>> config = PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=8, iters=2)
+            >>> PQIndex.build(keys, config=config).select(torch.randn(1, 4, 16)).counts.tolist()
+            [[28, 28]]
+            >>> config = PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=8, iters=2, share="head")
+            >>> PQIndex.build(keys, config=config).select(torch.randn(1, 4, 16)).counts.tolist()
+            [[20, 20, 20, 20]]
         """
         c = self.config
         if c.rerank and keys is None:
@@ -470,7 +492,9 @@ class PQIndex:
                     f"keys: expected at least {self._max_length} tokens on axis 2 (the longest sequence), "
                     f"got {keys.shape[2]}"
                 )
-        kernel = dispatch.kernel_path(q, self.centroids, c.heavy, c.share, c.rerank)
+        group = max(1, q.shape[1] // self.kv_heads)
+        heavy, width = c.row_heavy(group), c.width(group)
+        kernel = dispatch.kernel_path(q, self.centroids, heavy, c.share, c.rerank)
         if not kernel:
             if keys is not None and keys.shape[2] != self.capacity:  # the reference scores every row
                 keys = torch.nn.functional.pad(
@@ -483,7 +507,7 @@ class PQIndex:
                 self.lengths,
                 sink=c.sink,
                 window=c.window,
-                heavy=c.heavy,
+                heavy=heavy,
                 init_offset=c.offset,
                 share=c.share,
                 group_rule=c.group_rule,
@@ -497,7 +521,7 @@ class PQIndex:
             R = self.kv_heads if group else H
             self._plans.forget(self._workspace, *(self._selection or ()))
             self._selection = Selection(
-                torch.empty(self.batch, R, c.width, dtype=torch.int32, device=self.device),
+                torch.empty(self.batch, R, width, dtype=torch.int32, device=self.device),
                 torch.empty(self.batch, R, dtype=torch.int32, device=self.device),
             )
             self._selection_heads = H
@@ -506,7 +530,7 @@ class PQIndex:
                 M,
                 C,
                 self.codes.shape[2],
-                c.heavy,
+                heavy,
                 kept_histogram=self._hist is not None,
                 buckets=self._buckets is not None,
                 share=c.share,
@@ -523,9 +547,9 @@ class PQIndex:
                 SelectParams.make(
                     sink=c.sink,
                     window=c.window,
-                    heavy=c.heavy,
+                    heavy=heavy,
                     cand_lo=self._cand_lo,
-                    short_threshold=c.width,
+                    short_threshold=width,
                     n_tokens=self.codes.shape[2],
                 ),
                 out=self._selection,
@@ -582,7 +606,11 @@ class PQIndex:
         return dispatch.decode_kernel_path(q) and (
             not select
             or dispatch.kernel_path(
-                q, self.centroids, self.config.heavy, self.config.share, self.config.rerank
+                q,
+                self.centroids,
+                self.config.row_heavy(max(1, q.shape[1] // self.kv_heads)),
+                self.config.share,
+                self.config.rerank,
             )
         )
 

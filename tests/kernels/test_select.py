@@ -312,7 +312,7 @@ def test_index_decode_step_in_a_cuda_graph(device: torch.device) -> None:
         pytest.skip("CUDA graphs need a GPU")
     B, H, Hkv, N, D, steps = 2, 8, 2, 2048, 64, 4
     keys = torch.randn(B, Hkv, N + steps, D, device=device)
-    config = pqattn.PQConfig(subvectors=4, bits=5, sink=8, window=16, heavy=64, iters=3)
+    config = pqattn.PQConfig(subvectors=4, bits=5, sink=8, window=16, heavy=64, iters=3, share="head")
     index = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 100], capacity=N + steps, config=config)
     shadow = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 100], capacity=N + steps, config=config)
     k_new = torch.empty(B, Hkv, 1, D, device=device)

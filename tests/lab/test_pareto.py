@@ -69,11 +69,22 @@ def test_times_quality_rows_plot_and_report(tmp_path) -> None:
 def test_cli_times_only_then_join(tmp_path) -> None:
     times = tmp_path / "times.json"
     common = ["--tokens", "256", "--densities", "0.1", "--pq", "2x3", "--sink", "8", "--window", "8"]
-    common += ["--iters", "1", "--repeats", "1", "--device", "cpu"]
+    common += [
+        "--iters",
+        "1",
+        "--repeats",
+        "1",
+        "--device",
+        "cpu",
+        "--families",
+        "pq-M2-b3-group-max-x2-rr2-s4",
+    ]
     assert main(["pareto", "--times-only", "--json", str(times), *common]) == 0
     assert set(json.loads(times.read_text())) == {"times"}
     out = tmp_path / "p.json"
     assert main(["pareto", "--times", str(times), "--json", str(out), *common]) == 0
     doc = json.loads(out.read_text())
-    assert doc["times"] == json.loads(times.read_text())["times"] and len(doc["rows"]) == 5
+    assert doc["times"] == json.loads(times.read_text())["times"] and len(doc["rows"]) == 6
+    group = next(r for r in doc["rows"] if r["family"] == "pq-M2-b3-group-max-x2-rr2-s4")
+    assert group["step_us"] > 0 and 0 < group["mass_workload"] <= 1.5
     assert main(["pareto", "--pq", "2by3", "--device", "cpu"]) == 2

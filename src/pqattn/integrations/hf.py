@@ -45,9 +45,10 @@ class HFConfig:
     heavy: tokens chosen by the PQ scores, or heavy_fraction of the prompt length (at most one
     of the two; 1024 tokens when neither is given);
     sink / window: always kept; subvectors (M), bits, metric, iters, sample: the index (SPEC §1,
-    `PQConfig`); share / group_rule / rerank: per-head or group (GQA-shared) selection and the
-    exact re-rank of a PQ shortlist (SPEC §7, `PQConfig`; with share="group", heavy is the budget
-    of each KV head);
+    `PQConfig`); share / group_rule / group_budget / rerank: per-head or group (GQA-shared)
+    selection and the exact re-rank of a PQ shortlist (SPEC §7, `PQConfig`: heavy counts tokens
+    per query head, and a group keeps group_budget x heavy, G x heavy by default). The defaults
+    are PQConfig's measured operating point (M=16, 8 bits, group max);
     dense_layers: layer indices that never go sparse; capacity: decode tokens the index has room
     for after the prompt; prefill: "sdpa" (PyTorch's SDPA) or "pqattn" (`pqattn.dense_attention`:
     the Triton flash kernel for CUDA fp16/bf16, the reference elsewhere). Prompts with padding,
@@ -58,13 +59,14 @@ class HFConfig:
     heavy_fraction: float | None = None
     sink: int = 128
     window: int = 128
-    subvectors: int = 2
-    bits: int = 6
+    subvectors: int = 16
+    bits: int = 8
     metric: str = "euclidean"
     iters: int = 10
-    sample: int = 0
-    share: str = "head"
-    group_rule: str = "sum"
+    sample: int | None = None
+    share: str = "group"
+    group_rule: str = "max"
+    group_budget: float | None = None
     rerank: int = 0
     dense_layers: tuple[int, ...] = ()
     capacity: int = 4096
@@ -79,12 +81,8 @@ class HFConfig:
         check.bits(self.bits)
         check.metric(self.metric)
         check.positive_int("capacity", self.capacity)
-        check.non_negative_int("sample", self.sample)
-        if self.sample and self.metric != "euclidean":
-            raise ValueError(
-                f"sample: the {self.metric!r} metric builds on every key, got sample={self.sample}"
-            )
-        check.share_options(self.share, self.group_rule, self.rerank)
+        check.build_sample(self.sample, self.metric)
+        check.share_options(self.share, self.group_rule, self.rerank, self.group_budget)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers: expected non-negative layer indices, got {self.dense_layers!r}")
         if self.prefill not in PREFILL:
@@ -177,6 +175,7 @@ def pq_attention_forward(
             sample=c.sample,
             share=c.share,
             group_rule=c.group_rule,
+            group_budget=c.group_budget,
             rerank=c.rerank,
         )
         capacity = S if state.static else S + c.capacity

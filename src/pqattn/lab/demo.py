@@ -3,8 +3,8 @@
 Builds the index over the prefill, runs the decode steps (append the step's key, select, attend)
 and reports per method the captured attention mass, the recall of the oracle's heavy tokens, the
 output error against dense attention, and the time of one decode step against dense SDPA measured
-in the same run. With a faithful config (`faithful_config`) a second index shows the fine-code
-operating point beside the default one: quality and speed of both, same run.
+in the same run. Variants of the config (`variant_configs`: the exact re-rank on top of it, the
+coarse per-head index it replaced as the default) run beside it: quality and speed, same run.
 """
 
 from __future__ import annotations
@@ -26,18 +26,24 @@ from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 METHODS = ("pq", "streaming", "oracle")
-FAITHFUL = "pq-faithful"
+VARIANTS = ("faithful", "coarse")
+# the fields that shape an index's codebook: variants equal in them share one build
+_BUILD_FIELDS = ("subvectors", "bits", "metric", "init_offset", "iters", "tol", "seed", "sample", "sink")
 
 
-def faithful_config(config: PQConfig, group: int) -> PQConfig:
-    """The faithful operating point beside `config` (docs/kernels/select.md, fidelity tables):
-    M=16, 8 bits built on 16 keys per centroid (docs/kernels/kmeans.md: the attention mass of
-    every key's build), one selection per KV head by the max of its G heads' scores with G
-    per-head heavies, re-ranked exactly from a shortlist of twice that."""
-    return dataclasses.replace(
-        config, subvectors=16, bits=8, sample=16, share="group", group_rule="max", heavy=group * config.heavy,
-        rerank=2,
-    )  # fmt: skip
+def variant_configs(config: PQConfig, names: tuple[str, ...] = VARIANTS) -> dict[str, PQConfig]:
+    """The variants run beside `config`, by method name: pq-faithful, `config` with the exact
+    re-rank of a shortlist of twice its rows (docs/kernels/select.md: the oracle's attention mass
+    on both generators); pq-coarse, per-head selection over M=2, 6-bit codes (the fastest index,
+    and the default before the fine-code one)."""
+    made = {
+        "faithful": dataclasses.replace(config, rerank=2),
+        "coarse": dataclasses.replace(config, subvectors=2, bits=6, sample=0, share="head", rerank=0),
+    }
+    unknown = [n for n in names if n not in made]
+    if unknown:
+        raise ValueError(f"variants: expected names among {VARIANTS}, got {', '.join(unknown)}")
+    return {f"pq-{n}": made[n] for n in names}
 
 
 GENERATORS = ("workload", "needles")
@@ -60,10 +66,11 @@ def run_demo(
     device: torch.device,
     dtype: torch.dtype,
     repeats: int = 20,
-    faithful: PQConfig | None = None,
+    variants: dict[str, PQConfig] | None = None,
 ) -> dict:
     """Run the synthetic cache of `spec` (pqattn.lab.workload or pqattn.lab.needles) and return the
-    results as a JSON-ready dict; `faithful`: a second index's config, reported as pq-faithful."""
+    results as a JSON-ready dict; `variants`: more indexes by method name (`variant_configs`),
+    each reported beside pq."""
     needles = isinstance(spec, NeedleSpec)
     work = (make_needles(spec) if needles else make_workload(spec)).to(device, dtype)
     N, H = spec.tokens, spec.num_heads
@@ -74,11 +81,15 @@ def run_demo(
     index = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=c)
     sync(device)
     build_ms = (time.perf_counter() - t0) * 1e3
-    methods = METHODS
+    variants = variants or {}
+    methods = ("pq", *variants, *METHODS[1:])
     indexes = {"pq": index}
-    if faithful is not None:
-        methods = ("pq", FAITHFUL, *METHODS[1:])
-        indexes[FAITHFUL] = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=faithful)
+    for name, vc in variants.items():
+        if all(getattr(vc, f) == getattr(c, f) for f in _BUILD_FIELDS):  # the same codebook
+            book = ops.PQCodebook(index.centroids, index.codes[:, :, :N], None)
+            indexes[name] = PQIndex.from_codebook(book, capacity=N + spec.steps, config=vc)
+        else:
+            indexes[name] = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=vc)
 
     def select(method: str, q: torch.Tensor, n: int) -> pqattn.Selection:
         """The method's selection, one row per query head (a group selection's rows repeated)."""
@@ -164,7 +175,7 @@ def run_demo(
         "generator": "needles" if needles else "workload",
         "workload": dataclasses.asdict(spec),
         "config": dataclasses.asdict(config),
-        "faithful_config": None if faithful is None else dataclasses.asdict(faithful),
+        "variants": {name: dataclasses.asdict(vc) for name, vc in variants.items()},
         "dtype": str(dtype).removeprefix("torch."),
         "environment": environment(device),
         "build_ms": build_ms,
@@ -215,27 +226,37 @@ def has_gpu(result: dict) -> bool:
     return any(r.get("step_gpu_us") is not None for r in result["results"])
 
 
+def describe(c: dict, group: int) -> str:
+    """One line on an index config (a PQConfig as a dict) for queries of `group` heads per KV head."""
+    sample = c["sample"]
+    if sample is None:
+        sample = 16 if c["metric"] == "euclidean" else 0
+    built = f"on {sample} keys per centroid" if sample else "on every key"
+    text = f"M={c['subvectors']}, {c['bits']} bits, {c['metric']}, {built}; "
+    if c["share"] == "group":
+        budget = group if c.get("group_budget") is None else c["group_budget"]
+        rows = max(1, round(budget * c["heavy"])) if c["heavy"] else 0
+        text += f"one selection per KV head ({c['group_rule']} of its {group} heads' scores) of {rows} rows"
+    else:
+        text += f"one selection per query head of {c['heavy']} rows"
+    if c["rerank"]:
+        text += f", exact re-rank of {c['rerank']} x as many"
+    return text
+
+
 def format_table(result: dict) -> str:
     w, c, env = result["workload"], result["config"], result["environment"]
     H = w["kv_heads"] * w["group"]
-    width = c["sink"] + c["heavy"] + c["window"]
     lines = [
         f"pqattn demo: {_DESCRIPTION[result.get('generator', 'workload')]}, {w['tokens']} tokens + "
         f"{w['steps']} decode steps, "
         f"B={w['batch']} H={H} Hkv={w['kv_heads']} D={w['head_dim']}, {result['dtype']} on "
         f"{env['device']} ({env['device_name']})",
-        f"index: M={c['subvectors']} sub-vectors, {c['bits']} bits ({1 << c['bits']} centroids), "
-        f"{c['metric']}, "
-        f"built in {result['build_ms']:.0f} ms; budget sink {c['sink']} + heavy {c['heavy']} + window "
-        f"{c['window']} = {width} tokens",
+        f"budget: sink {c['sink']} + heavy {c['heavy']} per query head + window {c['window']}; "
+        f"index built in {result['build_ms']:.0f} ms",
+        f"pq: {describe(c, w['group'])}",
     ]
-    f = result.get("faithful_config")
-    if f:
-        lines.append(
-            f"pq-faithful: M={f['subvectors']}, {f['bits']} bits on {f['sample']} keys per centroid, one "
-            f"selection per KV head ({f['group_rule']} of its heads' scores, heavy {f['heavy']}), exact "
-            f"re-rank of {f['rerank']} x heavy"
-        )
+    lines += [f"{name}: {describe(vc, w['group'])}" for name, vc in result.get("variants", {}).items()]
     lines += [
         "",
         f"{'method':<11} {'tokens':>7} {'attn mass':>10} {'oracle recall':>14} {'out rel err':>12} "

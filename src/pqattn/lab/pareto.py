@@ -2,7 +2,8 @@
 
 Speed: one decode step of a layer (selection + sparse attention; dense: torch SDPA over the whole
 cache) at B=1, H=32, Hkv=8, D=128, bf16, over the `pqattn.lab.workload` cache of N tokens, each
-policy at heavy = round(density * N) beyond sink and window. GPU time from CUDA-graph replay on a
+policy at heavy = round(density * N) per query head beyond sink and window (a group selection
+keeps its budget of them per KV head). GPU time from CUDA-graph replay on a
 GPU (eager wall-clock with a sync on a CPU, marked as such). Policies without a kernel (the exact
 oracle, pages) have no step time: they are shown for quality only.
 
@@ -61,7 +62,7 @@ def step_times(
     lengths = torch.full((B,), N, device=device, dtype=torch.int64)
     rows = [{"policy": "dense", "family": "dense", "density": 1.0, "kernel": "torch SDPA"}]
     rows[0] |= _time(lambda: baselines.sdpa_decode(q, k, v), device, repeats)
-    books: dict[tuple[int, int], ops.PQCodebook] = {}
+    books: dict[tuple[int, int, int], ops.PQCodebook] = {}
     for p in policies:
         if p.kind == "dense":
             continue
@@ -84,20 +85,32 @@ def step_times(
 
             kernel = "pqattn sparse_decode" if ops.decode_kernel_path(q) else "reference"
         else:
-            key = (p.subvectors, p.bits)
+            key = (p.subvectors, p.bits, p.sample)
             if key not in books:
                 books[key] = ops.build_index(
-                    k, subvectors=p.subvectors, bits=p.bits, init_offset=sink, iters=iters
+                    k, subvectors=p.subvectors, bits=p.bits, init_offset=sink, iters=iters, sample=p.sample
                 )
             config = PQConfig(
-                subvectors=p.subvectors, bits=p.bits, sink=sink, window=window, heavy=heavy, init_offset=sink
+                subvectors=p.subvectors,
+                bits=p.bits,
+                sink=sink,
+                window=window,
+                heavy=heavy,
+                init_offset=sink,
+                sample=p.sample,
+                share=p.share,
+                group_rule=p.group_rule,
+                group_budget=p.budget,
+                rerank=p.rerank,
             )
             index = PQIndex.from_codebook(books[key], lengths, capacity=N, config=config)
 
             def fn(index=index):
                 return index.attend(q, k, v)
 
-            on_kernels = ops.kernel_path(q, index.centroids, heavy) and ops.decode_kernel_path(q)
+            row_heavy = config.row_heavy(H // Hkv)
+            on_kernels = ops.kernel_path(q, index.centroids, row_heavy, p.share, p.rerank)
+            on_kernels = on_kernels and ops.decode_kernel_path(q)
             kernel = "pqattn PQIndex select + attend" if on_kernels else "reference"
         fn()
         sync(device)

@@ -22,9 +22,18 @@ HEAD_END = "<!-- headline:end -->"
 # The headline's rows: (policy, what the row says about it)
 HEADLINE = (
     ("dense", "torch SDPA over the whole cache"),
-    ("pq-M2-b6@0.02", "PQ, the default index (M=2, 6 bits)"),
-    ("pq-M2-b6@0.05", "PQ, the default index (M=2, 6 bits)"),
-    ("pq-M16-b8@0.02", "PQ, fine codes (M=16, 8 bits)"),
+    (
+        "pq-M16-b8-group-max-x4-s16@0.02",
+        "PQ, the default (M=16, 8 bits; one selection per KV head of G=4 heavies)",
+    ),
+    (
+        "pq-M16-b8-group-max-x4-s16@0.05",
+        "PQ, the default (M=16, 8 bits; one selection per KV head of G=4 heavies)",
+    ),
+    ("pq-M16-b8-group-max-x4-rr2-s16@0.02", "PQ, the default with the exact re-rank (rerank=2)"),
+    ("pq-M16-b8@0.02", "PQ, fine codes per query head (M=16, 8 bits)"),
+    ("pq-M2-b6@0.02", "PQ, coarse codes per query head (M=2, 6 bits)"),
+    ("pq-M2-b6@0.05", "PQ, coarse codes per query head (M=2, 6 bits)"),
     ("streaming@0.02", "sink + window only"),
     ("oracle@0.02", "exact top-k (no kernel: quality only)"),
     ("pages-16@0.02", "Quest-style pages (no kernel: quality only)"),

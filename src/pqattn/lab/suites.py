@@ -86,7 +86,7 @@ _LOOP_CALLS = 4096
 
 def _index(x: dict, M: int, bits: int, sink: int, window: int, heavy: int) -> PQIndex:
     """A PQIndex over the case's codebook: what a decode loop selects through."""
-    config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy)
+    config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy, share="head")
     book = ops.PQCodebook(x["centroids"], x["codes"], None)
     return PQIndex.from_codebook(book, x["lengths"], config=config)
 
@@ -191,7 +191,16 @@ def _select_case(
         if llm:
             spec = WorkloadSpec(tokens=N, kv_heads=Hkv, group=H // Hkv, head_dim=D, batch=B, seed=seed)
             work = make_workload(spec).to(device, q_dtype)
-            config = PQConfig(subvectors=M, bits=bits, sink=sink, window=window, heavy=heavy, seed=seed)
+            config = PQConfig(
+                subvectors=M,
+                bits=bits,
+                sink=sink,
+                window=window,
+                heavy=heavy,
+                seed=seed,
+                sample=0,
+                share="head",
+            )
             built = PQIndex.build(work.keys[:, :, :N], config=config)
             x = {"q": work.queries[-1].contiguous(), "centroids": built.centroids}
             x["codes"] = built.codes[:, :, :N]
@@ -789,6 +798,8 @@ class _OneDecoder:
 
 # Tokens a generate case's decoder has room for: more than a bench run's calls of one implementation.
 GENERATE_TOKENS = 512
+# The index and selection of the generate cases: per-head selection over M=2, 6-bit codes.
+GENERATE_PQ = dict(subvectors=2, bits=6, share="head")
 
 
 def _generate_case(
@@ -820,7 +831,9 @@ def _generate_case(
     D = hidden // H
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     params = dict(layers=layers, hidden=hidden, H=H, Hkv=Hkv, D=D, vocab=vocab, B=batch, context=context)
-    params.update(heavy=heavy, sink=sink, window=window, dtype=str(dtype).removeprefix("torch."))
+    params.update(
+        heavy=heavy, sink=sink, window=window, dtype=str(dtype).removeprefix("torch."), **GENERATE_PQ
+    )
     cfg = llama_config(
         layers=layers,
         hidden=hidden,
@@ -844,7 +857,7 @@ def _generate_case(
             model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
             attention = kind.removesuffix("-compiled")
             if attention == "pqattn":
-                pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window))
+                pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window, **GENERATE_PQ))
             else:
                 model.set_attn_implementation(
                     baselines.register_dense_decode() if attention == "split" else "sdpa"

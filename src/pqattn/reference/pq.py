@@ -18,8 +18,15 @@ from typing import NamedTuple
 import torch
 
 # Bound on G * tokens * C elements of one distance block, so builds with C=256 over 128K tokens
-# stay within a few hundred MB.
+# stay within a few hundred MB; on a CPU, blocks of a few MB stay in its caches.
 _ASSIGN_BLOCK_ELEMS = 1 << 25
+_ASSIGN_BLOCK_ELEMS_CPU = 1 << 20
+
+
+def _block_tokens(x: torch.Tensor, G: int, C: int) -> int:
+    """Tokens per block of the [G, tokens, C] distance and one-hot products over x's device."""
+    elems = _ASSIGN_BLOCK_ELEMS_CPU if x.device.type == "cpu" else _ASSIGN_BLOCK_ELEMS
+    return max(1, elems // max(1, G * C))
 
 
 class KMeansResult(NamedTuple):
@@ -57,7 +64,7 @@ def assign(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torc
     G, n, _ = x.shape
     C = centroids.shape[1]
     c_norm = (centroids * centroids).sum(-1)  # [G, C]
-    step = max(1, _ASSIGN_BLOCK_ELEMS // max(1, G * C))
+    step = _block_tokens(x, G, C)
     idx_parts, dist_parts = [], []
     for s in range(0, n, step):
         xb = x[:, s : s + step]
@@ -179,14 +186,19 @@ def _segment_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-cluster sums [G, C, d] and counts [G, C] of masked points xv [G, n, d] assigned idx [G, n].
 
-    A one-hot matrix product in fixed blocks rather than scatter_add: CUDA's scatter_add uses
-    atomics, whose summation order (and so the result) changes from run to run, and a seeded
-    build must give the same index every time.
+    On a GPU a one-hot matrix product in fixed blocks rather than scatter_add: CUDA's scatter_add
+    uses atomics, whose summation order (and so the result) changes from run to run, and a seeded
+    build must give the same index every time. A CPU's index_add_ is deterministic.
     """
     G, n, d = xv.shape
     sums = xv.new_zeros((G, C, d))
     counts = xv.new_zeros((G, C))
-    step = max(1, _ASSIGN_BLOCK_ELEMS // max(1, G * C))
+    if xv.device.type == "cpu":
+        slot = (idx + torch.arange(G, device=idx.device)[:, None] * C).reshape(-1)
+        sums.view(G * C, d).index_add_(0, slot, xv.reshape(G * n, d))
+        counts.view(G * C).index_add_(0, slot, valid.reshape(G * n).to(xv.dtype))
+        return sums, counts
+    step = _block_tokens(xv, G, C)
     for s in range(0, n, step):
         onehot = torch.nn.functional.one_hot(idx[:, s : s + step], C).to(xv.dtype)
         onehot = onehot * valid[:, s : s + step, None]
