@@ -96,18 +96,23 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
 
 
 @pytest.mark.parametrize(
-    "score_elements,kth_chunk,rank_chunk",
-    [(256, 256, 8), (1 << 14, 4096, 256)],  # (the defaults run in every other test)
+    "score_elements,kth_chunk,rank_chunk,block_n,steps",
+    [(256, 256, 8, 256, 2), (1 << 14, 4096, 256, 1024, 3)],  # (the defaults run in every other test)
     ids=["small-programs", "whole-tiles"],
 )
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
-def test_fine_launch_tilings(device, monkeypatch, score_elements, kth_chunk, rank_chunk, share, rule):
-    """The score launch's codes per step and program, the boundary-bin search's count tiles and
-    the all-pairs rank's column tiles change how the work is cut, never the selection."""
+def test_fine_launch_tilings(
+    device, monkeypatch, score_elements, kth_chunk, rank_chunk, block_n, steps, share, rule
+):
+    """The score launch's codes per step and program, the boundary-bin search's count tiles, the
+    all-pairs rank's column tiles and the collect's blocks per program (the last program's
+    partly past the row) change how the work is cut, never the selection."""
     monkeypatch.setattr(fine, "SCORE_ELEMENTS", score_elements)
     monkeypatch.setattr(fine, "REG_LUT_ELEMENTS", score_elements)
     monkeypatch.setattr(fine, "KTH_CHUNK", kth_chunk)
     monkeypatch.setattr(fine, "RANK_CHUNK", rank_chunk)
+    monkeypatch.setattr(fine, "BLOCK_N", block_n)
+    monkeypatch.setattr(fine, "collect_steps", lambda blocks, sms: steps)
     _run(
         device, B=2, H=4, Hkv=2, N=1200, D=32, M=4, bits=4, lengths=[1200, 900], sink=4, window=16,
         heavy=60, share=share, rule=rule, ties=rule == "max", calls=1,
@@ -196,6 +201,26 @@ def test_fine_code_base_and_init_offset(device, C):
         short_threshold=params.short_threshold, ref_sel=want,
     )  # fmt: skip
     assert problem is None, problem
+
+
+def test_fine_collect_steps() -> None:
+    """One collect program a block while they fit COLLECT_PROGRAMS_PER_SM a SM, then as many
+    blocks a program as keeps them within it."""
+    per_sm = fine.COLLECT_PROGRAMS_PER_SM
+    assert fine.collect_steps(1, 132) == 1 and fine.collect_steps(132 * per_sm, 132) == 1
+    assert fine.collect_steps(132 * per_sm + 1, 132) == 2
+    assert fine.collect_steps(4096, 132) == -(-4096 // (132 * per_sm))
+
+
+def test_fine_rerank_collects_several_blocks_a_program(device, monkeypatch):
+    """Both collects of a re-rank (the tokens into the shortlist, the shortlist into the output)
+    with three blocks a program, past the row's end in the last."""
+    monkeypatch.setattr(fine, "BLOCK_N", 256)
+    monkeypatch.setattr(fine, "collect_steps", lambda blocks, sms: 3)
+    _rerank_case(
+        device, B=2, H=8, Hkv=2, N=1500, D=32, M=4, bits=8, lengths=[1500, 700], sink=4, window=16,
+        heavy=60, rerank=4, share="group", rule="max", ties=False,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="full shapes on the GPU")

@@ -63,6 +63,16 @@ SAMPLE_SIGMAS: tl.constexpr = tl.constexpr(6.0)
 SAMPLE_SLACK: tl.constexpr = tl.constexpr(6.0)
 THRESHOLD_STEPS: tl.constexpr = tl.constexpr(16)  # bisection steps for t0 in the sample's range
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
+COLLECT_PROGRAMS_PER_SM = 4  # past this many collect programs, each takes several blocks
+
+
+def collect_steps(blocks: int, sms: int) -> int:
+    """Blocks of BLOCK_N candidates per collect program for `blocks` in all on `sms` SMs: one
+    while the programs fit COLLECT_PROGRAMS_PER_SM a SM, more past that, so that fewer programs
+    each read the row's bins."""
+    return max(-(-blocks // (sms * COLLECT_PROGRAMS_PER_SM)), 1)
+
+
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
 # (tokens x M, for at most 4 tables; more spills registers) a step, each row split evenly into
 # about SMs / rows programs, so that an SM's L1 holds one row's tables (a ragged last program
@@ -467,6 +477,7 @@ def _collect_kernel(
     cand_lo,
     short_threshold,
     list_heavy,
+    steps,  # blocks of BLOCK candidates each program collects, one after the other
     ROW_WS,
     PQ_BINS_AT,
     LIST_BOUNDS_AT,
@@ -526,20 +537,24 @@ def _collect_kernel(
             lo = tl.load(wsf + PQ_BINS_AT)
             inv = tl.load(wsf + PQ_BINS_AT + 1)
         scores_at = LIST_SCORES_AT if FROM_LIST else SCORES_AT
-        i = chunk * BLOCK + tl.arange(0, BLOCK)
-        cand = (i >= src_lo) & (i < src_hi)
-        s = tl.load(wsf + scores_at + i, mask=cand, other=0.0)
-        bin_ = _score_bin(s, lo, inv, NBINS_)
-        take = cand & (bin_ > kth)
-        edge = cand & (bin_ == kth)
-        n_take = tl.sum(take.to(tl.int32), axis=0)
-        if n_take > 0:
-            slot = tl.atomic_add(ctr, n_take, sem="relaxed") + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(heavy_at + slot, _position(ws_row, i, take, LIST_AT, FROM_LIST), mask=take)
-        n_edge = tl.sum(edge.to(tl.int32), axis=0)
-        if n_edge > 0:
-            slot = tl.atomic_add(ctr + 1, n_edge, sem="relaxed") + tl.cumsum(edge.to(tl.int32), axis=0) - 1
-            tl.store(ws_row + BOUNDARY_AT + slot, i, mask=edge & (slot < CAP))
+        # (several blocks a program: each program reads the row's bins once for the boundary bin)
+        for step in range(steps):
+            i = (chunk * steps + step) * BLOCK + tl.arange(0, BLOCK)
+            cand = (i >= src_lo) & (i < src_hi)
+            s = tl.load(wsf + scores_at + i, mask=cand, other=0.0)
+            bin_ = _score_bin(s, lo, inv, NBINS_)
+            take = cand & (bin_ > kth)
+            edge = cand & (bin_ == kth)
+            n_take = tl.sum(take.to(tl.int32), axis=0)
+            if n_take > 0:
+                slot = tl.atomic_add(ctr, n_take, sem="relaxed") + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(heavy_at + slot, _position(ws_row, i, take, LIST_AT, FROM_LIST), mask=take)
+            n_edge = tl.sum(edge.to(tl.int32), axis=0)
+            if n_edge > 0:
+                slot = (
+                    tl.atomic_add(ctr + 1, n_edge, sem="relaxed") + tl.cumsum(edge.to(tl.int32), axis=0) - 1
+                )
+                tl.store(ws_row + BOUNDARY_AT + slot, i, mask=edge & (slot < CAP))
 
         tl.debug_barrier()  # every thread's stores precede the release below
         if tl.atomic_add(ctr + 2, 1, sem="acq_rel") == chunks - 1:
@@ -901,7 +916,11 @@ def pq_select_fine(
         ),
     )
 
-    def collect(grid_chunks: int, stage_heavy: int, from_list: bool, to_list: bool) -> None:
+    def collect(blocks: int, stage_heavy: int, from_list: bool, to_list: bool) -> None:
+        steps = collect_steps(
+            blocks * rows, sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
+        )
+        grid_chunks = -(-blocks // steps)
         _collect_launch(
             (grid_chunks, rows),
             (lengths, positions, counts, workspace),
@@ -915,6 +934,7 @@ def pq_select_fine(
                 cand_lo,
                 short_threshold,
                 list_heavy,
+                steps,
                 lay.size,
                 lay.pq_bins,
                 lay.list_bounds,
