@@ -216,7 +216,7 @@ def _finish(out_row, lse_at, acc, m, s_sum, D: tl.constexpr, HAS_LSE: tl.constex
 # serve wide lists: the last program merges one partial a split (docs/kernels/decode.md).
 GROUP_DECODE_CONFIGS = [
     triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
-    for bl, bn, w in ((256, 64, 4), (512, 64, 4), (1024, 64, 4))
+    for bl, bn, w in ((256, 64, 4), (256, 128, 8), (512, 64, 4), (1024, 64, 4))
 ]
 
 
