@@ -93,6 +93,10 @@ def test_cli_demo_json(tmp_path, capsys) -> None:
     data = json.loads(path.read_text())
     assert [r["method"] for r in data["results"]] == ["pq", "streaming", "oracle", "dense"]
     assert data["config"]["share"] == "head" and data["variants"] == {}
+    # ip: the faithful variant shares the default's codebook, phi included
+    assert main([*args, "--generators", "workload", "--variants", "faithful", "--metric", "ip"]) == 0
+    rows = {r["method"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["pq-faithful"]["attention_mass"] >= rows["pq"]["attention_mass"] - 0.05
 
 
 def test_cli_reports_bad_arguments(capsys) -> None:

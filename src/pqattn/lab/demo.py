@@ -86,7 +86,9 @@ def run_demo(
     indexes = {"pq": index}
     for name, vc in variants.items():
         if all(getattr(vc, f) == getattr(c, f) for f in _BUILD_FIELDS):  # the same codebook
-            book = ops.PQCodebook(index.centroids, index.codes[:, :, :N], None)
+            book = ops.PQCodebook(
+                index.centroids, index.codes[:, :, :N], index.phi if c.metric == "ip" else None
+            )
             indexes[name] = PQIndex.from_codebook(book, capacity=N + spec.steps, config=vc)
         else:
             indexes[name] = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=vc)
@@ -226,21 +228,19 @@ def has_gpu(result: dict) -> bool:
     return any(r.get("step_gpu_us") is not None for r in result["results"])
 
 
-def describe(c: dict, group: int) -> str:
+def describe(config: dict, group: int) -> str:
     """One line on an index config (a PQConfig as a dict) for queries of `group` heads per KV head."""
-    sample = c["sample"]
-    if sample is None:
-        sample = 16 if c["metric"] == "euclidean" else 0
+    c = PQConfig(**config)
+    sample = c.keys_per_centroid
     built = f"on {sample} keys per centroid" if sample else "on every key"
-    text = f"M={c['subvectors']}, {c['bits']} bits, {c['metric']}, {built}; "
-    if c["share"] == "group":
-        budget = group if c.get("group_budget") is None else c["group_budget"]
-        rows = max(1, round(budget * c["heavy"])) if c["heavy"] else 0
-        text += f"one selection per KV head ({c['group_rule']} of its {group} heads' scores) of {rows} rows"
+    text = f"M={c.subvectors}, {c.bits} bits, {c.metric}, {built}; "
+    if c.share == "group":
+        rule = f"{c.group_rule} of its {group} heads' scores"
+        text += f"one selection per KV head ({rule}) of {c.row_heavy(group)} rows"
     else:
-        text += f"one selection per query head of {c['heavy']} rows"
-    if c["rerank"]:
-        text += f", exact re-rank of {c['rerank']} x as many"
+        text += f"one selection per query head of {c.heavy} rows"
+    if c.rerank:
+        text += f", exact re-rank of {c.rerank} x as many"
     return text
 
 
