@@ -65,6 +65,34 @@ def test_append_beyond_capacity_is_refused() -> None:
         index.append(torch.randn(1, 2, 1, 8))
 
 
+FINE = PQConfig(subvectors=4, bits=3, sink=2, window=2, heavy=4, iters=1)
+
+
+@pytest.mark.parametrize("config", [COARSE, FINE])
+def test_truncate_forgets_the_tokens_past_the_lengths(device: torch.device, config: PQConfig) -> None:
+    """Tokens appended and truncated away leave no trace: the next append writes where they were,
+    and the selection (and, where kept, the histogram of the candidates) is that of an index that
+    never saw them. Ragged lengths; bad lengths refused."""
+    k = torch.randn(2, 2, 40, 8, device=device)
+    lengths = [40, 33]
+    kept = PQIndex.build(k, lengths, capacity=48, config=config)
+    detour = PQIndex.build(k, lengths, capacity=48, config=config)
+    detour.append(torch.randn(2, 2, 5, 8, device=device))
+    detour.truncate(lengths)
+    new = torch.randn(2, 2, 2, 8, device=device)
+    kept.append(new)
+    detour.append(new)
+    assert detour.lengths.tolist() == kept.lengths.tolist() == [42, 35]
+    q = torch.randn(2, 4, 8, device=device)
+    a, b = kept.select(q), detour.select(q)
+    assert torch.equal(a.counts, b.counts)
+    assert torch.equal(a.positions.sort(-1).values, b.positions.sort(-1).values)
+    with pytest.raises(ValueError, match=r"lengths.*at most the current lengths \[42, 35\].*\[43, 35\]"):
+        detour.truncate([43, 35])
+    with pytest.raises(ValueError, match=r"lengths.*\[B\]"):
+        detour.truncate([40])
+
+
 def test_build_and_append_validation() -> None:
     k = torch.randn(2, 2, 40, 8)
     with pytest.raises(ValueError, match=r"capacity.*N=40.*got 30"):

@@ -384,6 +384,42 @@ class PQIndex:
         self._max_length += T
         self._reindex_when_due()
 
+    def truncate(self, lengths: torch.Tensor | list[int]) -> None:
+        """Roll the sequences back to `lengths` tokens (rejected speculative tokens, a benchmark that
+        replays one step at a fixed N): the tokens past them are forgotten, their codes left to be
+        overwritten by the next appends. In place, so captured graphs stay valid; reads the lengths
+        on the host (a sync for a device tensor) and regroups the buckets where the index keeps
+        them.
+
+        Args:
+            lengths: [B] token counts, each at most the sequence's current length.
+
+        Example:
+            >>> config = PQConfig(bits=3, iters=1)
+            >>> index = PQIndex.build(torch.randn(1, 2, 64, 16), capacity=70, config=config)
+            >>> index.append(torch.randn(1, 2, 2, 16))
+            >>> index.truncate([64])
+            >>> index.lengths.tolist()
+            [64]
+        """
+        lens = check.lengths(lengths, self.batch, self.capacity, self.device)
+        current = self.lengths.tolist()
+        if any(n > c for n, c in zip(lens.tolist(), current, strict=True)):
+            raise ValueError(f"lengths: expected at most the current lengths {current}, got {lens.tolist()}")
+        self.lengths.copy_(lens)
+        self._max_length = max(lens.tolist(), default=0)
+        if self._hist is not None:
+            self._hist.zero_()
+            dispatch.count_combos(
+                self.codes,
+                self.lengths,
+                self._hist,
+                C=1 << self.config.bits,
+                window=self.config.window,
+                cand_lo=self._cand_lo,
+            )
+            self.reindex()
+
     def _check_room(self, T: int, name: str) -> None:
         if self._max_length + T > self.capacity:
             raise ValueError(

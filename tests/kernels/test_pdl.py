@@ -92,7 +92,7 @@ kernels = {
                dict(M=2, C=16, BITS=4, P=256, DSUB=16, BLOCK_D=16, CHUNK=1024, LATE_RUNS=False,
                     HAS_W=True, ZERO_PROGS=0, ENCODE=False, IP=False), 4),
     "encode": (encode._pq_encode_kernel, encode_types,
-               dict(M=2, C=16, DSUB=16, BLOCK_D=16, IP=False, HAS_BASE=True, HAS_HIST=True, P=256,
+               dict(M=2, M_PER=2, C=16, DSUB=16, BLOCK_D=16, IP=False, HAS_BASE=True, HAS_HIST=True, P=256,
                     STORE_KV=False, ADVANCE=True), 4),
 }
 out = {}

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pqattn.cli import main
+from pqattn.index import PQConfig
 from pqattn.lab import baselines, roofline, suites, timing
-from pqattn.lab.bench import format_table, plot, run_bench
+from pqattn.lab.bench import Settings, format_table, plot, run_bench, run_impl
 from pqattn.lab.schema import validate
 
 
@@ -119,6 +120,16 @@ def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
         "llama8L-B32-32K",
         "llama8L-B1-128K",
     ]
+    step = suites.step_suite("full", meta)
+    assert [(c.params["B"], c.params["N"]) for c in step] == [
+        (1, 4096), (1, 32768), (1, 131072), (8, 32768), (32, 32768), (1, 524288)
+    ]  # fmt: skip
+    default = PQConfig()
+    for c in step:  # the default policy at 2% per query head, sink 64 + window 64
+        p = c.params
+        assert (p["M"], p["bits"], p["share"], p["group_rule"]) == (16, 8, default.share, default.group_rule)
+        assert (p["sink"], p["window"], p["heavy"]) == (64, 64, round(0.02 * p["N"]))
+        assert [i.name for i in c.impls] == ["pqattn-step", "pqattn-append", "sdpa"]
     for name, make in suites.SUITES.items():
         quick = {c.name for c in make("quick", meta)}
         assert quick and quick <= {c.name for c in make("full", meta)}, name
@@ -265,3 +276,21 @@ def test_the_split_k_dense_baseline_attends_up_to_each_position(route: str, requ
     every, _ = baselines.dense_decode_attention(torch.nn.Module(), q, k, v, None, scaling=0.25)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(every, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_step_suite_times_every_sample_at_n() -> None:
+    """The user-path step appends a token a call: the harness rewinds each input set before every
+    sample, so that the indexes end a few tokens past N, and back at N when rewound."""
+    case = suites.step_suite("tiny", torch.device("cpu"))[0]
+    N, B = case.params["N"], case.params["B"]
+    inputs = [case.make_inputs(seed) for seed in range(2)]
+    for impl in case.impls:
+        if impl.rewind is None:
+            continue
+        row = run_impl(case, impl, inputs, torch.device("cpu"), Settings.for_size("tiny"), profile=False)
+        assert row["timings"]["eager"]["repeats"] >= 3
+        for x in inputs:
+            # the last sample's calls, from N
+            assert all(N < n <= N + suites.STEP_ROOM // 4 for n in x["index"].lengths.tolist())
+            impl.rewind(x)
+            assert x["index"].lengths.tolist() == [N] * B

@@ -1,7 +1,9 @@
 """PQ encoding of appended keys (SPEC §1, append): the nearest centroid per sub-vector.
 
-One program per (sequence, KV head, new token). Distances are ||c||^2 - 2 <x, c> (the ||x||^2
-term does not change the argmin); for the ip metric x is augmented with sqrt(phi - ||x||^2)
+One program per (sequence, KV head, new token, sub-vector), so that an append is one round of
+loads whatever M is (a histogram, which needs a token's whole combination, takes one program per
+token over its M sub-vectors). Distances are ||c||^2 - 2 <x, c> (the ||x||^2 term does not change
+the argmin); for the ip metric x is augmented with sqrt(phi - ||x||^2)
 first. The code is written straight into the caller's code buffer, at row `base[b] + t` when a
 base (the sequence lengths) is given, so an append is one launch.
 
@@ -77,6 +79,7 @@ def _pq_encode_kernel(
     window,
     cand_lo,
     M: tl.constexpr,
+    M_PER: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -89,10 +92,12 @@ def _pq_encode_kernel(
     PDL: tl.constexpr,
 ):
     release_next(PDL)  # a selection launched behind this one may start (pqattn.kernels.pdl)
+    SPLITS: tl.constexpr = M // M_PER
     pid = tl.program_id(0)
-    t = pid % G
-    kvh = (pid // G) % Hkv
-    b = pid // (G * Hkv)
+    part = pid % SPLITS  # this program's M_PER sub-vectors start at part * M_PER
+    t = (pid // SPLITS) % G
+    kvh = (pid // (SPLITS * G)) % Hkv
+    b = pid // (SPLITS * G * Hkv)
     new = t < T
     key = k_ptr + b * stride_kb + kvh * stride_kk + t * stride_kt
     cent = cent_ptr + b * stride_cb + kvh * stride_ck
@@ -102,7 +107,8 @@ def _pq_encode_kernel(
     row = first + t
     out = out_ptr + b * stride_ob + kvh * stride_ok + row * stride_on
     combo = 0
-    for m in tl.static_range(M):
+    for i in tl.static_range(M_PER):
+        m = part * M_PER + i
         code = nearest_code(
             key + m * DSUB * stride_kd,
             stride_kd,
@@ -117,7 +123,7 @@ def _pq_encode_kernel(
         )
         tl.store(out + m * stride_om, code.to(out_ptr.dtype.element_ty), mask=new)
         combo = combo * C + code
-    if HAS_HIST:
+    if HAS_HIST:  # M_PER == M: this program holds the token's whole combination
         hist = hist_ptr + (b * Hkv + kvh).to(tl.int64) * P
         codes_row = out_ptr + b * stride_ob + kvh * stride_ok
         own, old_combo, old_change = candidacy_changes(
@@ -127,19 +133,19 @@ def _pq_encode_kernel(
             tl.atomic_add(hist + combo, 1, sem="relaxed")
         if old_change != 0:
             tl.atomic_add(hist + old_combo, old_change, sem="relaxed")
-    if STORE_KV:
+    if STORE_KV:  # this program's share of the row: the elements of its sub-vectors
         d_idx = tl.arange(0, BLOCK_D)
         b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
         k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
         v_dst = vc_ptr + b64 * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
         v_src = vn_ptr + b * stride_vnb + kvh * stride_vnk + t * stride_vnt
-        for d0 in tl.static_range(0, M * DSUB, BLOCK_D):
-            d = d0 + d_idx
+        for d0 in tl.static_range(0, M_PER * DSUB, BLOCK_D):
+            d = part * (M_PER * DSUB) + d0 + d_idx
             tl.store(k_dst + d * stride_kcd, tl.load(key + d * stride_kd).to(kc_ptr.dtype.element_ty))
             tl.store(v_dst + d * stride_vcd, tl.load(v_src + d * stride_vnd).to(vc_ptr.dtype.element_ty))
     if ADVANCE:
         arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
-        if arrived == Hkv * G - 1:
+        if arrived == Hkv * G * SPLITS - 1:
             tl.store(base_ptr + b, (first + T).to(base_ptr.dtype.element_ty))
             tl.store(arrive_ptr + b, 0)
 
@@ -188,9 +194,12 @@ def pq_encode(
         G = max(G, n_drop - T)
     if G == 0:
         return
+    # one program per sub-vector of a token (the chain over M is the launch's latency), unless the
+    # histogram needs the token's whole combination in one program
+    m_per = M if hist is not None else 1
     k_cache, v_cache, values = kv_cache if kv_cache is not None else (keys, keys, keys)
     _pq_encode_launch(
-        (B * Hkv * G,),
+        (B * Hkv * G * (M // m_per),),
         (
             keys,
             centroids,
@@ -220,6 +229,7 @@ def pq_encode(
         ),
         dict(
             M=M,
+            M_PER=m_per,
             C=C,
             DSUB=dsub,
             BLOCK_D=min(dsub, 64),

@@ -101,7 +101,8 @@ def run_impl(
 ) -> dict:
     """Time one implementation of one case on its rotating input sets."""
     fns = [lambda x=x: impl.fn(x) for x in inputs]
-    est = timing.estimate_us(fns[0], device, warmup_ms=settings.warmup_ms)
+    between = None if impl.rewind is None else lambda: [impl.rewind(x) for x in inputs]
+    est = timing.estimate_us(fns[0], device, warmup_ms=settings.warmup_ms, between=between)
     for fn in fns[1:]:
         fn()
     repeats = int(
@@ -112,6 +113,8 @@ def run_impl(
 
     out: dict = {"repeats_target": repeats, "estimate_us": est}
     timings: dict[str, dict | None] = {"graph": None}
+    if between is not None:
+        between()
     out["host_sync"] = timing.host_syncs(fns[0], device)
     out["graph_error"] = None
     if device.type != "cuda":
@@ -123,15 +126,19 @@ def run_impl(
     else:
         try:
             graph = timing.capture(fns, device, calls=calls)
-            timings["graph"] = timing.time_graph(graph, device, repeats=repeats, calls=calls)
+            timings["graph"] = timing.time_graph(graph, device, repeats=repeats, calls=calls, between=between)
             del graph
         except RuntimeError as e:
             timing.sync(device)
             out["graph_error"] = "capture failed: " + str(e).splitlines()[0]
-    timings["eager"] = timing.time_eager(fns, device, repeats=repeats)
-    timings["pipelined"] = timing.time_pipelined(fns, device, repeats=max(3, repeats // 4), calls=calls)
+    timings["eager"] = timing.time_eager(fns, device, repeats=repeats, between=between)
+    timings["pipelined"] = timing.time_pipelined(
+        fns, device, repeats=max(3, repeats // 4), calls=calls, between=between
+    )
     out["timings"] = timings
     if profile:
+        if between is not None:
+            between()
         prof = _profile(fns, device)
         if prof["gpu_us_per_call"] is not None:
             prof["cpu_overhead_us"] = timings["eager"]["median_us"] - prof["gpu_us_per_call"]

@@ -42,6 +42,8 @@ class Impl:
     skip: str | None = None  # why it is not run at this shape (e.g. the reference would not fit)
     versus: tuple[str, ...] | None = None  # baselines that do the same work (None: every baseline)
     no_graph: str | None = None  # why the call must not be captured (timed eager and pipelined only)
+    # untimed reset of an input set's state between samples (a decode step that appends rolls back)
+    rewind: Callable[[dict], None] | None = None
 
 
 @dataclass
@@ -537,6 +539,121 @@ def decode_suite(size: str, device: torch.device) -> list[Case]:
     return cases
 
 
+# ---- step: the layer step users call, PQIndex.decode_step with the default policy (issue 54) --------
+
+# Decode steps an input set's index has room for past N: the harness rewinds every set to N before
+# each sample, and one sample advances a set by at most 64 (its graph's or pipeline's calls per set).
+STEP_ROOM = 256
+STEP_DENSITY = 0.02  # heavy per query head as a share of N
+
+
+def _step_case(
+    device: torch.device,
+    name: str,
+    *,
+    B: int,
+    N: int,
+    H: int = 32,
+    Hkv: int = 8,
+    D: int = 128,
+    sink: int = 64,
+    window: int = 64,
+    density: float = STEP_DENSITY,
+    dtype: torch.dtype = torch.bfloat16,
+    config: PQConfig | None = None,
+) -> Case:
+    """One decode step of a layer as a user runs it: `PQIndex.decode_step` (store the new K/V row,
+    append its key to the index, select, attend) with the default policy at heavy = density x N
+    per query head, against SDPA without a mask over the whole cache, and the append alone (which
+    must cost the same at every N). The index holds random centroids and codes (the step's work
+    does not depend on their values); every sample starts at N tokens (`Impl.rewind`)."""
+    heavy = max(1, round(density * N))
+    config = config or PQConfig(sink=sink, window=window, heavy=heavy)
+    M, C, G = config.subvectors, 1 << config.bits, H // Hkv
+    dsub, es, rows = D // M, _esize(dtype), config.width(G)
+    R = Hkv if config.share == "group" else H
+    params = dict(B=B, H=H, Hkv=Hkv, N=N, D=D, sink=sink, window=window, heavy=heavy, M=M, bits=config.bits)
+    params.update(share=config.share, group_rule=config.group_rule, rows=rows, dtype=str(dtype)[6:])
+    cap = N + STEP_ROOM
+
+    def make_inputs(seed: int) -> dict:
+        g = _gen(seed, device)
+        cent = torch.randn(B, Hkv, M, C, dsub, device=device, generator=g)
+        codes = torch.randint(0, C, (B, Hkv, N, M), device=device, generator=g, dtype=torch.uint8)
+        book = ops.PQCodebook(cent, codes, None)
+        x = {
+            "index": PQIndex.from_codebook(book, [N] * B, capacity=cap, config=config),
+            "k_cache": torch.randn(B, Hkv, cap, D, device=device, generator=g).to(dtype),
+            "v_cache": torch.randn(B, Hkv, cap, D, device=device, generator=g).to(dtype),
+            "q": torch.randn(B, H, D, device=device, generator=g).to(dtype),
+            "k_new": torch.randn(B, Hkv, 1, D, device=device, generator=g).to(dtype),
+            "v_new": torch.randn(B, Hkv, 1, D, device=device, generator=g).to(dtype),
+        }
+        x["k"], x["v"] = x["k_cache"][:, :, :N], x["v_cache"][:, :, :N]  # SDPA's cache: N tokens
+        return x
+
+    def step(x: dict) -> torch.Tensor:
+        return x["index"].decode_step(x["q"], x["k_new"], x["v_new"], x["k_cache"], x["v_cache"])
+
+    def rewind(x: dict) -> None:
+        x["index"].truncate([N] * B)
+
+    qo_bytes = 2 * B * H * D * es
+    new_row_bytes = 2 * 2 * B * Hkv * D * es  # the new K/V rows read and stored
+    centroid_bytes = B * Hkv * M * C * dsub * 4
+    append_bytes = new_row_bytes + centroid_bytes + B * Hkv * M
+    select_bytes = B * Hkv * N * M + centroid_bytes + B * R * rows * 4
+    attn_bytes = B * R * rows * 2 * D * es + qo_bytes
+    step_flops = 2 * B * H * M * C * dsub + 4 * B * H * rows * D
+    return Case(
+        "step",
+        name,
+        params,
+        make_inputs,
+        [
+            Impl(
+                "pqattn-step",
+                "pqattn",
+                step,
+                append_bytes + select_bytes + attn_bytes,
+                step_flops,
+                note="PQIndex.decode_step, the default policy: store + append + select + attend "
+                "(floor: the codes, the selected rows, the centroids, q and out)",
+                versus=("sdpa",),
+                rewind=rewind,
+            ),
+            Impl(
+                "pqattn-append",
+                "pqattn",
+                lambda x: x["index"].append(x["k_new"]),
+                append_bytes,
+                2 * B * Hkv * C * D,
+                note="PQIndex.append of one key per sequence (O(1) in N)",
+                versus=(),
+                rewind=rewind,
+            ),
+            Impl(
+                "sdpa",
+                "baseline",
+                lambda x: baselines.sdpa_decode(x["q"], x["k"], x["v"]),
+                2 * B * Hkv * N * D * es + qo_bytes,
+                4 * B * H * N * D,
+                note="dense decode over the whole cache, no mask (enable_gqa)",
+            ),
+        ],
+    )
+
+
+def step_suite(size: str, device: torch.device) -> list[Case]:
+    if size == "tiny":
+        tiny = dict(H=4, Hkv=2, D=32, sink=4, window=4, dtype=torch.float32)
+        return [_step_case(device, "tiny", B=2, N=400, density=0.05, **tiny)]
+    shapes = [(1, 4), (1, 32), (1, 128), (8, 32), (32, 32), (1, 512)]
+    if size == "quick":
+        shapes = [(1, 32), (8, 32)]
+    return [_step_case(device, f"B{b}-N{n}K", B=b, N=n * KiB) for b, n in shapes]
+
+
 # ---- build: PQ index build after prefill (issue 6) -------------------------------------------------
 
 
@@ -798,8 +915,6 @@ class _OneDecoder:
 
 # Tokens a generate case's decoder has room for: more than a bench run's calls of one implementation.
 GENERATE_TOKENS = 512
-# The index and selection of the generate cases: per-head selection over M=2, 6-bit codes.
-GENERATE_PQ = dict(subvectors=2, bits=6, share="head")
 
 
 def _generate_case(
@@ -814,9 +929,9 @@ def _generate_case(
     vocab: int,
     batch: int,
     context: int,
-    heavy: int,
-    sink: int = 128,
-    window: int = 128,
+    density: float = STEP_DENSITY,
+    sink: int = 64,
+    window: int = 64,
     compiled: bool = False,
 ) -> Case:
     """A randomly initialised Llama-style model (no download), `batch` prompts of `context` random
@@ -832,7 +947,7 @@ def _generate_case(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     params = dict(layers=layers, hidden=hidden, H=H, Hkv=Hkv, D=D, vocab=vocab, B=batch, context=context)
     params.update(
-        heavy=heavy, sink=sink, window=window, dtype=str(dtype).removeprefix("torch."), **GENERATE_PQ
+        density=density, sink=sink, window=window, dtype=str(dtype).removeprefix("torch."), policy="default"
     )
     cfg = llama_config(
         layers=layers,
@@ -847,7 +962,11 @@ def _generate_case(
         layers * (2 * hidden * hidden + 2 * hidden * Hkv * D + 3 * hidden * intermediate) + 2 * vocab * hidden
     )
     kv_bytes = batch * layers * 2 * Hkv * context * D * _esize(dtype)
-    L = sink + heavy + window
+    # the default policy's rows per KV head (G x heavy + sink + window) and its codes
+    pq_config = pq_hf.HFConfig(heavy_fraction=density, sink=sink, window=window)
+    heavy = pq_config.heavy_for(context)
+    rows = sink + window + (H // Hkv) * heavy
+    sparse_kv_bytes = kv_bytes * rows // context + batch * layers * Hkv * context * pq_config.subvectors
 
     def make_inputs(seed: int) -> _OneDecoder:
         ids = torch.randint(0, vocab, (batch, context), device=device, generator=_gen(seed, device))
@@ -857,7 +976,7 @@ def _generate_case(
             model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
             attention = kind.removesuffix("-compiled")
             if attention == "pqattn":
-                pq_hf.enable(model, pq_hf.HFConfig(heavy=heavy, sink=sink, window=window, **GENERATE_PQ))
+                pq_hf.enable(model, pq_config)
             else:
                 model.set_attn_implementation(
                     baselines.register_dense_decode() if attention == "split" else "sdpa"
@@ -875,7 +994,7 @@ def _generate_case(
             "pqattn-compiled",
             "pqattn",
             lambda x: x.step("pqattn-compiled"),
-            weights + kv_bytes * L // context,
+            weights + sparse_kv_bytes,
             2 * n_params * batch,
             note="the pqattn loop, its decode forward through torch.compile (StaticDecoder(compile=True))",
             versus=("sdpa-compiled",),
@@ -901,7 +1020,7 @@ def _generate_case(
                 "pqattn",
                 "pqattn",
                 lambda x: x.step("pqattn"),
-                weights + kv_bytes * L // context,
+                weights + sparse_kv_bytes,
                 2 * n_params * batch,
                 note="pqattn.integrations.hf.StaticDecoder: SDPA prefill + PQ index, sparse decode",
                 versus=("sdpa", "dense-split-k"),
@@ -934,15 +1053,16 @@ def _generate_case(
 def generate_suite(size: str, device: torch.device) -> list[Case]:
     if size == "tiny":
         tiny = dict(layers=2, hidden=64, intermediate=128, H=4, Hkv=2, vocab=128)
-        return [_generate_case(device, "tiny", **tiny, batch=2, context=300, heavy=16, sink=4, window=4)]
+        return [_generate_case(device, "tiny", **tiny, batch=2, context=300, density=0.05, sink=4, window=4)]
     shapes = [(1, 32), (8, 32)] if size == "quick" else [(1, 32), (8, 32), (32, 32), (1, 128)]
-    llama = dict(LLAMA3_8B_LAYERS, heavy=1024, compiled=True)
+    llama = dict(LLAMA3_8B_LAYERS, compiled=True)
     return [
         _generate_case(device, f"llama8L-B{b}-{c}K", **llama, batch=b, context=c * KiB) for b, c in shapes
     ]
 
 
 SUITES: dict[str, Callable[[str, torch.device], list[Case]]] = {
+    "step": step_suite,
     "select": select_suite,
     "decode": decode_suite,
     "build": build_suite,

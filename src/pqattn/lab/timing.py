@@ -52,12 +52,20 @@ def wall_us(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
     return out
 
 
-def time_eager(fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int) -> dict:
+Between = Callable[[], object] | None  # untimed work before each sample (a state reset)
+
+
+def time_eager(
+    fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int, between: Between = None
+) -> dict:
     """One call + sync per sample; `fns` are the same operation on the rotating input sets."""
     samples = []
     sync(device)
     for i in range(repeats):
         fn = fns[i % len(fns)]
+        if between is not None:
+            between()
+            sync(device)
         t0 = time.perf_counter()
         fn()
         sync(device)
@@ -66,12 +74,20 @@ def time_eager(fns: Sequence[Callable[[], object]], device: torch.device, *, rep
 
 
 def time_pipelined(
-    fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int, calls: int
+    fns: Sequence[Callable[[], object]],
+    device: torch.device,
+    *,
+    repeats: int,
+    calls: int,
+    between: Between = None,
 ) -> dict:
     """`calls` calls back to back, then one sync, per sample."""
     samples = []
     sync(device)
     for _ in range(repeats):
+        if between is not None:
+            between()
+            sync(device)
         t0 = time.perf_counter()
         for i in range(calls):
             fns[i % len(fns)]()
@@ -117,14 +133,21 @@ def capture(fns: Sequence[Callable[[], object]], device: torch.device, *, calls:
     return graph
 
 
-def time_graph(graph: torch.cuda.CUDAGraph, device: torch.device, *, repeats: int, calls: int) -> dict:
-    """GPU time per call from replays of `graph` (holding `calls` calls), CUDA events around each."""
+def time_graph(
+    graph: torch.cuda.CUDAGraph, device: torch.device, *, repeats: int, calls: int, between: Between = None
+) -> dict:
+    """GPU time per call from replays of `graph` (holding `calls` calls), CUDA events around each
+    (`between` runs outside them, before each replay)."""
+    if between is not None:
+        between()
     graph.replay()
     sync(device)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
     ]
     for start, end in events:
+        if between is not None:
+            between()
         start.record()
         graph.replay()
         end.record()
@@ -134,13 +157,21 @@ def time_graph(graph: torch.cuda.CUDAGraph, device: torch.device, *, repeats: in
 
 
 def estimate_us(
-    fn: Callable[[], object], device: torch.device, *, warmup_ms: float, min_calls: int = 2
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup_ms: float,
+    min_calls: int = 2,
+    between: Between = None,
 ) -> float:
     """Warm `fn` up for about `warmup_ms` (at least `min_calls` calls); returns the last call's time."""
     deadline = time.perf_counter() + warmup_ms / 1e3
     last = math.inf
     n = 0
     while n < min_calls or time.perf_counter() < deadline:
+        if between is not None:
+            between()
+            sync(device)
         t0 = time.perf_counter()
         fn()
         sync(device)
