@@ -52,9 +52,9 @@ def kernel_profile(fns, steps: int = 40) -> dict[str, float]:
     return {k: v / steps for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
-def run_shape(B: int, N: int, density: float) -> dict:
+def run_shape(B: int, N: int, density: float, subvectors: int, bits: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + N)
-    config = PQConfig(sink=64, window=64, heavy=max(1, round(density * N)))
+    config = PQConfig(subvectors=subvectors, bits=bits, sink=64, window=64, heavy=max(1, round(density * N)))
     kv_bytes = 2 * B * HKV * N * D * 2
     sets = max(2, min(8, math.ceil(2 * L2_BYTES / kv_bytes)))
     dt = torch.bfloat16
@@ -82,7 +82,7 @@ def run_shape(B: int, N: int, density: float) -> dict:
     def sdpa(x):
         return lambda: baselines.sdpa_decode(x["q"], x["k"], x["v"])
 
-    row = {"B": B, "N": N, "heavy": config.heavy, "sets": sets}
+    row = {"B": B, "N": N, "M": config.subvectors, "bits": config.bits, "heavy": config.heavy, "sets": sets}
     for name, make in (("step", step), ("append", append), ("sdpa", sdpa)):
         fns = [make(x) for x in xs]
         graph = capture(fns, dev, calls=CALLS)
@@ -99,12 +99,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x4096,1x32768,1x131072,8x32768,1x524288")
     p.add_argument("--density", type=float, default=0.02)
+    p.add_argument("--subvectors", type=int, default=PQConfig.subvectors)
+    p.add_argument("--bits", type=int, default=PQConfig.bits)
     p.add_argument("--json")
     a = p.parse_args()
     rows = []
     for s in a.shapes.split(","):
         B, N = (int(v) for v in s.split("x"))
-        rows.append(run_shape(B, N, a.density))
+        rows.append(run_shape(B, N, a.density, a.subvectors, a.bits))
         r = rows[-1]
         top = ", ".join(f"{k[:40]} {v:.1f}" for k, v in list(r["kernels_us"].items())[:6])
         print(
