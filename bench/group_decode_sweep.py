@@ -55,7 +55,9 @@ def time_width(x: dict, B: int, width: int, configs, gbps: float, g: torch.Gener
         pos = torch.rand(B, HKV, CACHE // B, device=dev, generator=g).topk(width, dim=-1).indices
         sets.append(pos.sort(-1).values.to(torch.int32).contiguous())
     counts = torch.full((B, HKV), width, dtype=torch.int32, device=dev)
-    ws = torch.zeros(decode.group_workspace_numel(B * HKV, H // HKV, width, D), dtype=torch.int32, device=dev)
+    # partials for the smallest BLOCK_L timed (group_workspace_numel sizes the space in force)
+    splits = decode.split_count(width, min(c.kwargs["BLOCK_L"] for c in configs))
+    ws = torch.zeros(B * HKV * (1 + splits * 16 * (D + 2)), dtype=torch.int32, device=dev)
     row = {"B": B, "width": width, "floor_us": B * HKV * width * (2 * D * 2 + 4) / gbps / 1e3, "configs": {}}
     for c in configs:
         fns = [
@@ -95,6 +97,9 @@ def main() -> None:
             if width <= CACHE // B:
                 r = time_width(x, B, width, configs, gbps, g)
                 rows.append(r)
+                if a.json:
+                    with open(a.json, "w") as f:
+                        json.dump({"env": environment(dev), "copy_gbps": gbps, "rows": rows}, f, indent=1)
                 cells = " ".join(f"{n}={t:.1f}" for n, t in r["configs"].items() if t is not None)
                 ratio = r["best_us"] / r["floor_us"]
                 print(
@@ -104,9 +109,6 @@ def main() -> None:
                 )
         del x
         torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"env": environment(dev), "copy_gbps": gbps, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
