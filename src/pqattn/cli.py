@@ -596,6 +596,11 @@ def _add_pareto(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=30, help="timed samples per policy")
     p.add_argument("--times", metavar="JSON", help="take the step times from this earlier --json output")
     p.add_argument("--times-only", action="store_true", help="measure and write the step times only")
+    p.add_argument(
+        "--quality",
+        metavar="JSON",
+        help="take the generator quality from this earlier --json output (it does not depend on timing)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", metavar="PATH", help="write the joined rows and the timings here")
     p.add_argument("--plot", metavar="PNG", help="write the Pareto plot here (needs matplotlib)")
@@ -634,8 +639,12 @@ def _run_pareto(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump({"times": times}, f, indent=1)
         return 0
-    generators = pareto.generator_quality(policies, **common)
-    _log(f"generator quality at N={args.tokens}: {len(generators)} rows")
+    if args.quality:
+        with open(args.quality) as f:
+            generators = json.load(f)["generators"]
+    else:
+        generators = pareto.generator_quality(policies, **common)
+        _log(f"generator quality at N={args.tokens}: {len(generators)} rows")
     rows = pareto.combine(policies, times, generators, tasks_doc)
     print(pareto.format_table(rows))
     doc = {

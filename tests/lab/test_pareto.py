@@ -41,6 +41,9 @@ def test_times_quality_rows_plot_and_report(tmp_path) -> None:
     assert by["dense"]["us"] > 0 and by["dense"]["speedup_vs_dense"] == 1.0
     assert by["oracle@0.1"]["us"] is None and by["pages-16@0.1"]["us"] is None, "no kernel: no time"
     assert by["pq-M2-b4@0.1"]["mode"] == "eager" and by["streaming@0.1"]["us"] > 0
+    assert times["cache_sets"] == 1 and "decode_step" in times["measures"], (
+        "the user's path, no rotation on CPU"
+    )
     generators = pareto.generator_quality(policies, tokens=512, sink=8, window=8, device=cpu, iters=2)
     assert {g["problem"] for g in generators} == {"workload", "needles"} and len(generators) == 8
     rows = pareto.combine(policies, times, generators, _tasks_doc())
@@ -87,4 +90,7 @@ def test_cli_times_only_then_join(tmp_path) -> None:
     assert doc["times"] == json.loads(times.read_text())["times"] and len(doc["rows"]) == 6
     group = next(r for r in doc["rows"] if r["family"] == "pq-M2-b3-group-max-x2-rr2-s4")
     assert group["step_us"] > 0 and 0 < group["mass_workload"] <= 1.5
+    again = tmp_path / "q.json"  # new times, the quality of the earlier run
+    assert main(["pareto", "--times", str(times), "--quality", str(out), "--json", str(again), *common]) == 0
+    assert json.loads(again.read_text())["generators"] == doc["generators"]
     assert main(["pareto", "--pq", "2by3", "--device", "cpu"]) == 2

@@ -1,10 +1,11 @@
 """The quality/speed Pareto view: every policy's quality beside its measured decode-step time.
 
-Speed: one decode step of a layer (selection + sparse attention; dense: torch SDPA over the whole
-cache) at B=1, H=32, Hkv=8, D=128, bf16, over the `pqattn.lab.workload` cache of N tokens, each
-policy at heavy = round(density * N) per query head beyond sink and window (a group selection
-keeps its budget of them per KV head). GPU time from CUDA-graph replay on a
-GPU (eager wall-clock with a sync on a CPU, marked as such). Policies without a kernel (the exact
+Speed: one decode step of a layer as users call it (`PQIndex.decode_step`: store, append,
+select, attend; dense: torch SDPA over the whole cache) at B=1, H=32, Hkv=8, D=128, bf16, over
+the `pqattn.lab.workload` cache of N tokens, each policy at heavy = round(density * N) per query
+head beyond sink and window (a group selection keeps its budget of them per KV head), inputs
+rotating over copies of the cache beyond twice the L2. GPU time from CUDA-graph replay on a GPU
+(eager wall-clock with a sync on a CPU, marked as such). Policies without a kernel (the exact
 oracle, pages) have no step time: they are shown for quality only.
 
 Quality, per policy and density: from a `pqattn tasks` document (bits/byte gap to dense at each
@@ -24,23 +25,24 @@ from pqattn.kernels.launch import autotuning
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
 from pqattn.lab.policies import Policy
-from pqattn.lab.timing import capture, sync, time_graph, wall_us
+from pqattn.lab.timing import capture, sync, time_eager, time_graph
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 TIMED_KINDS = ("streaming", "pq")  # the policies with kernels (selection and attention)
-GRAPH_CALLS = 20  # steps per captured graph: keeps the host's graph launch out of the GPU time
+GRAPH_CALLS = 16  # steps per captured graph: keeps the host's graph launch out of the GPU time
+CACHE_SETS = 8  # copies of the cache the timed calls rotate over on a GPU (far beyond twice the L2)
 
 
-def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> dict:
-    """{'us': median, 'mode': 'graph' | 'eager'}: GPU time of fn replayed in a CUDA graph on a GPU,
-    eager wall-clock with a sync on a CPU."""
+def _time(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int, between=None) -> dict:
+    """{'us': median, 'mode': 'graph' | 'eager'}: GPU time of the calls (cycling through the input
+    sets) replayed in a CUDA graph on a GPU, eager wall-clock with a sync on a CPU; `between`
+    rewinds the state outside the timed region before each sample."""
     if device.type == "cuda":
-        graph = capture([fn], device, calls=GRAPH_CALLS)
-        return {
-            "us": time_graph(graph, device, repeats=repeats, calls=GRAPH_CALLS)["median_us"],
-            "mode": "graph",
-        }
-    return {"us": wall_us(fn, device, repeats=repeats)["median_us"], "mode": "eager"}
+        graph = capture(fns, device, calls=GRAPH_CALLS)
+        timed = time_graph(graph, device, repeats=repeats, calls=GRAPH_CALLS, between=between)
+        return {"us": timed["median_us"], "mode": "graph"}
+    fns[0]()
+    return {"us": time_eager(fns, device, repeats=repeats, between=between)["median_us"], "mode": "eager"}
 
 
 def step_times(
@@ -54,14 +56,27 @@ def step_times(
     iters: int = 10,
     repeats: int = 30,
 ) -> dict:
-    """Decode-step times of dense SDPA and of every policy with a kernel, in one run."""
+    """Decode-step times of dense SDPA and of every policy with a kernel, in one run, on the path a
+    user calls: `PQIndex.decode_step` (store the new K/V row, append its key, select, attend);
+    streaming is sparse attention over sink + window (+ heavy more recent tokens). On a GPU every
+    side rotates over CACHE_SETS copies of the cache (and of the index), so none reads from L2 what
+    it would read from memory in a decode loop; each sample starts at N tokens."""
     work = make_workload(WorkloadSpec(tokens=tokens, steps=1)).to(device, dtype)
     k, v, q = work.keys[:, :, :tokens], work.values[:, :, :tokens], work.queries[0]
     B, Hkv, N, D = k.shape
     H = q.shape[1]
+    capacity = N + GRAPH_CALLS
+    sets = CACHE_SETS if device.type == "cuda" else 1
+    caches = []
+    for _ in range(sets):
+        kc, vc = k.new_zeros(B, Hkv, capacity, D), v.new_zeros(B, Hkv, capacity, D)
+        kc[:, :, :N], vc[:, :, :N] = k, v
+        caches.append((kc, vc))
+    k_new, v_new = k[:, :, -1:].clone(), v[:, :, -1:].clone()  # a key and value of the cache's kind
     lengths = torch.full((B,), N, device=device, dtype=torch.int64)
     rows = [{"policy": "dense", "family": "dense", "density": 1.0, "kernel": "torch SDPA"}]
-    rows[0] |= _time(lambda: baselines.sdpa_decode(q, k, v), device, repeats)
+    dense = [lambda kc=kc, vc=vc: baselines.sdpa_decode(q, kc[:, :, :N], vc[:, :, :N]) for kc, vc in caches]
+    rows[0] |= _time(dense, device, repeats)
     books: dict[tuple[int, int, int], ops.PQCodebook] = {}
     for p in policies:
         if p.kind == "dense":
@@ -71,6 +86,7 @@ def step_times(
             rows.append(row | {"kernel": None, "us": None, "mode": None})
             continue
         heavy = p.heavy(N)
+        between = None
         if p.kind == "streaming":
             sel = ops.select_streaming(lengths, H, sink=sink, window=window + heavy)
             out = torch.empty_like(q)
@@ -79,10 +95,12 @@ def step_times(
                 dtype=torch.int32,
                 device=device,
             )
-
-            def fn(sel=sel, out=out, ws=ws):
-                return ops.sparse_decode(q, k, v, sel.positions, sel.counts, out=out, workspace=ws)
-
+            fns = [
+                lambda kc=kc, vc=vc, sel=sel, out=out, ws=ws: ops.sparse_decode(
+                    q, kc, vc, sel.positions, sel.counts, out=out, workspace=ws
+                )
+                for kc, vc in caches
+            ]
             kernel = "pqattn sparse_decode" if ops.decode_kernel_path(q) else "reference"
         else:
             key = (p.subvectors, p.bits, p.sample)
@@ -103,18 +121,28 @@ def step_times(
                 group_budget=p.budget,
                 rerank=p.rerank,
             )
-            index = PQIndex.from_codebook(books[key], lengths, capacity=N, config=config)
+            indexes = [
+                PQIndex.from_codebook(books[key], lengths, capacity=capacity, config=config) for _ in caches
+            ]
+            fns = [
+                lambda index=index, kc=kc, vc=vc: index.decode_step(q, k_new, v_new, kc, vc)
+                for index, (kc, vc) in zip(indexes, caches, strict=True)
+            ]
 
-            def fn(index=index):
-                return index.attend(q, k, v)
+            def between(indexes=indexes):
+                for index in indexes:
+                    index.truncate([N] * B)
 
             row_heavy = config.row_heavy(H // Hkv)
-            on_kernels = ops.kernel_path(q, index.centroids, row_heavy, p.share, p.rerank)
+            on_kernels = ops.kernel_path(q, indexes[0].centroids, row_heavy, p.share, p.rerank)
             on_kernels = on_kernels and ops.decode_kernel_path(q)
-            kernel = "pqattn PQIndex select + attend" if on_kernels else "reference"
-        fn()
+            kernel = "pqattn PQIndex.decode_step" if on_kernels else "reference"
+        for fn in fns:
+            fn()
+        if between is not None:
+            between()
         sync(device)
-        rows.append(row | {"kernel": kernel} | _time(fn, device, repeats))
+        rows.append(row | {"kernel": kernel} | _time(fns, device, repeats, between))
     dense_us = rows[0]["us"]
     for r in rows:
         r["speedup_vs_dense"] = None if r["us"] is None else dense_us / r["us"]
@@ -122,7 +150,10 @@ def step_times(
         "shape": {"B": B, "H": H, "Hkv": Hkv, "D": D, "N": N, "dtype": str(dtype).removeprefix("torch.")},
         "sink": sink,
         "window": window,
-        "measures": "one decode step of a layer: selection + sparse attention (dense: SDPA over the cache)",
+        "measures": "one decode step of a layer as users call it: PQIndex.decode_step (store + append + "
+        "select + attend; streaming: sparse attention over its rows), dense: SDPA over the cache; "
+        f"inputs rotating over {sets} copies of the cache",
+        "cache_sets": sets,
         "autotune": autotuning(),
         "environment": environment(device),
         "rows": rows,

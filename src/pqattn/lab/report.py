@@ -319,7 +319,8 @@ def render_headline(results_dir: str | Path) -> str:
         )
         out += [
             f"One decode step of a layer on an {env['device_name']} (GPU time, CUDA-graph replay; "
-            f"selection + sparse attention) at B={sh['B']}, N={sh['N']}, H={sh['H']}, Hkv={sh['Hkv']}, "
+            f"{t.get('measures', 'selection + sparse attention')}) at B={sh['B']}, N={sh['N']}, H={sh['H']}, "
+            f"Hkv={sh['Hkv']}, "
             f"D={sh['D']}, {sh['dtype']}, sink {t['sink']} + window {t['window']} + heavy = density x N; "
             "quality of the same policy on the trained model (`models/byte-llama-13m`) and on the two "
             "synthetic caches "
