@@ -22,7 +22,7 @@ from pqattn.lab import metrics
 from pqattn.lab.env import environment
 from pqattn.lab.needles import NeedleSpec, make_needles
 from pqattn.lab.policies import per_head
-from pqattn.lab.timing import capture, sync, time_graph, wall_us
+from pqattn.lab.timing import capture, sync, time_eager, time_graph
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 METHODS = ("pq", "streaming", "oracle")
@@ -110,14 +110,7 @@ def run_demo(
             init_offset=c.offset,
         )
 
-    def attend(method: str, q: torch.Tensor, n: int) -> torch.Tensor:
-        if method in indexes:  # the library's decode path: the index's buffers and launch plans
-            return indexes[method].attend(q, work.keys, work.values)
-        sel = select(method, q, n)
-        return ops.sparse_decode(q, work.keys, work.values, sel.positions, sel.counts)
-
-    def dense(q: torch.Tensor, n: int) -> torch.Tensor:
-        k, v = work.keys[:, :, :n], work.values[:, :, :n]
+    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
     quality: dict[str, dict[str, list[float]]] = {
@@ -141,13 +134,37 @@ def run_demo(
             quality[m]["rel_err"].append(metrics.relative_error(out, reference))
             sizes[m] = float(sel.counts.float().mean())
 
-    # Timing at the final cache length, all methods and dense SDPA in this same run: eager
-    # wall-clock per step with a sync, and on a GPU the GPU time of the step replayed in a graph.
+    # Timing at the final cache length n, all methods and dense SDPA in this same run, each over
+    # its own copies of the cache (CACHE_SETS on a GPU, so that no side finds in L2 what a decode
+    # loop reads from memory): eager wall-clock per step with a sync, and on a GPU the GPU time of
+    # the step replayed in a graph. The PQ methods run the user's step, PQIndex.decode_step (store,
+    # append, select, attend), each sample from n tokens.
     q, n = work.queries[-1], N + spec.steps
-    steps = {m: (lambda m=m: attend(m, q, n)) for m in methods}
-    steps["dense"] = lambda: dense(q, n)
-    timings = {m: wall_us(fn, device, repeats=repeats) for m, fn in steps.items()}
-    gpu = {m: _graph_us(fn, device, repeats) for m, fn in steps.items()}
+    sets = CACHE_SETS if device.type == "cuda" else 1
+    caches = [_cache_copy(work.keys[:, :, :n], work.values[:, :, :n], _GRAPH_CALLS) for _ in range(sets)]
+    k_new, v_new = work.keys[:, :, n - 1 : n], work.values[:, :, n - 1 : n]
+    steps, rewinds = {}, {}
+    for m in methods:
+        if m in indexes:
+            ix = indexes[m]
+            book = ops.PQCodebook(ix.centroids, ix.codes[:, :, :n], ix.phi)
+            copies = [
+                PQIndex.from_codebook(book, capacity=n + _GRAPH_CALLS, config=ix.config) for _ in caches
+            ]
+            steps[m] = [
+                lambda c=c, kc=kc, vc=vc: c.decode_step(q, k_new, v_new, kc, vc)
+                for c, (kc, vc) in zip(copies, caches, strict=True)
+            ]
+            rewinds[m] = lambda copies=copies: [c.truncate([n] * c.batch) for c in copies]
+        else:
+            sel = select(m, q, n)
+            steps[m] = [
+                lambda kc=kc, vc=vc, sel=sel: ops.sparse_decode(q, kc, vc, sel.positions, sel.counts)
+                for kc, vc in caches
+            ]
+    steps["dense"] = [lambda kc=kc, vc=vc: dense(q, kc[:, :, :n], vc[:, :, :n]) for kc, vc in caches]
+    timings = {m: _wall_us(fns, device, repeats, rewinds.get(m)) for m, fns in steps.items()}
+    gpu = {m: _graph_us(fns, device, repeats, rewinds.get(m)) for m, fns in steps.items()}
     dense_us, dense_gpu = timings["dense"]["median_us"], gpu["dense"]
 
     rows = []
@@ -183,8 +200,8 @@ def run_demo(
         "build_ms": build_ms,
         "timing_note": "eager wall-clock per decode step with a device sync"
         + (", and GPU time of the\nstep replayed in a CUDA graph" if device.type == "cuda" else "")
-        + " (medians); pq = PQIndex.attend (select + sparse\nattention), streaming/oracle = their "
-        "selection + pqattn.sparse_decode, dense = torch SDPA",
+        + " (medians), each over its own copies of the cache; pq = PQIndex.decode_step (store,\nappend, "
+        "select, attend), streaming/oracle = pqattn.sparse_decode over their selection, dense = torch SDPA",
         "timings": timings,
         "results": rows,
     }
@@ -196,16 +213,39 @@ def run_demo(
 _GRAPH_CALLS = 20
 
 
-def _graph_us(fn, device: torch.device, repeats: int) -> float | None:
-    """GPU time per call of fn replayed in a CUDA graph of _GRAPH_CALLS calls (None on a CPU, or
-    when fn cannot be captured)."""
+CACHE_SETS = 8  # copies of the cache a timed step rotates over on a GPU
+
+
+def _cache_copy(k: torch.Tensor, v: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of the cache k, v [B, Hkv, n, D] with room for `room` more rows."""
+    B, Hkv, n, D = k.shape
+    kc, vc = k.new_zeros(B, Hkv, n + room, D), v.new_zeros(B, Hkv, n + room, D)
+    kc[:, :, :n], vc[:, :, :n] = k, v
+    return kc, vc
+
+
+def _wall_us(fns, device: torch.device, repeats: int, between) -> dict:
+    """Eager wall-clock statistics of one step + sync, cycling through the input sets."""
+    for fn in fns:
+        fn()
+    out = time_eager(fns, device, repeats=repeats, between=between)
+    del out["samples_us"]
+    return out
+
+
+def _graph_us(fns, device: torch.device, repeats: int, between) -> float | None:
+    """GPU time per call of the steps replayed in a CUDA graph of _GRAPH_CALLS calls cycling
+    through the input sets (None on a CPU, or when they cannot be captured)."""
     if device.type != "cuda":
         return None
+    if between is not None:
+        between()
     try:
-        graph = capture([fn], device, calls=_GRAPH_CALLS)
+        graph = capture(fns, device, calls=_GRAPH_CALLS)
     except RuntimeError:
         return None
-    return time_graph(graph, device, repeats=max(repeats, 20), calls=_GRAPH_CALLS)["median_us"]
+    timed = time_graph(graph, device, repeats=max(repeats, 20), calls=_GRAPH_CALLS, between=between)
+    return timed["median_us"]
 
 
 def _step_times(eager: float, gpu: float | None, dense: float, dense_gpu: float | None) -> dict:
