@@ -77,8 +77,14 @@ def test_prefill_through_pqattn_dense_attention(kind: str, device: torch.device,
         assert len(calls) == 2 and all(c["causal"] for c in calls), "layers 0 and 1 prefilled by pqattn"
         mask[1, :5] = 0  # left padding: the mask is not the causal one
         pq_hf.enable(model, cfg)
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+        with pytest.warns(UserWarning, match="padding.*no index is built") as caught:
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     assert len(calls) == 2
+    assert len([w for w in caught if "padding" in str(w.message)]) == 1, "one warning, not one a layer"
+    assert caught[0].filename == __file__, "the warning names the caller's line"
+    assert all(s.index is None and s.sparse_steps == 0 for s in _states(model)), (
+        "no index for a padded prompt"
+    )
 
 
 def _decode_logits_error(model, ids: torch.Tensor, config: pq_hf.HFConfig | None) -> float:
@@ -177,6 +183,29 @@ def test_dense_layers_stay_dense(device: torch.device) -> None:
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert [s.sparse_steps for s in _states(model)] == [0, 3, 0]
+
+
+def test_dense_layers_and_steps_past_capacity_run_the_split_k_kernel(
+    kernel_routes, device: torch.device
+) -> None:
+    """Decode steps of dense_layers and past the capacity attend over every cached token through the
+    split-K kernel (no masked SDPA): the dynamic- and static-cache generations equal dense, ragged
+    prompts included, and each layer counts the steps it served so."""
+    model = _model("llama", device)
+    ids = torch.randint(0, 128, (2, 40), device=device)
+    mask = torch.ones_like(ids)
+    cfg = pq_hf.HFConfig(heavy=500, sink=2, window=2, bits=3, iters=2, capacity=2, dense_layers=(0,))
+    with torch.no_grad():
+        dense = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        ragged = pq_hf.generate(model, ids, 6, prompt_lengths=[40, 31])
+        pq_hf.enable(model, cfg)
+        with pytest.warns(UserWarning, match="past HFConfig.capacity"):
+            sparse = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(sparse, dense)
+        assert [(s.sparse_steps, s.split_k_steps) for s in _states(model)] == [(0, 5), (2, 3), (2, 3)]
+        pq_hf.enable(model, cfg)
+        assert torch.equal(pq_hf.generate(model, ids, 6, prompt_lengths=[40, 31]), ragged)
+    assert [s.split_k_steps for s in _states(model)] == [5, 0, 0], "the static cache has room: sparse"
 
 
 def test_config_is_validated() -> None:

@@ -16,9 +16,12 @@ new token's slot comes from `position_ids`); the index lives on each attention m
 dense prefill, then greedy decode steps of the whole model captured as one CUDA graph and
 replayed; ragged batches pass right-padded prompts with `prompt_lengths`.
 
-Explicitly routed to SDPA (documented, not approximated): a padding mask during decode (the
-index does not know padded positions), layers without `layer_idx`, and decode steps past the
-index's capacity (prompt + `HFConfig.capacity` tokens; warned once).
+Routed explicitly (documented, not approximated): decode steps of `dense_layers` and decode steps
+past the index's capacity (prompt + `HFConfig.capacity` tokens; warned once) attend densely over
+every cached token up to the step's position through pqattn's split-K decode kernel
+(`split_k_decode`: no mask, the cache read once for a KV head's query heads) on CUDA, through SDPA
+elsewhere; a prompt with padding (a mask that is not the causal one) builds no index, and its
+decode steps run SDPA with that mask (warned once); layers without `layer_idx` run SDPA.
 """
 
 from __future__ import annotations
@@ -115,7 +118,10 @@ class _LayerState:
     prompt_lengths: list[int] | None = None
     # shared by the model's layers: whether decoding past the capacity has been warned about
     warned: dict[str, bool] = dataclasses.field(default_factory=dict)
+    # shared by the model's layers: the dense split-K decode's buffers (`split_k_decode`)
+    buffers: dict = dataclasses.field(default_factory=dict)
     sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
+    split_k_steps: int = 0  # decode calls served by the dense split-K kernel
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling, **kwargs):
@@ -138,10 +144,11 @@ def pq_attention_forward(
     whole cache after this step's update). Returns ([B, q_len, H, D], None) like SDPA's."""
     state: _LayerState | None = getattr(module, "_pqattn_state", None)
     layer = getattr(module, "layer_idx", None)
-    if state is None or layer is None or layer in state.config.dense_layers:
+    if state is None or layer is None:
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
     B, q_len, S = query.shape[0], query.shape[2], key.shape[2]
     position_ids = kwargs.get("position_ids")
+    dense_layer = layer in state.config.dense_layers
     if q_len > 1:  # prefill: dense, then the index of the whole prompt
         c = state.config
         # A preallocated cache is longer than the tokens seen (one host read, at prefill only).
@@ -152,9 +159,20 @@ def pq_attention_forward(
             attention_mask = None if attention_mask is None else attention_mask[..., :n]
         # Padding shows as masked keys in the last prompt row (one host read, at prefill only).
         state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
+        if state.padded and not dense_layer and not state.warned.get("padded"):
+            state.warned["padded"] = True
+            warnings.warn(
+                "pqattn: a prompt with padding (its mask is not the causal one): no index is built and "
+                "the decode steps run SDPA with the mask. Right-pad ragged prompts and pass "
+                "prompt_lengths to pq_hf.generate to keep them sparse.",
+                stacklevel=_caller_level(),
+            )
+        if dense_layer or state.padded:
+            state.index = None
+            return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
         window = _sliding_window(module)
         plain_causal = getattr(module, "is_causal", True) and (window is None or window >= n)
-        if c.prefill == "pqattn" and plain_causal and not state.padded:
+        if c.prefill == "pqattn" and plain_causal:
             # Without padding, and with no sliding window shorter than the sequence, the mask is
             # the bottom-right causal one.
             attn = ops.dense_attention(query, key, value, causal=True, scale=scaling)
@@ -182,22 +200,89 @@ def pq_attention_forward(
         state.index = PQIndex.build(key, lengths, capacity=capacity, config=pq, **_kv_head_share(module, key))
         return out
     index = state.index
-    if index is not None and index.capacity < S and not state.padded and not state.warned.get("capacity"):
+    if state.padded:
+        return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+    if index is not None and index.capacity < S and not state.warned.get("capacity"):
         state.warned["capacity"] = True
         warnings.warn(
             f"pqattn: decoding at {S} tokens, past HFConfig.capacity "
-            f"(prompt + {state.config.capacity}); its decode steps run dense SDPA from here on. "
+            f"(prompt + {state.config.capacity}); its decode steps attend densely from here on. "
             "Raise HFConfig.capacity to keep them sparse.",
-            stacklevel=2,
+            stacklevel=_caller_level(),
         )
-    if index is None or state.padded or index.capacity < S:
-        return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+    if index is None or index.capacity < S:
+        if not ops.decode_kernel_path(query[:, :, 0]):
+            return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+        state.split_k_steps += 1
+        counts_at = position_ids if state.static else None
+        return split_k_decode(query, key, value, counts_at, scaling, state.buffers), None
     index.append(_new_key(key, position_ids) if state.static else key[:, :, -1:])
     q = query[:, :, 0]
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
     out = index.attend(q, key, value, index.select(q, key), scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
+
+
+def split_k_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    scaling: float | None,
+    buffers: dict,
+) -> torch.Tensor:
+    """Dense decode attention of one query token over every cached token up to its position,
+    through pqattn's group decode kernel (split-K flash decoding; each K/V row read once for a KV
+    head's G query heads; no mask).
+
+    Args:
+        query: [B, H, 1, D]. key, value: [B, Hkv, S, D] (a static cache: slots past the position
+            unused). position_ids: [B, >= 1] the step's positions in a static cache, or None when
+            all S tokens are valid. scaling: default 1/sqrt(D). buffers: a dict the caller keeps
+            for the launch's buffers (shared by layers of one shape; no allocation after the first
+            call for a shape).
+
+    Returns:
+        [B, 1, H, D] in query's dtype: a buffer of `buffers`, overwritten by the next call.
+    """
+    B, H, _, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    at = (B, H, Hkv, S, D, query.dtype, query.device)
+    if at not in buffers:
+        device = query.device
+        buffers[at] = (
+            torch.arange(S, dtype=torch.int32, device=device).expand(B, Hkv, S).contiguous(),
+            torch.empty(B, Hkv, dtype=torch.int32, device=device),
+            torch.empty(B, H, D, dtype=query.dtype, device=device),
+            torch.zeros(
+                ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv), dtype=torch.int32, device=device
+            ),
+        )
+    positions, counts, out, workspace = buffers[at]
+    if position_ids is None:
+        counts.fill_(S)
+    else:
+        counts.copy_((position_ids[:, -1:] + 1).expand(B, Hkv))
+    ops.sparse_decode(
+        query[:, :, 0], key, value, positions, counts, scale=scaling, out=out, workspace=workspace
+    )
+    return out[:, None]
+
+
+def _caller_level() -> int:
+    """The stacklevel of a warning raised here that names the first frame outside torch,
+    transformers and this module (the user's call)."""
+    import inspect
+
+    frame, level = inspect.currentframe(), 0
+    skip = ("torch", "transformers", "pqattn", "importlib", "contextlib", "functools")
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if level > 1 and name.split(".")[0] not in skip:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def _new_key(key: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pqattn import ops
 from pqattn.reference import pq as ref_pq
 
 
@@ -27,33 +26,21 @@ def dense_decode_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """A transformers attention function, the generate bench's stand-in for a flash-decoding
-    kernel (FlashAttention's kv-cache decode is not installed here): prefill through SDPA, a
-    decode step over every cached token up to its position through pqattn's group decode kernel
-    (each K/V row read once for a KV head's query heads, the tokens split across programs).
+    """A transformers attention function, the dense loop that decodes as well as dense can here
+    (FlashAttention's kv-cache decode is not installed): prefill through SDPA, a decode step over
+    every cached token up to its position through pqattn's split-K kernel
+    (`pqattn.integrations.hf.split_k_decode`, which pqattn's own dense fallbacks use).
     query [B, H, 1, D], key/value [B, Hkv, S, D] (a static cache: slots past the position unused)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from pqattn.integrations.hf import split_k_decode
+
     if query.shape[2] > 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    B, H, _, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
     buffers = getattr(module, "_dense_decode_buffers", None)
-    if buffers is None or buffers[0].shape != (B, Hkv, S) or buffers[1].device != query.device:
-        positions = torch.arange(S, dtype=torch.int32, device=query.device).expand(B, Hkv, S).contiguous()
-        out = torch.empty(B, H, D, dtype=query.dtype, device=query.device)
-        numel = ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv)
-        buffers = (positions, out, torch.zeros(numel, dtype=torch.int32, device=query.device))
-        module._dense_decode_buffers = buffers
-    positions, out, workspace = buffers
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:  # a cache of exactly the tokens seen
-        counts = torch.full((B, Hkv), S, dtype=torch.int32, device=query.device)
-    else:  # every token up to the step's own position
-        counts = (position_ids[:, -1:] + 1).to(torch.int32).expand(B, Hkv).contiguous()
-    q = query[:, :, 0]
-    ops.sparse_decode(q, key, value, positions, counts, scale=scaling, out=out, workspace=workspace)
-    return out[:, None], None
+    if buffers is None:
+        buffers = module._dense_decode_buffers = {}
+    return split_k_decode(query, key, value, kwargs.get("position_ids"), scaling, buffers), None
 
 
 def register_dense_decode() -> str:
