@@ -318,9 +318,9 @@ def render_headline(results_dir: str | Path) -> str:
             (k for r in rows.values() for k in r if k.startswith("model_mass_")), default=None, key=_ctx
         )
         out += [
-            f"One decode step of a layer on an {env['device_name']} (GPU time, CUDA-graph replay; "
-            f"{t.get('measures', 'selection + sparse attention')}) at B={sh['B']}, N={sh['N']}, H={sh['H']}, "
-            f"Hkv={sh['Hkv']}, "
+            f"On an {env['device_name']} (GPU time, CUDA-graph replay): "
+            f"{t.get('measures', 'one decode step of a layer: selection + sparse attention')}; "
+            f"at B={sh['B']}, N={sh['N']}, H={sh['H']}, Hkv={sh['Hkv']}, "
             f"D={sh['D']}, {sh['dtype']}, sink {t['sink']} + window {t['window']} + heavy = density x N; "
             "quality of the same policy on the trained model (`models/byte-llama-13m`) and on the two "
             "synthetic caches "
