@@ -2,15 +2,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# A CPU-only torch: a plain `torch` requirement would pull several GB of CUDA wheels.
+# torch, installed first when the environment has none: TORCH_SPEC from TORCH_INDEX when set (PyTorch's
+# own CPU wheel index gives a CPU-only build), else from pip's configured index, whose default
+# Linux wheels carry CUDA (several GB).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 

@@ -78,6 +78,10 @@ class TestValidation:
             pqattn.build_index(k, [1, 2, 3])
         with _raises(TypeError, "lengths", "dtype", "float32"):
             pqattn.build_index(k, torch.tensor([1.0, 2.0]))
+        with _raises(ValueError, "keys", "at least one token", r"\[2, 2, 0, 16\]"):
+            pqattn.build_index(k[:, :, :0])
+        with _raises(ValueError, "keys", "with data", "meta"):
+            pqattn.build_index(k.to("meta"))
 
     def test_select_topk(self) -> None:
         q, k, _ = _inputs(torch.device("cpu"))
@@ -86,6 +90,8 @@ class TestValidation:
         kw = dict(sink=2, window=2, heavy=4)
         with _raises(ValueError, "H=7", "Hkv=2"):
             pqattn.select_topk(torch.randn(2, 7, 16), book.centroids, book.codes, lens, **kw)
+        with _raises(ValueError, "q / centroids", "D=8", "expected q with D = M x dsub = 16"):
+            pqattn.select_topk(torch.randn(2, 8, 8), book.centroids, book.codes, lens, **kw)
         with _raises(ValueError, "q", r"\[B, H, D\]", r"\[3, 8, 16\]"):
             pqattn.select_topk(torch.randn(3, 8, 16), book.centroids, book.codes, lens, **kw)
         with _raises(TypeError, "codes", "uint8", "int64"):

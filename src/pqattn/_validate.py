@@ -149,10 +149,12 @@ def lengths(value: object, batch: int, capacity: int, device: torch.device) -> t
 
 
 def key_cache(name: str, keys: torch.Tensor) -> torch.Tensor:
-    """keys [B, Hkv, N, D] of a floating dtype, B >= 1."""
+    """keys [B, Hkv, N, D] of a floating dtype, B >= 1, on a device that holds data."""
     tensor(name, keys, shape=(None,) * 4, dims="[B, Hkv, N, D]", dtypes=FLOAT_DTYPES)
     if keys.shape[0] == 0:
         raise ValueError(f"{name}: expected at least one sequence (B >= 1), got shape {list(keys.shape)}")
+    if keys.is_meta:
+        raise ValueError(f"{name}: expected a tensor with data (cpu or cuda), got one on the meta device")
     return keys
 
 
@@ -246,13 +248,16 @@ def sizes(sink: int, window: int, heavy: int, init_offset: int) -> None:
 def score_inputs(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> None:
     B, Hkv, M = centroids_and_codes(centroids, codes)
     query(q, B, Hkv, None, centroids.device)
-    subvectors(M, q.shape[-1])
-    dsub = q.shape[-1] // M
-    if centroids.shape[-1] not in (dsub, dsub + 1):
+    D, width = q.shape[-1], centroids.shape[-1]
+    if D not in (M * width, M * (width - 1)):  # either may be the wrong one: name both
+        dsub = D // M
         raise ValueError(
-            f"centroids: expected last dim dsub={dsub} or dsub+1={dsub + 1} for D={q.shape[-1]}, "
-            f"M={M}, got {centroids.shape[-1]}"
+            f"q / centroids: q's head dim D={D} and the centroids' {width} values per sub-vector "
+            f"disagree: expected q with D = M x dsub = {M * width} (or {M * (width - 1)} for an ip "
+            f"index), or centroids with last dim dsub={dsub} (or dsub+1={dsub + 1}) for D={D}, M={M}, "
+            f"got {width}"
         )
+    subvectors(M, D)
 
 
 def exact_selection_inputs(

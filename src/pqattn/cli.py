@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+import pqattn
 from pqattn.index import PQConfig
 from pqattn.lab.workload import WorkloadSpec
 
@@ -23,6 +24,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     d, c = WorkloadSpec(), PQConfig()
     p = sub.add_parser(
         "demo",
+        formatter_class=_HELP,
         help="PQ vs streaming vs oracle selection on two synthetic caches",
         description="Builds the PQ index over a synthetic cache, runs decode steps and prints per method "
         "(PQ, streaming, the exact top-k oracle, dense): the attention mass kept, the recall of the oracle's "
@@ -142,6 +144,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
+        formatter_class=_HELP,
         help="time suites of cases (graph replay, eager, pipelined) against same-run baselines",
         description="Time every case of the suites: GPU time from CUDA-graph replay, eager wall-clock with a "
         "sync, pipelined wall-clock; achieved GB/s and TFLOP/s against the measured copy bandwidth and "
@@ -201,9 +204,10 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "compare",
+        formatter_class=_HELP,
         help="compare two bench results (exit 1 on a regression)",
-        description="Per case: ratio of medians B/A with a bootstrap 95%% CI, Mann-Whitney U p-value, "
-        "Cliff's delta, verdict. Exit 1 when a case is slower by more than 3%% with p < 0.01.",
+        description="Per case: ratio of medians B/A with a bootstrap 95% CI, Mann-Whitney U p-value, "
+        "Cliff's delta, verdict. Exit 1 when a case is slower by more than 3% with p < 0.01.",
     )
     p.add_argument("a", help="baseline results JSON")
     p.add_argument("b", help="candidate results JSON")
@@ -229,6 +233,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check",
+        formatter_class=_HELP,
         help="fuzz every kernel against its reference over every autotune config",
         description="Correctness fuzz of every Triton kernel against the PyTorch reference on random shapes, "
         "dtypes and options, for every config of its autotune space, with NaN-poisoned outputs. "
@@ -275,6 +280,7 @@ def _run_check(args: argparse.Namespace) -> int:
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
+        formatter_class=_HELP,
         help="regenerate the README's headline, docs/results.md and the model cards from the results JSON",
         description="Rewrite the generated sections (between their markers) of the README's headline table, "
         "the full results page and every model card under --models from the committed JSON; --check exits "
@@ -304,12 +310,18 @@ def _run_report(args: argparse.Namespace) -> int:
     if args.check and stale:
         print(f"{', '.join(stale)} out of date: run `pqattn report`", file=sys.stderr)
         return 1
+    if stale:
+        print(f"rewrote the generated sections of {', '.join(stale)} from {args.results}")
+    fresh = [name for name, ok in current.items() if ok]
+    if fresh:
+        print(f"up to date with {args.results}: {', '.join(fresh)}")
     return 0
 
 
 def _add_quality(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quality",
+        formatter_class=_HELP,
         help="PQ vs streaming vs oracle selection quality over a sweep of densities",
         description="Captured attention mass, oracle recall and output error vs dense attention, on the "
         "two synthetic caches or on the KV cache of a local transformers model (--model PATH, no download).",
@@ -400,6 +412,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     m, t = ModelSpec(), TrainSpec()
     p = sub.add_parser(
         "train",
+        formatter_class=_HELP,
         help="train the byte-level long-context Llama that the task metrics use as ground truth",
         description="Train transformers' LlamaForCausalLM on the Python sources of the installed packages "
         "(pqattn.lab.corpus), byte tokens, phases of growing context; write bf16 safetensors, config.json "
@@ -502,6 +515,7 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     t = TaskSettings()
     p = sub.add_parser(
         "tasks",
+        formatter_class=_HELP,
         help="task quality of sparse decoding on a local causal LM: bits/byte and passkey per policy",
         description="On held-out documents of the corpus: dense bits/byte by position bucket, bits/byte of "
         "each document's last bytes under every policy (dense, oracle, streaming, PQ at several code "
@@ -585,6 +599,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
 def _add_pareto(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pareto",
+        formatter_class=_HELP,
         help="quality against measured decode-step time for every policy and density (JSON and a plot)",
         description="Times one decode step of each policy with a kernel (selection + sparse attention) and "
         "dense SDPA in the same run (CUDA-graph replay on a GPU), measures every policy's attention mass on "
@@ -673,6 +688,7 @@ def _run_pareto(args: argparse.Namespace) -> int:
 def _add_fidelity(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "fidelity",
+        formatter_class=_HELP,
         help="attention mass as a share of the oracle's beside decode-step time, per selection policy",
         description="Measures, for per-head and group (GQA-shared) PQ selections at fine and coarse codes, "
         "with and without re-ranking, the attention mass kept on both synthetic generators as a share of the "
@@ -730,9 +746,24 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HELP(argparse.HelpFormatter):
+    """Every subcommand's help shows the default of each option that has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.option_strings
+            and "%(default)" not in text
+            and action.default not in (None, False, argparse.SUPPRESS)
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `pqattn` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="pqattn", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pqattn {pqattn.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
         _add_demo,

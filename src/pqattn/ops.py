@@ -131,6 +131,8 @@ def build_index(
     """
     check.key_cache("keys", keys)
     B, _, N, D = keys.shape
+    if N == 0:
+        raise ValueError(f"keys: expected at least one token to index (N >= 1), got shape {list(keys.shape)}")
     check.subvectors(subvectors, D)
     check.bits(bits)
     check.metric(metric)

@@ -235,6 +235,22 @@ def test_config_is_validated() -> None:
             pq_hf.HFConfig(**kwargs)
 
 
+def test_bad_configs_are_refused_at_enable_and_empty_prompts_at_generate() -> None:
+    """What the model cannot serve is refused where the user passes it, before any step."""
+    model = _model("llama", torch.device("cpu"))  # head dim 16, 3 layers
+    with pytest.raises(ValueError, match=r"subvectors: head dim D=16 must be divisible .* got M=3"):
+        pq_hf.enable(model, pq_hf.HFConfig(subvectors=3))
+    with pytest.raises(
+        ValueError, match=r"dense_layers: expected layer indices of the model's 3 .*0\.\.2.*\[5, 99\]"
+    ):
+        pq_hf.enable(model, pq_hf.HFConfig(dense_layers=(1, 5, 99)))
+    assert not _states(model), "nothing switched by a refused config"
+    with pytest.raises(
+        ValueError, match=r"input_ids: expected at least one prompt of at least one token.*\[1, 0\]"
+    ):
+        pq_hf.generate(model, torch.zeros(1, 0, dtype=torch.int64), 4)
+
+
 def test_decoding_past_the_capacity_warns_once_and_goes_dense(device: torch.device) -> None:
     model = _model("llama", device)
     ids = torch.randint(0, 128, (1, 40), device=device)

@@ -66,6 +66,17 @@ def test_unmatched_rows_and_environment_warnings() -> None:
     assert "only in A: select/old/pqattn" in text and "warning: device_name" in text
 
 
+def test_a_driver_on_several_lines_compares_by_its_first() -> None:
+    """nvidia-smi prints the driver once per GPU: equal drivers warn of nothing, others show one line."""
+    a = make_doc([("c", "pqattn", samples(1.0))])
+    b = make_doc([("c", "pqattn", samples(1.0))])
+    a["environment"]["driver"] = "580.159.04"
+    b["environment"]["driver"] = "580.159.04\n580.159.04"
+    assert compare_docs(a, b)["warnings"] == []
+    b["environment"]["driver"] = "590.1\n590.1"
+    assert compare_docs(a, b)["warnings"] == ["driver differs: 580.159.04 vs 590.1"]
+
+
 def test_timing_mode_choice() -> None:
     a = make_doc([("c", "pqattn", samples(1.0))])
     b = make_doc([("c", "pqattn", samples(1.0))])

@@ -135,11 +135,15 @@ def test_gpu_step_times_show_when_measured() -> None:
     assert all(r["step_gpu_us"] is None and r["gpu_speedup_vs_dense"] is None for r in result["results"])
     header = next(line for line in format_table(result).splitlines() if line.startswith("method"))
     assert "GPU time" not in header
+    assert "On a CPU pqattn runs its PyTorch reference" in " ".join(format_table(result).split())
     for r, us in zip(result["results"], (4.0, None, None, 20.0), strict=True):
         r["step_gpu_us"], r["gpu_speedup_vs_dense"] = us, None if us is None else 20.0 / us
     table = format_table(result)
     header = next(line for line in table.splitlines() if line.startswith("method"))
     assert "GPU time" in header and "5.00x" in table and "4.0 us" in table
+    verdict = " ".join(table.split("verdict")[1].split())
+    assert verdict.startswith("(GPU time,") and "faster than dense: pq (5.00x, mass" in verdict
+    assert "PyTorch reference" not in verdict
     section = "\n".join(_demo_section("demo.json", result))
     assert "step us (GPU)" in section and "| 5.00x |" in section
 

@@ -45,8 +45,11 @@ def test_render_and_rewrite(tmp_path, capsys) -> None:
     argv = ["report", "--readme", str(readme), "--page", str(page), "--results", str(results)]
     argv += ["--models", str(tmp_path / "no-models")]
     assert main([*argv, "--check"]) == 1
+    capsys.readouterr()
     assert main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"rewrote the generated sections of {readme}, {page}")
     assert main([*argv, "--check"]) == 0
+    assert capsys.readouterr().out.startswith(f"up to date with {results}: {readme}, {page}")
     new = page.read_text()
     assert new.startswith("intro\n") and new.endswith("outro\n") and "old" not in new
     assert "old" not in readme.read_text(), "the headline is rewritten (empty without a pareto result)"

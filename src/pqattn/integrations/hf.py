@@ -342,19 +342,29 @@ def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
         >>> enable(transformers.LlamaForCausalLM(cfg), HFConfig(heavy=16, sink=4, window=4))
         [0, 1]
     """
-    register()
-    sparse = []
-    warned: dict[str, bool] = {}
-    for module in model.modules():
-        layer = getattr(module, "layer_idx", None)
-        if layer is not None and hasattr(module, "scaling"):
-            module._pqattn_state = _LayerState(config, warned=warned)
-            if layer not in config.dense_layers:
-                sparse.append(layer)
-    if not sparse and not config.dense_layers:
+    attention = [
+        m for m in model.modules() if getattr(m, "layer_idx", None) is not None and hasattr(m, "scaling")
+    ]
+    if not attention:
         raise ValueError("model: found no attention module with `layer_idx` and `scaling` to switch")
+    layers = {m.layer_idx for m in attention}
+    unknown = sorted(set(config.dense_layers) - layers)
+    if unknown:
+        raise ValueError(
+            f"dense_layers: expected layer indices of the model's {len(layers)} attention layers "
+            f"(0..{max(layers)}), got {unknown}"
+        )
+    for m in attention:  # the index splits each key into M sub-vectors
+        head_dim = getattr(m, "head_dim", None)
+        if isinstance(head_dim, int):
+            check.subvectors(config.subvectors, head_dim)
+    register()
+    warned: dict[str, bool] = {}
+    buffers: dict = {}
+    for m in attention:
+        m._pqattn_state = _LayerState(config, warned=warned, buffers=buffers)
     model.set_attn_implementation(NAME)
-    return sorted(set(sparse))
+    return sorted(layers - set(config.dense_layers))
 
 
 class StaticDecoder:
@@ -416,6 +426,10 @@ class StaticDecoder:
         check.positive_int("max_new_tokens", max_new_tokens)
         check.positive_int("prefill_tokens", prefill_tokens)
         B, P = input_ids.shape
+        if B == 0 or P == 0:
+            raise ValueError(
+                f"input_ids: expected at least one prompt of at least one token, got shape [{B}, {P}]"
+            )
         dev = input_ids.device
         lengths = _prompt_lengths(prompt_lengths, B, P)
         ragged = min(lengths) < P

@@ -38,9 +38,9 @@ def compare_docs(a: dict, b: dict, *, mode: str = "auto") -> dict:
     rows.sort(key=lambda r: order[r["key"]])
     env_a, env_b = a["environment"], b["environment"]
     warnings = [
-        f"{field} differs: {env_a.get(field)} vs {env_b.get(field)}"
+        f"{field} differs: {_shown(env_a.get(field))} vs {_shown(env_b.get(field))}"
         for field in ("device_name", "driver", "torch", "triton")
-        if env_a.get(field) != env_b.get(field)
+        if _shown(env_a.get(field)) != _shown(env_b.get(field))
     ]
     return {
         "rows": rows,
@@ -86,3 +86,9 @@ def format_comparison(result: dict) -> str:
         f"{n} regression(s) (slower by > {REGRESSION:.0%} with p < {ALPHA})" if n else "no regression"
     )
     return "\n".join(lines)
+
+
+def _shown(value: object) -> object:
+    """An environment field as compared and printed: the driver's first line (nvidia-smi prints a
+    line per GPU)."""
+    return value.splitlines()[0] if isinstance(value, str) and value else value

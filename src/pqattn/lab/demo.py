@@ -10,6 +10,7 @@ coarse per-head index it replaced as the default) run beside it: quality and spe
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import time
 
 import torch
@@ -314,8 +315,34 @@ def format_table(result: dict) -> str:
         )
     lines += [
         "",
-        "attn mass: share of the dense softmax mass on the selected tokens; oracle recall: share of the",
-        "exact top-heavy tokens found; out rel err: ||out - dense|| / ||dense||.",
-        f"step time: {result['timing_note']}.",
+        *textwrap.wrap(
+            "attn mass: share of the dense softmax mass on the selected tokens; oracle recall: share of "
+            "the exact top-heavy tokens found; out rel err: ||out - dense|| / ||dense||; vs dense: dense "
+            f"time over the method's time. step time: {' '.join(result['timing_note'].split())}.",
+            100,
+        ),
+        "",
+        *textwrap.wrap(verdict(result), 100),
     ]
     return "\n".join(lines)
+
+
+def verdict(result: dict) -> str:
+    """One line: which PQ methods beat dense on this device, and the attention mass they keep."""
+    gpu = has_gpu(result)
+    key = "gpu_speedup_vs_dense" if gpu else "speedup_vs_dense"
+    pq = [r for r in result["results"] if r["method"].startswith("pq")]
+    faster = [f"{r['method']} ({r[key]:.2f}x, mass {r['attention_mass']:.2f})" for r in pq if r[key] > 1.0]
+    slower = [f"{r['method']} ({r[key]:.2f}x)" for r in pq if r[key] <= 1.0]
+    where = "GPU time" if gpu else "wall-clock"
+    text = f"verdict ({where}, {result['environment']['device_name']}): "
+    text += (
+        ("faster than dense: " + ", ".join(faster)) if faster else "no PQ method is faster than dense here"
+    )
+    text += ("; not faster: " + ", ".join(slower)) if slower and faster else ""
+    if not gpu:
+        text += (
+            ". On a CPU pqattn runs its PyTorch reference, not the Triton kernels: these times say "
+            "nothing of a GPU's"
+        )
+    return text + "."

@@ -361,17 +361,17 @@ def _ctx(key: str) -> int:
 def _replace_section(
     path: str | Path, section: str, *, check: bool, name: str, begin: str = BEGIN, end: str = END
 ) -> bool:
-    """Put `section` (markers included) in place of the file's marked section; True when current."""
+    """Put `section` (markers included) in place of the file's marked section (with check, only
+    compare); True when the file held it already."""
     text = Path(path).read_text()
     if begin not in text or end not in text:
         raise ValueError(f"{name}: {path} has no generated-section markers ({begin!r} ... {end!r})")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     new = head + section + tail
-    if check:
-        return new == text
-    Path(path).write_text(new)
-    return True
+    if not check and new != text:
+        Path(path).write_text(new)
+    return new == text
 
 
 def update_readme(readme: str | Path, results_dir: str | Path, *, check: bool) -> bool:

@@ -462,8 +462,14 @@ def passkey(
 
 def load_model(path: str, device: torch.device):
     """A local causal LM in eval mode: bf16 on CUDA, float32 on the CPU."""
+    import os
+
     import transformers
 
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"model: expected a folder holding a transformers model, got {path!r} (no such folder)"
+        )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     return model.to(device).eval()

@@ -45,6 +45,17 @@ class WorkloadSpec:
     needle_logit: float = 7.0
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("kv_heads", "group", "head_dim", "steps", "batch", "span_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if not isinstance(self.tokens, int) or self.tokens < self.span_len + 2:
+            raise ValueError(
+                f"tokens: expected an integer of at least span_len + 2 = {self.span_len + 2} "
+                f"(room for a needle span after the first token), got {self.tokens!r}"
+            )
+
     @property
     def num_heads(self) -> int:
         return self.kv_heads * self.group
