@@ -339,7 +339,7 @@ def enable(model: torch.nn.Module, config: HFConfig) -> list[int]:
         >>> import transformers
         >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
         ...                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-        >>> enable(transformers.LlamaForCausalLM(cfg), HFConfig(heavy=16, sink=4, window=4))
+        >>> enable(transformers.LlamaForCausalLM(cfg), HFConfig(heavy=16, sink=4, window=4, subvectors=4))
         [0, 1]
     """
     attention = [
