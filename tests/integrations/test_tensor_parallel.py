@@ -14,6 +14,16 @@ import pytest
 import torch
 import transformers
 
+
+def _free_port() -> int:
+    """A TCP port free now (the test workers run side by side: no fixed rendezvous port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -45,7 +55,7 @@ def test_ranks_generate_the_single_process_tokens(
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     out = tmp_path / "tp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    cmd += ["--master-port", "29517"]
+    cmd += ["--master-port", str(_free_port())]
     cmd += [str(ROOT / "bench" / "tp_generate.py"), "--model", str(tmp_path / "model"), "--prompt", "70"]
     cmd += ["--batch", "2", "--new", "8", "--heavy", "500", "--sink", "4", "--window", "4", "--bits", "3"]
     cmd += ["--dtype", "float32", "--samples", "2", "--steps", "2"]
@@ -81,7 +91,7 @@ def test_sparse_settings_give_the_one_process_tokens(tmp_path: pathlib.Path) -> 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
         cmd += [
             "--master-port",
-            "29518",
+            str(_free_port()),
             str(ROOT / "bench" / "tp_generate.py"),
             "--model",
             str(tmp_path / "model"),

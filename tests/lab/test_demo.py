@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -19,9 +18,7 @@ SMALL_CFG = PQConfig(sink=32, window=32, heavy=96, iters=8)
 
 
 def test_demo_runs_and_pq_beats_streaming() -> None:
-    t0 = time.perf_counter()
     result = run_demo(SMALL, SMALL_CFG, device=torch.device("cpu"), dtype=torch.float32, repeats=3)
-    assert time.perf_counter() - t0 < 60
     rows = {r["method"]: r for r in result["results"]}
     assert set(rows) == {"pq", "streaming", "oracle", "dense"}
     for r in rows.values():

@@ -30,7 +30,7 @@ def test_quality_and_build_rows(device):
 def test_step_rows_time_the_kernel_policies(kernel_routes, device):
     """A group re-rank policy's selection and step beside SDPA, with the selection's bytes floor."""
     if device.type == "cuda":
-        return  # (the GPU run is `pqattn fidelity` itself)
+        pytest.skip("the GPU run is `pqattn fidelity` itself")
     policy = Policy("pq", 0.02, subvectors=8, bits=4, share="group", group_rule="max", budget=2, rerank=2)
     rows = fidelity.step_rows(
         [policy], batch=1, tokens=256, sink=8, window=8, device=device, bandwidth=1e11, repeats=1
