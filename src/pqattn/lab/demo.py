@@ -23,7 +23,7 @@ from pqattn.lab import metrics
 from pqattn.lab.env import environment
 from pqattn.lab.needles import NeedleSpec, make_needles
 from pqattn.lab.policies import per_head
-from pqattn.lab.timing import capture, sync, time_eager, time_graph
+from pqattn.lab.timing import cache_copies, capture, sync, time_eager, time_graph
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 METHODS = ("pq", "streaming", "oracle")
@@ -142,7 +142,7 @@ def run_demo(
     # append, select, attend), each sample from n tokens.
     q, n = work.queries[-1], N + spec.steps
     sets = CACHE_SETS if device.type == "cuda" else 1
-    caches = [_cache_copy(work.keys[:, :, :n], work.values[:, :, :n], _GRAPH_CALLS) for _ in range(sets)]
+    caches = cache_copies(work.keys[:, :, :n], work.values[:, :, :n], room=_GRAPH_CALLS, sets=sets)
     k_new, v_new = work.keys[:, :, n - 1 : n], work.values[:, :, n - 1 : n]
     steps, rewinds = {}, {}
     for m in methods:
@@ -215,14 +215,6 @@ _GRAPH_CALLS = 20
 
 
 CACHE_SETS = 8  # copies of the cache a timed step rotates over on a GPU
-
-
-def _cache_copy(k: torch.Tensor, v: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A copy of the cache k, v [B, Hkv, n, D] with room for `room` more rows."""
-    B, Hkv, n, D = k.shape
-    kc, vc = k.new_zeros(B, Hkv, n + room, D), v.new_zeros(B, Hkv, n + room, D)
-    kc[:, :, :n], vc[:, :, :n] = k, v
-    return kc, vc
 
 
 def _wall_us(fns, device: torch.device, repeats: int, between) -> dict:

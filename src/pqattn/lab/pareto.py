@@ -25,7 +25,7 @@ from pqattn.kernels.launch import autotuning
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
 from pqattn.lab.policies import Policy
-from pqattn.lab.timing import capture, sync, time_eager, time_graph
+from pqattn.lab.timing import cache_copies, capture, sync, time_eager, time_graph
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
 TIMED_KINDS = ("streaming", "pq")  # the policies with kernels (selection and attention)
@@ -67,11 +67,7 @@ def step_times(
     H = q.shape[1]
     capacity = N + GRAPH_CALLS
     sets = CACHE_SETS if device.type == "cuda" else 1
-    caches = []
-    for _ in range(sets):
-        kc, vc = k.new_zeros(B, Hkv, capacity, D), v.new_zeros(B, Hkv, capacity, D)
-        kc[:, :, :N], vc[:, :, :N] = k, v
-        caches.append((kc, vc))
+    caches = cache_copies(k, v, room=GRAPH_CALLS, sets=sets)
     k_new, v_new = k[:, :, -1:].clone(), v[:, :, -1:].clone()  # a key and value of the cache's kind
     lengths = torch.full((B,), N, device=device, dtype=torch.int64)
     rows = [{"policy": "dense", "family": "dense", "density": 1.0, "kernel": "torch SDPA"}]

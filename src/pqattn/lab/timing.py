@@ -55,6 +55,20 @@ def wall_us(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
 Between = Callable[[], object] | None  # untimed work before each sample (a state reset)
 
 
+def cache_copies(
+    k: torch.Tensor, v: torch.Tensor, *, room: int, sets: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`sets` copies of the cache k, v [B, Hkv, n, D], each with room for `room` more rows: the
+    rotating input sets of a timed decode step."""
+    B, Hkv, n, D = k.shape
+    out = []
+    for _ in range(sets):
+        kc, vc = k.new_zeros(B, Hkv, n + room, D), v.new_zeros(B, Hkv, n + room, D)
+        kc[:, :, :n], vc[:, :, :n] = k, v
+        out.append((kc, vc))
+    return out
+
+
 def time_eager(
     fns: Sequence[Callable[[], object]], device: torch.device, *, repeats: int, between: Between = None
 ) -> dict:
