@@ -200,6 +200,28 @@ class TestValidation:
                     q, book.centroids, book.codes, torch.tensor(lens), sink=1, window=1, heavy=2
                 )
 
+    def test_selection_values_on_the_kernel_route(self, kernel_routes, device: torch.device) -> None:
+        """The device check flags the rows and the host check names the entry, on the public
+        check and inside sparse_decode; padding past a count passes."""
+        q, k, v = _inputs(device)
+        pos = torch.randint(0, 96, (2, 8, 5), dtype=torch.int64, device=device)
+        cnt = torch.full((2, 8), 5, dtype=torch.int64, device=device)
+        pqattn.validate_selection(pos, cnt, 96)
+        bad = pos.clone()
+        bad[1, 3, 2] = 96
+        with _raises(ValueError, "positions", r"\[0, 96\)", "got 96", r"\(1, 3, 2\)"):
+            pqattn.validate_selection(bad, cnt, 96)
+        with _raises(ValueError, "positions", "got 96"):
+            pqattn.sparse_decode(q, k, v, bad, cnt)
+        few = cnt.clone()
+        few[1, 3] = 2
+        pqattn.validate_selection(bad, few, 96)
+        few[0, 0] = 6
+        with _raises(ValueError, "counts", r"\[0, 5\]", "got 6"):
+            pqattn.validate_selection(pos, few, 96)
+        with _raises(ValueError, "counts", r"\[B, R\]"):
+            pqattn.validate_selection(pos, cnt[:1], 96)
+
     def test_dtypes_of_q_and_the_cache(self) -> None:
         """sparse_decode: q in any floating dtype, k and v of one; dense_attention: one dtype for all."""
         q, k, v = _inputs(torch.device("cpu"))

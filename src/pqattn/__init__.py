@@ -22,6 +22,7 @@ from pqattn.ops import (
     select_topk,
     selection_weights,
     sparse_decode,
+    validate_selection,
 )
 from pqattn.reference import Selection
 
@@ -45,4 +46,5 @@ __all__ = [
     "select_topk",
     "selection_weights",
     "sparse_decode",
+    "validate_selection",
 ]

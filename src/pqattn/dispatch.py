@@ -28,6 +28,7 @@ __all__ = [
     "NewKey",
     "PQCodebook",
     "attention_kernel_path",
+    "bad_selection_rows",
     "bucket_tokens",
     "build",
     "count_combos",
@@ -438,6 +439,18 @@ def sparse_decode(
         decode.group_decode(*qkv, positions, counts, **common)
     else:
         decode.sparse_decode(*qkv, positions, counts, weights=weights, dense_weights=dense_weights, **common)
+
+
+def bad_selection_rows(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """int8 [B * R]: 1 for each row of positions [B, R, L] / counts [B, R] (one device of
+    KERNEL_DEVICES, matching shapes) that breaks the list rules over n_tokens (SPEC §3), else 0:
+    one launch (pqattn.kernels.lists)."""
+    from pqattn.kernels.lists import bad_rows
+
+    out = torch.empty(positions.shape[0] * positions.shape[1], dtype=torch.int8, device=positions.device)
+    if out.numel():
+        bad_rows(positions, counts, n_tokens, out=out)
+    return out
 
 
 def flash_forward(

@@ -71,6 +71,7 @@ __all__ = [
     "sparse_decode",
     "uses_fine",
     "uses_histogram",
+    "validate_selection",
 ]
 
 # dense_attention's checks depend only on its tensors' signatures: those it passed are not checked
@@ -473,6 +474,40 @@ def selection_weights(
     return ref.dense_weights(selection, n_tokens, dtype)
 
 
+def validate_selection(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:
+    """Raise ValueError, naming the first bad entry, unless every count lies in [0, L] and the
+    first counts[b, r] positions of each row lie in [0, n_tokens) (SPEC §3). Reads the values on
+    the host: on a kernel device, one launch flags the bad rows and the host reads a byte a row
+    (one sync; the lists themselves are copied only to name a bad entry). Skipped while a CUDA
+    graph is captured, which cannot sync.
+
+    Args:
+        positions: [B, R, L] int32/int64. counts: [B, R] int32/int64 on the same device.
+        n_tokens: N.
+    """
+    check.tensor("positions", positions, shape=(None,) * 3, dims="[B, R, L]", dtypes=check.INT_DTYPES)
+    check.tensor(
+        "counts",
+        counts,
+        shape=positions.shape[:2],
+        dims="[B, R]",
+        dtypes=check.INT_DTYPES,
+        device=positions.device,
+    )
+    check.non_negative_int("n_tokens", n_tokens)
+    _selection_values(positions, counts, n_tokens)
+
+
+def _selection_values(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:
+    """validate_selection's value checks on checked shapes."""
+    if not check.checking_values(positions):
+        return
+    on_device = positions.device.type in dispatch.KERNEL_DEVICES
+    if on_device and not bool(dispatch.bad_selection_rows(positions, counts, n_tokens).cpu().any()):
+        return
+    check.selection_values(positions, counts, n_tokens)
+
+
 def sparse_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -561,7 +596,7 @@ def sparse_decode(
         check.tensor("out", out, shape=(B, H, D), dims="[B, H, D]", dtypes=(q.dtype,), device=q.device)
         if out.stride(-1) != 1:
             raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
-    check.selection_values(positions, counts, N)
+    _selection_values(positions, counts, N)
     if not decode_kernel_path(q):
         if block_table is not None:
             k, v = ref.unpage(k, block_table), ref.unpage(v, block_table)

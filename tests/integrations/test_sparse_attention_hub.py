@@ -11,6 +11,7 @@ from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_ne
 from pqattn.kernels.launch import Address
 from pqattn.lab.kernel_checks import selection_problem
 from pqattn.reference import Selection
+from tests.helpers import count_plan_replays
 
 
 def make_call(
@@ -159,6 +160,30 @@ def test_sparse_attention_takes_the_originals_outputs(device: torch.device) -> N
     order = keep.sort(-1, descending=True).values
     want = ref.sparse_decode(query.double(), keys.double(), values.double(), order, (order >= 0).sum(-1))
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_attention_replays_its_launch_and_checks_every_call(
+    kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """Calls of one signature replay the kept decode launch (new tensors each call, results
+    against the reference), and every call still checks the lists' values."""
+    replays = count_plan_replays(monkeypatch)
+    B, H, Hkv, N, D, L = 2, 8, 4, 300, 32, 24
+    for _ in range(3):
+        query = torch.randn(B, H, D, device=device)
+        keys, values = torch.randn(B, Hkv, N, D, device=device), torch.randn(B, Hkv, N, D, device=device)
+        sparse_list = torch.stack([torch.randperm(N, device=device)[:L] for _ in range(B * H)]).view(B, H, L)
+        sparse_len = torch.randint(1, L + 1, (B, H), device=device)
+        weights = ref.dense_weights(Selection(sparse_list, sparse_len), N)
+        got = sparse_attention(query, keys, values, sparse_list, sparse_len, weights)
+        want = ref.sparse_decode(query.double(), keys.double(), values.double(), sparse_list, sparse_len)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert replays[0] == 2
+    sparse_list[1, 2, 0] = N
+    sparse_len[1, 2] = L
+    with pytest.raises(ValueError, match=r"positions.*\[0, 300\).*got 300"):
+        sparse_attention(query, keys, values, sparse_list, sparse_len, weights)
+    assert replays[0] == 2
 
 
 def test_workspace_follows_the_layout() -> None:

@@ -639,7 +639,53 @@ def sparse_attention(
     query [B, H, D]; key, value [B, Hkv, N, D]; sparse_list [B, H, L] int64 (first sparse_len valid);
     sparse_len [B, H] int64; weight_list [B, H, N] (dense, by token position; 0 drops a token).
     Returns [B, H, D] in query's dtype. The lists are checked (sparse_len in [0, L], the listed
-    positions in [0, N)) with one host read, as the original read the longest list on the host;
-    none under CUDA graph capture.
+    positions in [0, N)) with one host read, as the original read the longest list on the host
+    (on a GPU one launch flags the bad rows and the host reads a byte a row); none under CUDA
+    graph capture. On the kernel path the decode launch is kept as a plan per signature of the
+    arguments (ops.sparse_decode given its buffers), with a workspace kept per device and list
+    shape: calls on one device must not run concurrently on different streams.
     """
-    return ops.sparse_decode(query, key, value, sparse_list, sparse_len, weight_list, dense_weights=True)
+    kernel = (
+        isinstance(query, torch.Tensor)
+        and isinstance(sparse_list, torch.Tensor)
+        and isinstance(sparse_len, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and query.dim() == 3
+        and sparse_list.dim() == 3
+        and key.dim() == 4
+        and dispatch.decode_kernel_path(query)
+    )
+    if not kernel:  # the reference path, or arguments whose checks say what is wrong
+        return ops.sparse_decode(query, key, value, sparse_list, sparse_len, weight_list, dense_weights=True)
+    ops.validate_selection(sparse_list, sparse_len, key.shape[2])
+    B, H, D = query.shape
+    out = torch.empty(B, H, D, dtype=query.dtype, device=query.device)
+    workspace = _decode_workspace(query.device, B * H, sparse_list.shape[2], D)
+    return ops.sparse_decode(
+        query,
+        key,
+        value,
+        sparse_list,
+        sparse_len,
+        weight_list,
+        dense_weights=True,
+        out=out,
+        workspace=workspace,
+    )
+
+
+_DECODE_WORKSPACES: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
+_MAX_DECODE_WORKSPACES = 16
+
+
+def _decode_workspace(device: torch.device, rows: int, width: int, D: int) -> torch.Tensor:
+    """sparse_attention's zero-filled decode workspace for (rows, width, D) on `device`; the
+    decode kernel leaves it zeroed for the next call."""
+    key = (device, rows, width, D)
+    workspace = _DECODE_WORKSPACES.get(key)
+    if workspace is None:
+        if len(_DECODE_WORKSPACES) >= _MAX_DECODE_WORKSPACES:
+            _DECODE_WORKSPACES.clear()
+        numel = dispatch.decode_workspace_numel(rows, width, D)
+        workspace = _DECODE_WORKSPACES[key] = torch.zeros(numel, dtype=torch.int32, device=device)
+    return workspace

@@ -274,6 +274,16 @@ def dense_weights(selection: Selection, n_tokens: int, dtype: torch.dtype = torc
     return w[..., :n_tokens]
 
 
+def bad_selection_rows(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """The rows breaking the list rules (SPEC §3): counts [B, R] outside [0, L], or one of the
+    first counts[b, r] positions [B, R, L] outside [0, n_tokens). bool [B * R]."""
+    L = positions.shape[-1]
+    live = torch.arange(L, device=positions.device) < counts[..., None]
+    out_of_range = (positions < 0) | (positions >= n_tokens)
+    bad = (counts < 0) | (counts > L) | (live & out_of_range).any(-1)
+    return bad.reshape(-1)
+
+
 def code_combinations(codes: torch.Tensor, C: int) -> torch.Tensor:
     """Each token's code combination sum_m codes[..., m] * C**(M-1-m): codes [..., M] -> [...] int64."""
     combo = torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)
