@@ -2,7 +2,7 @@
 
 Timed as the bench times eager calls (`pqattn.lab.timing.time_eager`: one call, then a sync, per
 sample; medians of 2000 samples, three rounds): an empty call; one launch of a trivial Triton
-kernel through `pqattn.kernels.launch.Launcher`; the three output tensors of the original's
+kernel through `pqattn.runtime.launch.Launcher`; the three output tensors of the original's
 entry point at its benchmark shape (`indexer_next` returns fresh ones); a kernel that spins the
 GPU for the selection's GPU time (torch.cuda._sleep, calibrated, launched from C++), alone and
 after those allocations. Beside them, the two selection calls at that shape: `PQIndex.select`
@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher
 from pqattn.lab import env, suites, timing
+from pqattn.runtime.launch import Launcher
 
 
 @triton.jit

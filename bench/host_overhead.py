@@ -26,7 +26,7 @@ import torch
 import pqattn
 from pqattn import dispatch, ops
 from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_next
-from pqattn.kernels import launch
+from pqattn.runtime import launch
 
 
 class _IdleKernel:

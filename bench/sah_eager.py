@@ -93,6 +93,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300, help="timed calls per row (default: 300)")
     p.add_argument("--json", help="write the rows and the environment here")
     p.add_argument("--label", default="", help="a name for this source tree in the JSON (default: none)")
+    p.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's table of 20 calls of each entry point"
+    )
     args = p.parse_args()
     sets = [_inputs(seed) for seed in range(SETS)]
     for x in sets:
@@ -118,6 +121,16 @@ def main() -> None:
         "sparse_attention": _time(attend, sets, args.calls),
         "sdpa": _time(sdpa, sets, args.calls),
     }
+    if args.profile:
+        for name, fn in (("indexer_next", _index), ("sparse_attention", attend)):
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
+                for i in range(20):
+                    fn(sets[i % SETS])
+                    torch.cuda.synchronize()
+            print(f"== {name}, 20 calls")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
     for name, row in rows.items():
         row["floor_us"] = floors[name] / bandwidth * 1e6
         row["share_of_floor"] = row["floor_us"] / row["gpu_us"]

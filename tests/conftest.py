@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pqattn import dispatch
-from pqattn.kernels.launch import PlanCache, interpreted
 from pqattn.lab.check import poisoned_allocations
+from pqattn.runtime.launch import PlanCache, interpreted
 
 SEED = int(os.environ.get("PQATTN_SEED", random.SystemRandom().randrange(1 << 31)))
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -79,8 +79,8 @@ def assert_index_selection(index, sel, q) -> None:
 
 
 def count_plan_replays(monkeypatch) -> list[int]:
-    """Count the calls of every pqattn.kernels.launch.Plan from now on (in a one-element list)."""
-    from pqattn.kernels.launch import Plan
+    """Count the calls of every pqattn.runtime.launch.Plan from now on (in a one-element list)."""
+    from pqattn.runtime.launch import Plan
 
     replays = [0]
     replay = Plan.__call__
@@ -96,9 +96,9 @@ def count_plan_replays(monkeypatch) -> list[int]:
 def select_hist_launches(monkeypatch, H: int, Hkv: int) -> dict[str, tuple]:
     """The launches pq_select_hist makes on a tiny CPU input (B = 1, N = 64), intercepted, not run:
     kernel name -> (grid, tensors, scalars, kwargs)."""
-    from pqattn.kernels import launch
     from pqattn.kernels.select import hist as select_hist
     from pqattn.reference import SelectParams
+    from pqattn.runtime import launch
 
     launched: dict[str, tuple] = {}
     monkeypatch.setattr(

@@ -17,10 +17,11 @@ import torch
 
 from pqattn import _validate as check
 from pqattn import reference as ref
-from pqattn.kernels.launch import PlanCache
 from pqattn.kernels.select import NewKey
 from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.policy import lookup_tables, select_route
 from pqattn.reference import Selection, SelectParams
+from pqattn.runtime.launch import PlanCache, unrecorded
 
 __all__ = [
     "KERNEL_DEVICES",
@@ -72,10 +73,9 @@ def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
 
 
 def uses_fine(M: int, C: int, share: str = "head", heavy: int = 0, rerank: int = 0) -> bool:
-    """True when the selection takes the fine-code route (`kernels/select/fine.py`): every group
-    selection and re-rank, and per-head selections beyond the merge tree (more than MAX_COMBOS
-    combinations and heavy > MAX_TREE_HEAVY), where the tree is faster (docs/kernels/select.md)."""
-    return share == "group" or rerank > 0 or (C**M > MAX_COMBOS and heavy > MAX_TREE_HEAVY)
+    """True when a selection of rows of `heavy` tokens takes the fine-code route
+    (`kernels/select/fine.py`; pqattn.policy.select_route)."""
+    return select_route(M, C, heavy, share=share, rerank=rerank) == "fine"
 
 
 def kernel_path(
@@ -138,19 +138,43 @@ def select_workspace_numel(
     about rows * (n_tokens / TILE) * heavy * 8 bytes. Allocate it zero-filled, once; the kernels
     leave it reusable by calls with the same rows, M, C, n_tokens and heavy (their counters lie at
     places that depend on them). rerank=R adds the re-rank's shortlist, rows * R * heavy * 8 bytes."""
-    if uses_fine(M, C, share, heavy, rerank) and not buckets:
-        from pqattn.kernels.select import fine
+    route = select_route(
+        M, C, heavy, share=share, rerank=rerank, kept_histogram=kept_histogram, buckets=buckets
+    )
+    return _ROUTE_WORKSPACE[route](rows, M, C, n_tokens, heavy, tables, rerank)
 
-        return fine.workspace_numel(rows, tables, M, C, n_tokens, rerank * heavy)
-    if buckets:
-        from pqattn.kernels.select import buckets as kernel
-    elif uses_histogram(M, C, None if kept_histogram else heavy):
-        from pqattn.kernels.select import hist as kernel
-    else:
-        from pqattn.kernels.select import tree
 
-        return tree.workspace_numel(rows, M, C, n_tokens, heavy)
-    return kernel.workspace_numel(rows, M, C, *((heavy,) if buckets else ()))
+def _fine_workspace(rows: int, M: int, C: int, n_tokens: int, heavy: int, tables: int, rerank: int) -> int:
+    from pqattn.kernels.select import fine
+
+    return fine.workspace_numel(rows, tables, M, C, n_tokens, rerank * heavy)
+
+
+def _buckets_workspace(rows: int, M: int, C: int, n_tokens: int, heavy: int, tables: int, rerank: int) -> int:
+    from pqattn.kernels.select import buckets
+
+    return buckets.workspace_numel(rows, M, C, heavy)
+
+
+def _hist_workspace(rows: int, M: int, C: int, n_tokens: int, heavy: int, tables: int, rerank: int) -> int:
+    from pqattn.kernels.select import hist
+
+    return hist.workspace_numel(rows, M, C)
+
+
+def _tree_workspace(rows: int, M: int, C: int, n_tokens: int, heavy: int, tables: int, rerank: int) -> int:
+    from pqattn.kernels.select import tree
+
+    return tree.workspace_numel(rows, M, C, n_tokens, heavy)
+
+
+# each selection route's workspace size, by route (pqattn.policy.ROUTES)
+_ROUTE_WORKSPACE = {
+    "fine": _fine_workspace,
+    "buckets": _buckets_workspace,
+    "hist": _hist_workspace,
+    "tree": _tree_workspace,
+}
 
 
 def tree_workspace_layout(n_tokens: int, heavy: int) -> tuple[int, int]:
@@ -302,7 +326,15 @@ def select(
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     N = codes.shape[-2] + code_base if n_tokens is None else n_tokens
     width = params.width
-    fine_route = uses_fine(M, C, share, params.heavy, rerank) and buckets is None
+    route = select_route(
+        M,
+        C,
+        params.heavy,
+        share=share,
+        rerank=rerank,
+        kept_histogram=histogram is not None,
+        buckets=buckets is not None,
+    )
     R = Hkv if share == "group" else H  # selection rows per sequence
     if out is None:
         out = Selection(
@@ -330,7 +362,7 @@ def select(
             raise ValueError("out.counts: expected a contiguous tensor")
     if buckets is not None and (histogram is None or code_base != 0):
         raise ValueError("buckets: expected with a kept histogram and code_base 0")
-    tables = H // Hkv if share == "group" and group_rule == "max" else 1
+    tables = lookup_tables(share, group_rule, H // Hkv)
     need = select_workspace_numel(
         B * R,
         M,
@@ -354,7 +386,7 @@ def select(
     q = q if q.stride(-1) == 1 else q.contiguous()
     centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
     common = dict(positions=out.positions, counts=out.counts, workspace=workspace, weights=weights)
-    if fine_route:
+    if route == "fine":
         from pqattn.kernels.select.fine import pq_select_fine
 
         pq_select_fine(
@@ -377,7 +409,7 @@ def select(
         if weights is not None:  # the selection's dense weights (entries past the count add 0)
             valid = torch.arange(width, device=q.device) < out.counts[..., None]
             weights.zero_().scatter_add_(-1, out.positions.clamp(min=0).long(), valid.to(weights.dtype))
-    elif buckets is not None:
+    elif route == "buckets":
         from pqattn.kernels.select.buckets import pq_select_buckets
 
         pq_select_buckets(
@@ -392,7 +424,7 @@ def select(
             after_encode=after_encode,
             **common,
         )
-    elif uses_histogram(M, C, None if histogram is not None else params.heavy):
+    elif route == "hist":
         from pqattn.kernels.select.hist import pq_select_hist
 
         pq_select_hist(
@@ -444,12 +476,13 @@ def sparse_decode(
 def bad_selection_rows(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """int8 [B * R]: 1 for each row of positions [B, R, L] / counts [B, R] (one device of
     KERNEL_DEVICES, matching shapes) that breaks the list rules over n_tokens (SPEC §3), else 0:
-    one launch (pqattn.kernels.lists)."""
+    one launch (pqattn.kernels.lists), never part of a recorded plan."""
     from pqattn.kernels.lists import bad_rows
 
     out = torch.empty(positions.shape[0] * positions.shape[1], dtype=torch.int8, device=positions.device)
     if out.numel():
-        bad_rows(positions, counts, n_tokens, out=out)
+        with unrecorded():
+            bad_rows(positions, counts, n_tokens, out=out)
     return out
 
 

@@ -9,56 +9,43 @@ import torch
 from pqattn import _validate as check
 from pqattn import dispatch, ops
 from pqattn.dispatch import PQCodebook
-from pqattn.kernels.launch import PlanCache, recording, signature
+from pqattn.policy import SelectPolicy
 from pqattn.reference import Selection, SelectParams
+from pqattn.runtime.launch import PlanCache, recording, signature
 
 _MAX_PLANS = 16  # plans an index keeps (the least recently used goes first)
 DEFAULT_SAMPLE = 16  # keys per centroid of a euclidean build (docs/kernels/kmeans.md)
 
 
 @dataclass(frozen=True)
-class PQConfig:
-    """What to quantize and what to select.
+class PQConfig(SelectPolicy):
+    """What to quantize, and what to select (the `SelectPolicy` fields: sink, window, heavy in
+    tokens per query head, share, group_rule, group_budget, rerank; their defaults are the
+    measured operating point, one selection per KV head by the max of its G heads' PQ scores,
+    keeping G per-head heavies).
 
-    The defaults are the operating point the quality harness measured best (docs/kernels/select.md,
-    "The defaults"): M=16 sub-vectors of 8 bits, one selection per KV head by the max of its G
-    heads' PQ scores, keeping G per-head heavies.
-
-    subvectors (M) and bits (C = 2**bits centroids per sub-vector) shape the index; sink, window
-    and heavy are the selection sizes, heavy in tokens per query head; init_offset (default:
-    sink) is the first quantized token; iters / tol / seed drive the k-means build, on a strided
-    sample of `sample` keys per centroid (None: 16 for euclidean, every key for ip; 0: every
-    key). share="group" selects one set per KV head for its G query heads by the group score of
-    `group_rule` ("sum" or "max" of the heads' PQ scores; SPEC §7), of group_budget x heavy
-    tokens (None: G x heavy, the rows its heads would select one by one); share="head" selects
-    heavy tokens per query head. rerank=R >= 1 takes the top by the exact <q, k> among R times as
-    many by PQ score (the selection then reads the key cache).
+    subvectors (M) and bits (C = 2**bits centroids per sub-vector) shape the index, M=16 of 8
+    bits by default (docs/kernels/select.md, "The defaults"); init_offset (default: sink) is the
+    first quantized token; iters / tol / seed drive the k-means build, on a strided sample of
+    `sample` keys per centroid (None: 16 for euclidean, every key for ip; 0: every key).
     """
 
     subvectors: int = 16
     bits: int = 8
     metric: str = "euclidean"
-    sink: int = 128
-    window: int = 128
-    heavy: int = 128
     init_offset: int | None = None
     iters: int = 10
     tol: float = 1e-4
     seed: int = 0
     sample: int | None = None
-    share: str = "group"
-    group_rule: str = "max"
-    group_budget: float | None = None
-    rerank: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check.positive_int("subvectors", self.subvectors)
         check.build_sample(self.sample, self.metric)
-        check.share_options(self.share, self.group_rule, self.rerank, self.group_budget)
         check.bits(self.bits)
         check.metric(self.metric)
-        for name in ("sink", "window", "heavy", "iters"):
-            check.non_negative_int(name, getattr(self, name))
+        check.non_negative_int("iters", self.iters)
         if self.init_offset is not None:
             check.non_negative_int("init_offset", self.init_offset)
         if not isinstance(self.tol, (int, float)) or self.tol < 0:
@@ -75,19 +62,6 @@ class PQConfig:
         if self.sample is not None:
             return self.sample
         return DEFAULT_SAMPLE if self.metric == "euclidean" else 0
-
-    def row_heavy(self, group: int) -> int:
-        """The heavy tokens one selection row keeps for queries of `group` heads per KV head: heavy
-        per query head, or a group's group_budget x heavy (G x heavy when None) per KV head."""
-        check.positive_int("group", group)
-        if self.share == "head" or self.heavy == 0:
-            return self.heavy
-        budget = group if self.group_budget is None else self.group_budget
-        return max(1, round(budget * self.heavy))
-
-    def width(self, group: int = 1) -> int:
-        """L, the selection list width for `group` query heads per KV head: sink + row_heavy + window."""
-        return self.sink + self.row_heavy(group) + self.window
 
 
 class PQIndex:
@@ -119,7 +93,7 @@ class PQIndex:
     replays now and then.
 
     Eager calls: once a method has run for inputs of some shapes, strides, dtypes and alignment,
-    the index keeps its launches as a `pqattn.kernels.launch.Plan` and later calls with inputs of
+    the index keeps its launches as a `pqattn.runtime.launch.Plan` and later calls with inputs of
     that signature replay them (no argument checks beyond the signature, no Triton dispatch).
     """
 
@@ -543,10 +517,11 @@ class PQIndex:
                 self.lengths,
                 sink=c.sink,
                 window=c.window,
-                heavy=heavy,
+                heavy=c.heavy,
                 init_offset=c.offset,
                 share=c.share,
                 group_rule=c.group_rule,
+                group_budget=c.group_budget,
                 rerank=c.rerank,
                 keys=keys,
             )
@@ -570,7 +545,7 @@ class PQIndex:
                 kept_histogram=self._hist is not None,
                 buckets=self._buckets is not None,
                 share=c.share,
-                tables=H // self.kv_heads if group and c.group_rule == "max" else 1,
+                tables=c.tables(H // self.kv_heads),
                 rerank=c.rerank,
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)

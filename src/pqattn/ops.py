@@ -23,7 +23,7 @@ that row's output non-finite; which tokens a selection takes from non-finite sco
 unspecified, but a selection always holds valid positions (docs/SPEC.md §9).
 
 `select_topk` and `sparse_decode` given their `out` and `workspace` (a decode loop's buffers) keep
-their kernel launches as a `pqattn.kernels.launch.Plan` per signature of their tensors and
+their kernel launches as a `pqattn.runtime.launch.Plan` per signature of their tensors and
 values of their other arguments: a later call that matches replays it, with no checks beyond
 that match (the same checks passed for the same shapes, dtypes and devices).
 """
@@ -45,9 +45,10 @@ from pqattn.dispatch import (
     uses_fine,
     uses_histogram,
 )
-from pqattn.kernels.launch import recording, signature
 from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.policy import row_heavy
 from pqattn.reference import Selection, SelectParams
+from pqattn.runtime.launch import recording, signature
 
 __all__ = [
     "MAX_COMBOS",
@@ -228,6 +229,7 @@ def select_topk(
     init_offset: int = 0,
     share: str = "head",
     group_rule: str = "sum",
+    group_budget: float | None = None,
     rerank: int = 0,
     keys: torch.Tensor | None = None,
     out: Selection | None = None,
@@ -238,35 +240,39 @@ def select_topk(
 
     Keeps sink [0, sink) and window [n - window, n), and the `heavy` highest-scoring candidates in
     [max(init_offset, sink), n - window) (ties any); sequences with n <= sink + heavy + window keep
-    all their tokens. The order of positions carries no meaning. With share="group" one selection
-    per KV head serves its G query heads, by the group score of `group_rule` ("sum": the sum of
-    the heads' PQ scores; "max": their max), and `heavy` is the group's budget. rerank=R >= 1
-    takes the top R * heavy by PQ score, then the top heavy of those by the exact <q, k> from
-    `keys` (the fine-code route: three more launches).
+    all their tokens. The order of positions carries no meaning. `heavy` counts tokens per query
+    head (as in `PQConfig`). With share="group" one selection per KV head serves its G query
+    heads, by the group score of `group_rule` ("sum": the sum of the heads' PQ scores; "max":
+    their max), keeping row_heavy = group_budget x heavy tokens (None: G x heavy, the rows its
+    heads would keep one by one; `pqattn.policy.row_heavy`). rerank=R >= 1 takes the top
+    R * row_heavy by PQ score, then the top row_heavy of those by the exact <q, k> from `keys`
+    (the fine-code route: three more launches). The defaults select per head by the sum rule;
+    `PQConfig()`'s policy is share="group", group_rule="max".
 
     Args:
         q: [B, H, D] float, H a multiple of Hkv.
         centroids: [B, Hkv, M, C, dsub (+1)]; codes: [B, Hkv, N, M] uint8 (`build_index`).
         lengths: [B] int32/int64, tokens per sequence, in [0, N].
-        sink, window, heavy, init_offset: the selection's sizes (non-negative ints).
+        sink, window, heavy, init_offset: the selection's sizes (non-negative ints; heavy per
+            query head).
         share: "head" (positions per query head) or "group" (per KV head: [B, Hkv, L]).
         group_rule: "sum" or "max", the group score (share="group").
-        rerank: R >= 1 re-ranks a shortlist of R * heavy by the exact scores (needs `keys`).
+        group_budget: a group row's heavy in per-head heavies (None: G).
+        rerank: R >= 1 re-ranks a shortlist of R * row_heavy by the exact scores (needs `keys`).
         keys: [B, Hkv, N, D], the key cache (rerank only); paged [num_blocks, P, Hkv, D] with
             `block_table` [B, max_blocks] (SPEC §8).
         out: a Selection of positions [B, H, L] and counts [B, H] to write into (kernel path;
             [B, Hkv, L] and [B, Hkv] for share="group").
         workspace: zero-filled int32 of `select_workspace_numel(B * H, M, C, N, heavy)` elements
-            (kernel path; for share="group" `select_workspace_numel(B * Hkv, M, C, N, heavy,
-            share="group", tables=G if group_rule == "max" else 1)`, with `rerank=R` for a
-            re-rank). With `out`, the call
-            allocates nothing, its launches are kept as a plan,
-            and later calls of the same signature replay it; one workspace serves calls of one
-            (B * H, M, C, N, heavy), which leave it ready for the next.
+            (kernel path; for share="group" `select_workspace_numel(B * Hkv, M, C, N, row_heavy,
+            share="group", tables=policy.tables(G))`, with `rerank=R` for a re-rank). With `out`,
+            the call allocates nothing, its launches are kept as a plan, and later calls of the
+            same signature replay it; one workspace serves calls of one (rows, M, C, N,
+            row_heavy), which leave it ready for the next.
 
     Returns:
-        Selection(positions [B, H, L] int32 with L = sink + heavy + window, -1 past the count;
-        counts [B, H] int32), with Hkv rows for share="group".
+        Selection(positions [B, H, L] int32 with L = sink + row_heavy + window, -1 past the
+        count; counts [B, H] int32), with Hkv rows for share="group".
 
     Example:
         >>> keys = torch.randn(1, 2, 256, 16)
@@ -281,7 +287,7 @@ def select_topk(
         tensors = (q, centroids, codes, lengths, *out, workspace)
         tensors += tuple(t for t in (keys, block_table) if t is not None)
         key = dispatch.PLANS.key(
-            "select_topk", tensors, sink, window, heavy, init_offset, share, group_rule, rerank
+            "select_topk", tensors, sink, window, heavy, init_offset, share, group_rule, group_budget, rerank
         )
         plan = dispatch.PLANS.get(key)
         if plan is not None:
@@ -291,7 +297,8 @@ def select_topk(
     check.batch_lengths(lengths, q.shape[0], q.device)
     check.sizes(sink, window, heavy, init_offset)
     check.length_values(lengths, codes.shape[2])
-    check.share_options(share, group_rule, rerank)
+    check.share_options(share, group_rule, rerank, group_budget)
+    heavy = row_heavy(heavy, share, group_budget, q.shape[1] // codes.shape[1])
     if rerank:
         if keys is None:
             raise ValueError("keys: expected the key cache [B, Hkv, N, D] with rerank >= 1, got None")
@@ -365,13 +372,15 @@ def select_oracle(
     init_offset: int = 0,
     share: str = "head",
     group_rule: str = "sum",
+    group_budget: float | None = None,
 ) -> Selection:
     """The exact top-k by <q, k> over the same candidates as `select_topk`: the quality yardstick
     (the PyTorch reference on every device: it reads every key).
 
     Args:
         q: [B, H, D]. keys: [B, Hkv, N, D]. lengths: [B] in [0, N].
-        sink, window, heavy, init_offset, share, group_rule: as `select_topk`.
+        sink, window, heavy, init_offset, share, group_rule, group_budget: as `select_topk`
+            (heavy per query head).
 
     Returns:
         Selection as `select_topk`'s.
@@ -382,14 +391,14 @@ def select_oracle(
         tensor([[28, 28, 28, 28]], dtype=torch.int32)
     """
     check.exact_selection_inputs(q, keys, lengths, sink, window, heavy, init_offset)
-    check.share_options(share, group_rule, 0)
+    check.share_options(share, group_rule, 0, group_budget)
     return ref.select_oracle(
         q,
         keys,
         lengths,
         sink=sink,
         window=window,
-        heavy=heavy,
+        heavy=row_heavy(heavy, share, group_budget, q.shape[1] // keys.shape[1]),
         init_offset=init_offset,
         share=share,
         group_rule=group_rule,

@@ -53,6 +53,55 @@ def test_greedy_generation_equals_dense_when_heavy_covers_every_token(
     assert all(s.sparse_steps == 11 for s in _states(model)), "every decode step went through the index"
 
 
+@pytest.mark.parametrize("share", ["head", "group"])
+def test_sparse_generation_follows_the_reference_step_by_step(
+    share: str, device: torch.device, kernel_routes, monkeypatch
+) -> None:
+    """Greedy generation with heavy far below the prompt (8 of 128 tokens per query head):
+    every decode step of every layer selects as the reference selects over the index's codes
+    (score multisets), keeps fewer tokens than the cache holds, and attends as the reference
+    attends over that selection; the kernels run (compiled on a GPU, interpreted on a CPU)."""
+    from pqattn import reference as ref
+    from pqattn.index import PQIndex
+
+    attend = PQIndex.attend
+    steps = []
+
+    def checked(index, q, k_cache, v_cache, selection=None, *, scale=None):
+        c, (B, H, _), Hkv = index.config, q.shape, index.kv_heads
+        positions, counts = (t.clone() for t in selection)
+        scores = ref.pq_scores(q.double(), index.centroids.double(), index.codes)
+        if share == "group":
+            scores = ref.group_scores(scores, Hkv, c.group_rule)
+        sizes = dict(sink=c.sink, window=c.window, heavy=c.row_heavy(H // Hkv), init_offset=c.offset)
+        want = ref.select_from_scores(scores, index.lengths, **sizes)
+        assert torch.equal(counts, want.counts)
+        assert (counts < index.lengths[:, None]).all(), "the selection is sparse"
+        for b in range(B):
+            for r in range(positions.shape[1]):
+                n = int(counts[b, r])
+                got = scores[b, r, positions[b, r, :n].long()].sort().values
+                torch.testing.assert_close(got, scores[b, r, want.positions[b, r, :n].long()].sort().values)
+        out = attend(index, q, k_cache, v_cache, selection, scale=scale)
+        if share == "group":
+            positions, counts = (t.repeat_interleave(H // Hkv, 1) for t in (positions, counts))
+        expect = ref.sparse_decode(
+            q.double(), k_cache.double(), v_cache.double(), positions, counts, scale=scale
+        )
+        torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+        steps.append(1)
+        return out
+
+    monkeypatch.setattr(PQIndex, "attend", checked)
+    model = _model("llama", device)
+    ids = torch.randint(0, 128, (2, 128), device=device)
+    config = pq_hf.HFConfig(heavy=8, sink=4, window=8, subvectors=4, bits=3, iters=2, share=share)
+    with torch.no_grad():
+        pq_hf.enable(model, config)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert len(steps) == 3 * 2, "every decode step of every layer went through the index"
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_prefill_through_pqattn_dense_attention(kind: str, device: torch.device, monkeypatch) -> None:
     """prefill="pqattn": every sparse layer's prompt goes through pqattn.ops.dense_attention (the
@@ -215,7 +264,7 @@ def test_config_is_validated() -> None:
         pq_hf.HFConfig(heavy_fraction=1.5)
     with pytest.raises(ValueError, match="prefill"):
         pq_hf.HFConfig(prefill="flash")
-    assert pq_hf.HFConfig().heavy_for(10_000) == 1024
+    assert pq_hf.HFConfig().heavy_for(10_000) == pq_hf.PQConfig().heavy
     assert pq_hf.HFConfig(heavy_fraction=0.1).heavy_for(10_000) == 1000
     for kwargs, name in [
         (dict(bits=9), "bits"),
@@ -223,7 +272,8 @@ def test_config_is_validated() -> None:
         (dict(subvectors=0), "subvectors"),
         (dict(metric="cosine"), "metric"),
         (dict(sink=-1), "sink"),
-        (dict(heavy=0), "heavy"),
+        (dict(heavy=-1), "heavy"),
+        (dict(heavy=64, heavy_fraction=0.1), "heavy_fraction"),
         (dict(capacity=0), "capacity"),
         (dict(dense_layers=(1, -2)), "dense_layers"),
         (dict(share="heads"), "share"),

@@ -8,7 +8,7 @@ import torch
 
 from pqattn import reference as ref
 from pqattn.kernels.encode import pq_encode
-from pqattn.kernels.launch import interpreted
+from pqattn.runtime.launch import interpreted
 
 
 def _to_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import (
+from pqattn.runtime.launch import (
     Launcher,
     Plan,
     TunedLauncher,
@@ -276,7 +276,7 @@ def test_a_compiled_plan_passes_what_the_launcher_passes(monkeypatch) -> None:
     """The plan's direct launch: the arguments of the Launcher's own launch for the same inputs,
     tensors as their addresses (Triton's launcher takes an int as a pointer), on the stream and
     device current at the call; on another device it goes through the Launcher."""
-    from pqattn.kernels import launch as launch_mod
+    from pqattn.runtime import launch as launch_mod
 
     monkeypatch.setattr(launch_mod, "_INTERPRETED", False)
     monkeypatch.setattr(launch_mod, "hooked", lambda: False)
@@ -307,7 +307,7 @@ def test_a_compiled_plan_passes_what_the_launcher_passes(monkeypatch) -> None:
 
 
 def test_autotuning_is_off_under_the_interpreter_or_when_asked(monkeypatch) -> None:
-    from pqattn.kernels import launch as launch_mod
+    from pqattn.runtime import launch as launch_mod
 
     monkeypatch.setattr(launch_mod, "_INTERPRETED", False)
     for value, on in ((None, True), ("1", True), ("0", False)):

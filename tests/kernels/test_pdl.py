@@ -177,10 +177,10 @@ def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: p
     """The encode launch releases but starts as any launch does; the bucket selection asks to start
     early when its caller launched the encode right before it (the original's entry point), and
     not otherwise (PQIndex.select may follow anything). Launches recorded, not run."""
-    from pqattn.kernels import launch
     from pqattn.kernels.encode import pq_encode
     from pqattn.kernels.select.buckets import pq_select_buckets, workspace_numel
     from pqattn.reference import SelectParams
+    from pqattn.runtime import launch
 
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
     monkeypatch.setattr(pdl, "_supported", lambda device: True)

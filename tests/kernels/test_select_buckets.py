@@ -12,7 +12,6 @@ import triton
 import pqattn
 from pqattn import dispatch, ops
 from pqattn import reference as ref
-from pqattn.kernels.launch import recording
 from pqattn.kernels.select import NewKey
 from pqattn.kernels.select.buckets import (
     BUCKET_CONFIGS,
@@ -22,6 +21,7 @@ from pqattn.kernels.select.buckets import (
     workspace_numel,
 )
 from pqattn.kernels.select.hist import count_combos
+from pqattn.runtime.launch import recording
 from tests.helpers import assert_index_selection, assert_selection_exact
 from tests.kernels.selection_case import SelectionCase
 from tests.kernels.test_select_hist import CASES as HIST_CASES

@@ -236,15 +236,18 @@ def test_fine_selection_full_shapes_cuda(share, rule, B, N, heavy, M, bits):
 
 def test_ops_group_selection_and_decode(device, kernel_routes):
     """The public route: select_topk(share="group") and sparse_decode over the shared rows, into
-    kept buffers (a plan replayed on the second call), against the references."""
+    kept buffers (a plan replayed on the second call), against the references. heavy counts
+    tokens per query head: a group row keeps G x heavy by default, group_budget x heavy else."""
     B, H, Hkv, N, D = 2, 8, 2, 1500, 32
     keys = torch.randn(B, Hkv, N, D, device=device)
     values = torch.randn(B, Hkv, N, D, device=device)
     q = torch.randn(B, H, D, device=device)
     book = ops.build_index(keys, bits=8, subvectors=4, init_offset=4, iters=2)
     lengths = torch.tensor([1500, 700], device=device)
-    sizes = dict(sink=4, window=16, heavy=64, init_offset=4, share="group", group_rule="max")
+    sizes = dict(sink=4, window=16, heavy=16, init_offset=4, share="group", group_rule="max")
     assert ops.kernel_path(q, book.centroids, 64, "group")
+    one = ops.select_topk(q, book.centroids, book.codes, lengths, **sizes, group_budget=1.0)
+    assert one.positions.shape == (B, Hkv, 4 + 16 + 16)
     width = 4 + 64 + 16
     out = ref.Selection(
         torch.full((B, Hkv, width), -7, dtype=torch.int32, device=device),
@@ -255,7 +258,7 @@ def test_ops_group_selection_and_decode(device, kernel_routes):
         dtype=torch.int32,
         device=device,
     )
-    want = ref.select_pq(q, book.centroids, book.codes, lengths, **sizes)
+    want = ref.select_pq(q, book.centroids, book.codes, lengths, **(sizes | {"heavy": 64}))
     dec_ws = torch.zeros(
         ops.decode_workspace_numel(B * Hkv, width, D, group=H // Hkv), dtype=torch.int32, device=device
     )

@@ -15,7 +15,6 @@ import pqattn
 from pqattn import ops
 from pqattn import reference as ref
 from pqattn.kernels.encode import pq_encode
-from pqattn.kernels.launch import recording
 from pqattn.kernels.select.common import _normal_probes, order_key, weighted_cut
 from pqattn.kernels.select.hist import (
     ROW_WORDS,
@@ -27,6 +26,7 @@ from pqattn.kernels.select.hist import (
 )
 from pqattn.kernels.select.tree import workspace_numel as tree_workspace_numel
 from pqattn.limits import STATELESS_TREE_MAX_HEAVY
+from pqattn.runtime.launch import recording
 from tests.helpers import assert_index_selection, assert_selection_exact, select_hist_launches
 from tests.kernels.selection_case import SelectionCase
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pqattn.lab import fidelity
-from pqattn.lab.policies import Policy
+from pqattn.lab.policies import Policy, group_select, head_select
 
 
 def test_quality_and_build_rows(device):
@@ -13,8 +13,8 @@ def test_quality_and_build_rows(device):
     objective (a sampled build's too)."""
     policies = [
         Policy("oracle", 0.02),
-        Policy("pq", 0.02, subvectors=16, bits=4, share="group", group_rule="max", budget=2),
-        Policy("pq", 0.02, subvectors=16, bits=4, rerank=2, sample=4),
+        Policy("pq", 0.02, subvectors=16, bits=4, select=group_select("max", 2)),
+        Policy("pq", 0.02, subvectors=16, bits=4, select=head_select(2), sample=4),
     ]
     doc = fidelity.run(
         density=0.02, quality_tokens=[1024], shapes=[], sink=16, window=16, device=device, policies=policies
@@ -31,7 +31,7 @@ def test_step_rows_time_the_kernel_policies(kernel_routes, device):
     """A group re-rank policy's selection and step beside SDPA, with the selection's bytes floor."""
     if device.type == "cuda":
         pytest.skip("the GPU run is `pqattn fidelity` itself")
-    policy = Policy("pq", 0.02, subvectors=8, bits=4, share="group", group_rule="max", budget=2, rerank=2)
+    policy = Policy("pq", 0.02, subvectors=8, bits=4, select=group_select("max", 2, rerank=2))
     rows = fidelity.step_rows(
         [policy], batch=1, tokens=256, sink=8, window=8, device=device, bandwidth=1e11, repeats=1
     )
@@ -47,7 +47,7 @@ def test_named_policies_parse_the_families():
     got = fidelity.named_policies("pq-M32-b4-group-max-x4-rr2", 0.05)
     assert got == [
         Policy("oracle", 0.05),
-        Policy("pq", 0.05, subvectors=32, bits=4, share="group", group_rule="max", budget=4, rerank=2),
+        Policy("pq", 0.05, subvectors=32, bits=4, select=group_select("max", 4, rerank=2)),
     ]
     assert fidelity.named_policies("dense,pages-16", 0.02)[1:] == [Policy("dense"), Policy("pages", 0.02)]
     with pytest.raises(ValueError, match="policy"):

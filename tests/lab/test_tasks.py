@@ -14,7 +14,7 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.cli import main
 from pqattn.lab import metrics, tasks
-from pqattn.lab.policies import Policy, per_head, policy_grid
+from pqattn.lab.policies import Policy, group_select, head_select, per_head, policy_grid
 from tests.helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,8 +135,8 @@ def test_chunk_rows_are_decode_steps(kind: str, share: str, rerank: int) -> None
     B, H, Hkv, T, E, D = 2, 4, 2, 300, 6, 16
     q = torch.randn(B, H, E, D)
     k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    group = dict(share="group", group_rule="max", budget=2.0) if share == "group" else {}
-    policy = Policy(kind, 0.05, subvectors=4, bits=3, page=s.page, rerank=rerank, **group)
+    select = group_select("max", 2.0, rerank) if share == "group" else head_select(rerank)
+    policy = Policy(kind, 0.05, subvectors=4, bits=3, page=s.page, select=select)
     ev.policy = policy
     ev.prefilled = tasks._Prefilled()
     out = ev.sparse_rows(0, q, k, v, 0.25)
@@ -155,6 +155,9 @@ def test_chunk_rows_are_decode_steps(kind: str, share: str, rerank: int) -> None
         keep = ev.row_keep(score_rows(q[:, :, r : r + 1]), torch.tensor([n]), P, exact, Hkv)[:, :, 0, :n]
         common = dict(sink=s.sink, window=s.window, heavy=heavy, init_offset=s.sink)
         shared = dict(share=policy.share, group_rule=policy.group_rule)
+        if share == "group":  # the functional API's heavy counts tokens per query head
+            shared["group_budget"] = policy.budget
+            common["heavy"] = policy.heavy(P)
         if kind == "streaming":
             want = ops.select_streaming(lengths, H, sink=s.sink, window=s.window + heavy)
             scores = torch.arange(n, dtype=torch.float64).expand(B, H, n)  # positions must match
@@ -168,7 +171,7 @@ def test_chunk_rows_are_decode_steps(kind: str, share: str, rerank: int) -> None
                 ref.exact_scores(qr, kn) if rerank else ref.pq_scores(qr, book.centroids, codes[:, :, :n])
             )
         else:
-            want = ops.select_pages(qr, kn, lengths, page=s.page, **common)
+            want = ops.select_pages(qr, kn, lengths, page=s.page, **(common | {"heavy": heavy}))
             scores = ref.page_scores(qr, *ref.page_bounds(kn, lengths, s.page), s.page, n)
         want = per_head(want, H)
         if share == "group":

@@ -42,66 +42,54 @@ NAME = "pqattn"
 
 
 @dataclasses.dataclass(frozen=True)
-class HFConfig:
-    """What `enable` applies to every attention layer.
+class HFConfig(PQConfig):
+    """What `enable` applies to every attention layer: a `PQConfig` (the index and the selection
+    policy, SPEC §1, §2, §7: heavy counts tokens per query head, a group keeps group_budget x
+    heavy, G x heavy by default; the defaults are the measured operating point, M=16, 8 bits,
+    group max), and:
 
-    heavy: tokens chosen by the PQ scores, or heavy_fraction of the prompt length (at most one
-    of the two; 1024 tokens when neither is given);
-    sink / window: always kept; subvectors (M), bits, metric, iters, sample: the index (SPEC §1,
-    `PQConfig`); share / group_rule / group_budget / rerank: per-head or group (GQA-shared)
-    selection and the exact re-rank of a PQ shortlist (SPEC §7, `PQConfig`: heavy counts tokens
-    per query head, and a group keeps group_budget x heavy, G x heavy by default). The defaults
-    are PQConfig's measured operating point (M=16, 8 bits, group max);
-    dense_layers: layer indices that never go sparse; capacity: decode tokens the index has room
-    for after the prompt; prefill: "sdpa" (PyTorch's SDPA) or "pqattn" (`pqattn.dense_attention`:
-    the Triton flash kernel for CUDA fp16/bf16, the reference elsewhere). Prompts with padding,
-    and prompts longer than a sliding window, prefill through SDPA, which applies their mask.
+    heavy_fraction: heavy as this fraction of each prompt's length instead of a fixed count (give
+    heavy or heavy_fraction, not both); dense_layers: layer indices that never go sparse;
+    capacity: decode tokens the index has room for after the prompt; prefill: "sdpa" (PyTorch's
+    SDPA) or "pqattn" (`pqattn.dense_attention`: the Triton flash kernel for CUDA fp16/bf16, the
+    reference elsewhere). Prompts with padding, and prompts longer than a sliding window, prefill
+    through SDPA, which applies their mask.
     """
 
-    heavy: int | None = None
     heavy_fraction: float | None = None
-    sink: int = 128
-    window: int = 128
-    subvectors: int = 16
-    bits: int = 8
-    metric: str = "euclidean"
-    iters: int = 10
-    sample: int | None = None
-    share: str = "group"
-    group_rule: str = "max"
-    group_budget: float | None = None
-    rerank: int = 0
     dense_layers: tuple[int, ...] = ()
     capacity: int = 4096
     prefill: str = "sdpa"
 
     def __post_init__(self) -> None:
-        if self.heavy is not None:
-            check.positive_int("heavy", self.heavy)
-        for name in ("sink", "window", "iters"):
-            check.non_negative_int(name, getattr(self, name))
-        check.positive_int("subvectors", self.subvectors)
-        check.bits(self.bits)
-        check.metric(self.metric)
+        super().__post_init__()
         check.positive_int("capacity", self.capacity)
-        check.build_sample(self.sample, self.metric)
-        check.share_options(self.share, self.group_rule, self.rerank, self.group_budget)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers: expected non-negative layer indices, got {self.dense_layers!r}")
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill: expected one of {PREFILL}, got {self.prefill!r}")
-        if self.heavy is not None and self.heavy_fraction is not None:
-            raise ValueError(
-                f"heavy / heavy_fraction: expected at most one of them, got heavy={self.heavy}, "
-                f"heavy_fraction={self.heavy_fraction}"
-            )
-        if self.heavy_fraction is not None and not 0.0 < self.heavy_fraction <= 1.0:
-            raise ValueError(f"heavy_fraction: expected a value in (0, 1], got {self.heavy_fraction}")
+        if self.heavy_fraction is not None:
+            if self.heavy != _DEFAULT_HEAVY:
+                raise ValueError(
+                    f"heavy / heavy_fraction: expected at most one of them, got heavy={self.heavy}, "
+                    f"heavy_fraction={self.heavy_fraction}"
+                )
+            if not 0.0 < self.heavy_fraction <= 1.0:
+                raise ValueError(f"heavy_fraction: expected a value in (0, 1], got {self.heavy_fraction}")
 
     def heavy_for(self, prompt_len: int) -> int:
+        """heavy for a prompt of prompt_len tokens: heavy_fraction of it (at least 1), or heavy."""
         if self.heavy_fraction is not None:
             return max(1, int(self.heavy_fraction * prompt_len))
-        return 1024 if self.heavy is None else self.heavy
+        return self.heavy
+
+    def index_config(self, prompt_len: int) -> PQConfig:
+        """The PQConfig of a layer's index for a prompt of prompt_len tokens."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(PQConfig)}
+        return PQConfig(**(fields | {"heavy": self.heavy_for(prompt_len)}))
+
+
+_DEFAULT_HEAVY = next(f.default for f in dataclasses.fields(PQConfig) if f.name == "heavy")
 
 
 PREFILL = ("sdpa", "pqattn")
@@ -182,20 +170,7 @@ def pq_attention_forward(
         lengths = [n] * B if state.prompt_lengths is None else state.prompt_lengths
         if n < max(lengths):  # a chunk of a longer prefill: the index is built at its last chunk
             return out
-        pq = PQConfig(
-            subvectors=c.subvectors,
-            bits=c.bits,
-            metric=c.metric,
-            sink=c.sink,
-            window=c.window,
-            heavy=c.heavy_for(n),
-            iters=c.iters,
-            sample=c.sample,
-            share=c.share,
-            group_rule=c.group_rule,
-            group_budget=c.group_budget,
-            rerank=c.rerank,
-        )
+        pq = c.index_config(n)
         capacity = S if state.static else S + c.capacity
         state.index = PQIndex.build(key, lengths, capacity=capacity, config=pq, **_kv_head_share(module, key))
         return out

@@ -32,8 +32,8 @@ from pqattn import _validate as check
 from pqattn import dispatch, ops
 from pqattn import reference as ref
 from pqattn.index import PQIndex
-from pqattn.kernels.launch import Address, Plan, recording
 from pqattn.reference import Selection, SelectParams
+from pqattn.runtime.launch import Address, Plan, recording
 
 _GROWTH = 1024  # codebook rows reserved past the current length when a new buffer is made
 STATE_ATTRIBUTE = "_pqattn_state"  # the attribute of our codebook buffers that holds their _State

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pqattn.kernels import launch
-from pqattn.kernels.launch import autotuning, hooked, interpreted
+from pqattn.runtime import launch
+from pqattn.runtime.launch import autotuning, hooked, interpreted
 
 
 def _set_block_shapes(nargs: dict) -> None:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels import paged
-from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
+from pqattn.runtime.launch import Launcher, TunedLauncher, autotuning
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
 # by the tests and by `pqattn check`. One warp per program wins on bf16 D=128: many small programs

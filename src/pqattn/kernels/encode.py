@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.codes import candidacy_changes, nearest_code
-from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, release_next
+from pqattn.runtime.launch import Launcher
 
 
 @triton.jit

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from pqattn.kernels.launch import Launcher, interpreted
 from pqattn.reference import pq as ref
+from pqattn.runtime.launch import Launcher, interpreted
 
 # The tuning space: points per step, warps, pipeline depth of the point loads. Every config is
 # exercised by the tests. `default_config` picks by sub-vector width: d >= 64 runs 8 warps,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher
+from pqattn.runtime.launch import Launcher
 
 BLOCK = 1024  # list entries a step of a row's program reads
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import interpreted
+from pqattn.runtime.launch import interpreted
 
 # PQATTN_PDL=0 launches every kernel without it (the same kernels: for comparisons).
 ENABLED = os.environ.get("PQATTN_PDL", "1") != "0"

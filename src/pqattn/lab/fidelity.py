@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pqattn import ops
-from pqattn.kernels.launch import autotuning
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
-from pqattn.lab.policies import Policy, from_family
+from pqattn.lab.policies import Policy, from_family, group_select, head_select
 from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
+from pqattn.policy import lookup_tables
+from pqattn.runtime.launch import autotuning
 
 GRAPH_CALLS = 20
 
@@ -31,21 +32,19 @@ def default_policies(density: float = 0.02) -> list[Policy]:
     selections (sum and max rules, budgets of 1, 2 and 4 heavies), with and without re-ranking."""
     pol = [
         Policy("oracle", density),
-        Policy("oracle", density, share="group", budget=1),
-        Policy("oracle", density, share="group", budget=2),
+        Policy("oracle", density, select=group_select("sum", 1)),
+        Policy("oracle", density, select=group_select("sum", 2)),
         Policy("pq", density, subvectors=2, bits=6),
         Policy("pq", density, subvectors=16, bits=8),
     ]
     for m in (8, 16):
         for rule in ("sum", "max"):
             for budget in (1, 2, 4):
-                pol.append(
-                    Policy("pq", density, subvectors=m, bits=8, share="group", group_rule=rule, budget=budget)
-                )
+                pol.append(Policy("pq", density, subvectors=m, bits=8, select=group_select(rule, budget)))
     pol += [
-        Policy("pq", density, subvectors=16, bits=8, rerank=4),
-        Policy("pq", density, subvectors=16, bits=8, share="group", budget=2, rerank=4),
-        Policy("pq", density, subvectors=16, bits=8, share="group", group_rule="max", budget=2, rerank=4),
+        Policy("pq", density, subvectors=16, bits=8, select=head_select(4)),
+        Policy("pq", density, subvectors=16, bits=8, select=group_select("sum", 2, rerank=4)),
+        Policy("pq", density, subvectors=16, bits=8, select=group_select("max", 2, rerank=4)),
     ]
     return pol
 
@@ -57,14 +56,10 @@ def code_policies(density: float = 0.02) -> list[Policy]:
     pol = [Policy("oracle", density)]
     for m, b in ((16, 8), (32, 4), (16, 4)):
         pol.append(Policy("pq", density, subvectors=m, bits=b))
-        pol.append(Policy("pq", density, subvectors=m, bits=b, share="group", group_rule="max", budget=4))
+        pol.append(Policy("pq", density, subvectors=m, bits=b, select=group_select("max", 4)))
     for smp in (16, 32, 64, 256):
         pol.append(Policy("pq", density, subvectors=16, bits=8, sample=smp))
-        pol.append(
-            Policy(
-                "pq", density, subvectors=16, bits=8, share="group", group_rule="max", budget=4, sample=smp
-            )
-        )
+        pol.append(Policy("pq", density, subvectors=16, bits=8, select=group_select("max", 4), sample=smp))
     return pol
 
 
@@ -169,11 +164,10 @@ def step_rows(
         if not ops.kernel_path(q, book.centroids, heavy, p.share, p.rerank):
             continue
         rows_per_b = Hkv if p.share == "group" else H
-        tables = H // Hkv if p.share == "group" and p.group_rule == "max" else 1
+        tables = lookup_tables(p.share, p.group_rule, H // Hkv)
         args = (q, book.centroids, book.codes, lengths)
-        kw = dict(
-            sink=sink, window=window, heavy=heavy, init_offset=sink, share=p.share, group_rule=p.group_rule
-        )
+        kw = dict(sink=sink, window=window, heavy=p.heavy(N), init_offset=sink, share=p.share)
+        kw |= dict(group_rule=p.group_rule, group_budget=p.budget)
         kw |= dict(rerank=p.rerank, keys=k if p.rerank else None)
         sel = ops.select_topk(*args, **kw)
         ws_sel = torch.zeros(

@@ -21,12 +21,12 @@ import torch
 
 from pqattn import ops
 from pqattn.index import PQConfig, PQIndex
-from pqattn.kernels.launch import autotuning
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
 from pqattn.lab.policies import Policy
 from pqattn.lab.timing import cache_copies, capture, sync, time_eager, time_graph
 from pqattn.lab.workload import WorkloadSpec, make_workload
+from pqattn.runtime.launch import autotuning
 
 TIMED_KINDS = ("streaming", "pq")  # the policies with kernels (selection and attention)
 GRAPH_CALLS = 16  # steps per captured graph: keeps the host's graph launch out of the GPU time

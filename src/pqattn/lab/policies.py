@@ -2,10 +2,12 @@
 
 A `Policy` names what picks the heavy tokens beyond sink and window (SPEC §2, §7): the exact
 top-k oracle, streaming (no heavy part: the budget widens the window), PQ top-k at a code
-resolution (M sub-vectors, bits), or Quest-style pages. The oracle and PQ may share one
-selection per KV head (`share="group"`, by the group score of `group_rule`, with a budget of
-`budget` times the per-head heavy), and PQ may re-rank a shortlist of `rerank` times the heavy by
-the exact scores. `select` runs one on a cache through `pqattn.ops` (the kernels where they
+resolution (M sub-vectors, bits), or Quest-style pages. Its `select` (a
+`pqattn.policy.SelectPolicy`) says how: the oracle and PQ may share one selection per KV head
+(share="group", by the group score of group_rule, keeping group_budget times the per-head
+heavy), and PQ may re-rank a shortlist of rerank times the heavy by the exact scores. The sizes
+come from the density (heavy) and the harness's settings (sink, window), not from `select`.
+The function `select` runs a policy on a cache through `pqattn.ops` (the kernels where they
 exist); `pqattn.lab.tasks` runs them inside a model.
 """
 
@@ -18,7 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from pqattn import ops
-from pqattn.reference import SHARES, Selection
+from pqattn.policy import PER_HEAD, SelectPolicy
+from pqattn.reference import Selection
 
 PQ_GRID = ((2, 6), (2, 8), (8, 6), (8, 8), (16, 6), (16, 8))
 KINDS = ("dense", "oracle", "streaming", "pq", "pages")
@@ -34,10 +37,7 @@ class Policy:
     subvectors: int = 2
     bits: int = 6
     page: int = 16
-    share: str = "head"
-    group_rule: str = "sum"
-    budget: float = 1.0  # a group selection's heavy, in per-head heavies
-    rerank: int = 0
+    select: SelectPolicy = PER_HEAD  # share, group rule, group budget (explicit for a group), re-rank
     sample: int = 0  # the index built on sample * C keys per sequence (0: every key)
 
     def __post_init__(self) -> None:
@@ -45,12 +45,36 @@ class Policy:
             raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
         if self.kind != "dense" and not 0.0 < self.density <= 1.0:
             raise ValueError(f"density: expected a value in (0, 1], got {self.density}")
-        if self.share not in SHARES or (self.share == "group" and self.kind not in ("pq", "oracle")):
-            raise ValueError(f"share: expected 'head', or 'group' for pq and oracle, got {self.share!r}")
+        if not isinstance(self.select, SelectPolicy):
+            raise TypeError(
+                f"select: expected a pqattn.policy.SelectPolicy, got {type(self.select).__name__}"
+            )
+        if self.share == "group" and (self.kind not in ("pq", "oracle") or self.select.group_budget is None):
+            raise ValueError(
+                "select: a group selection is for pq and oracle policies, with an explicit group_budget, "
+                f"got {self.kind!r} with group_budget={self.select.group_budget}"
+            )
         if (self.rerank or self.sample) and self.kind != "pq":
             raise ValueError(
                 f"rerank / sample: only pq policies re-rank or build on a sample, got {self.kind!r}"
             )
+
+    @property
+    def share(self) -> str:
+        return self.select.share
+
+    @property
+    def group_rule(self) -> str:
+        return self.select.group_rule
+
+    @property
+    def rerank(self) -> int:
+        return self.select.rerank
+
+    @property
+    def budget(self) -> float:
+        """A group selection's heavy in per-head heavies (1 per head)."""
+        return 1.0 if self.share == "head" else self.select.group_budget
 
     @property
     def family(self) -> str:
@@ -82,6 +106,16 @@ class Policy:
         return max(1, round(self.budget * h)) if self.share == "group" else h
 
 
+def group_select(rule: str, budget: float, rerank: int = 0) -> SelectPolicy:
+    """A lab policy's group selection: by the group score of `rule`, budget per-head heavies."""
+    return SelectPolicy(share="group", group_rule=rule, group_budget=budget, rerank=rerank)
+
+
+def head_select(rerank: int = 0) -> SelectPolicy:
+    """A lab policy's per-head selection (with a re-rank of `rerank` heavies)."""
+    return SelectPolicy(share="head", group_rule="sum", rerank=rerank)
+
+
 _FAMILY = re.compile(
     r"(?P<kind>dense|oracle|streaming|pq-M(?P<m>\d+)-b(?P<b>\d+)|pages-(?P<page>\d+))"
     r"(?:-group-(?P<rule>sum|max)-x(?P<budget>[0-9.]+))?(?:-rr(?P<rr>\d+))?(?:-s(?P<s>\d+))?"
@@ -99,9 +133,11 @@ def from_family(family: str, density: float) -> Policy:
         fields |= {"subvectors": int(got["m"]), "bits": int(got["b"])}
     if got["page"]:
         fields["page"] = int(got["page"])
+    select = dict(share="head", group_rule="sum")
     if got["rule"]:
-        fields |= {"share": "group", "group_rule": got["rule"], "budget": float(got["budget"])}
-    fields |= {"rerank": int(got["rr"] or 0), "sample": int(got["s"] or 0)}
+        select = dict(share="group", group_rule=got["rule"], group_budget=float(got["budget"]))
+    fields["select"] = SelectPolicy(**select, rerank=int(got["rr"] or 0))
+    fields["sample"] = int(got["s"] or 0)
     return Policy(kind, **fields)
 
 
@@ -132,12 +168,13 @@ def select(
     (`book`: the PQ codebook of the keys at the policy's M, bits and sample; init_offset = sink); heavy =
     `policy.selection_heavy(n_tokens)`. Group selections have Hkv rows (`per_head` expands them)."""
     heavy = policy.selection_heavy(n_tokens)
-    shared = dict(share=policy.share, group_rule=policy.group_rule)
+    per_head = policy.heavy(n_tokens)  # the functional API's heavy: tokens per query head
+    shared = dict(share=policy.share, group_rule=policy.group_rule, group_budget=policy.budget)
     if policy.kind == "streaming":
         return ops.select_streaming(lengths, q.shape[1], sink=sink, window=window + heavy)
     if policy.kind == "oracle":
         return ops.select_oracle(
-            q, keys, lengths, sink=sink, window=window, heavy=heavy, init_offset=sink, **shared
+            q, keys, lengths, sink=sink, window=window, heavy=per_head, init_offset=sink, **shared
         )
     if policy.kind == "pages":
         return ops.select_pages(
@@ -153,7 +190,7 @@ def select(
             lengths,
             sink=sink,
             window=window,
-            heavy=heavy,
+            heavy=per_head,
             init_offset=sink,
             rerank=policy.rerank,
             keys=keys if policy.rerank else None,

@@ -1,5 +1,8 @@
-"""The PQ top-k selection kernels (SPEC §2), one family in three routes:
+"""The PQ top-k selection kernels (SPEC §2), one family in four routes (`pqattn.policy.ROUTES`):
 
+- `fine`: every token's score from its fine codes in many programs per row, binned, then the
+  tokens above the need-th score's bin collected and that bin finished exactly (every group
+  selection and re-rank; per-head selections beyond the tree);
 - `tree`: every code read, a row split into leaves that pass on their top-k, merged by a tree
   inside one launch (more than MAX_COMBOS code combinations; heavy <= MAX_TREE_HEAVY);
 - `hist`: at most MAX_COMBOS combinations: a weighted search for the cut over the combinations'
@@ -7,7 +10,8 @@
 - `buckets`: the same cut, then about `heavy` positions copied from the index's inverted lists
   (PQIndex keeps them), optionally encoding the step's new key in the same launch (`NewKey`).
 
-`common` holds the device helpers they share. `pqattn.dispatch` picks the route; the decisions
+`common` holds the device helpers they share. `pqattn.policy.select_route` picks the route and
+`pqattn.dispatch` launches it; the decisions
 and their figures are in docs/kernels/select.md. Importing this package compiles nothing: the
 kernels are decorated when their modules are imported, by the dispatch layer.
 """

@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels.codes import candidacy_changes, sub_distances
-from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, wait_prior
 from pqattn.kernels.select import NewKey
 from pqattn.kernels.select.common import (
@@ -61,6 +60,7 @@ from pqattn.kernels.select.common import (
 )
 from pqattn.kernels.select.hist import HIST_TILE, count_combos
 from pqattn.reference.selection import SelectParams
+from pqattn.runtime.launch import Launcher
 
 # Warps per row program (and slots or tokens per step of its loops), where the runs' bounds are
 # loaded, and a register cap. Every config is exercised by the tests and by `pqattn check`. One

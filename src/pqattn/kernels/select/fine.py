@@ -46,9 +46,9 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels import paged
-from pqattn.kernels.launch import Launcher
 from pqattn.kernels.select.common import order_key, sm_count
 from pqattn.reference import SelectParams
+from pqattn.runtime.launch import Launcher
 
 NBINS = 4096
 TIE_TILE = 256  # boundary lists up to this size are ranked all-pairs

@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher
 from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
 from pqattn.kernels.select.common import (
     code_combination,
@@ -42,6 +41,7 @@ from pqattn.kernels.select.common import (
 )
 from pqattn.limits import MAX_COMBOS
 from pqattn.reference.selection import SelectParams
+from pqattn.runtime.launch import Launcher
 
 ROW_WORDS = 8  # per query row: k, quota, slot counters (above, ties), the cut key, padding
 _ROW_WORDS: tl.constexpr = tl.constexpr(ROW_WORDS)

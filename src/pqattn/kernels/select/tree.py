@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.launch import Launcher, TunedLauncher, autotuning
 from pqattn.kernels.select.common import (
     load_codes,
     lut_base,
@@ -48,6 +47,7 @@ from pqattn.kernels.select.common import (
 )
 from pqattn.limits import MAX_TREE_HEAVY
 from pqattn.reference.selection import SelectParams
+from pqattn.runtime.launch import Launcher, TunedLauncher, autotuning
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at

@@ -272,6 +272,18 @@ def recording() -> Iterator[Recording | None]:
         _recording = None
 
 
+@contextmanager
+def unrecorded() -> Iterator[None]:
+    """Launches in the block stay out of any recording: checks a call runs before its work, which
+    a plan of that work must not replay."""
+    global _recording
+    outer, _recording = _recording, None
+    try:
+        yield
+    finally:
+        _recording = outer
+
+
 def signature(*tensors: torch.Tensor) -> tuple | None:
     """What a Plan's launches depend on in its input tensors: shape, strides, dtype, device, and
     whether the address is 16-byte aligned (part of a compiled kernel's specialisation). None
