@@ -185,7 +185,8 @@ def test_public_names() -> None:
         assert hasattr(pqattn, name), name
 
 
-def _step_setup(device, *, B=2, H=8, Hkv=2, N=600, D=64, steps=3, dtype=torch.float32):
+def _step_setup(device, *, B=2, H=8, Hkv=2, N=None, D=64, steps=3, dtype=torch.float32):
+    N = N or (200 if device.type == "cpu" else 600)  # (the interpreter's kernels at a small size)
     config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=32, iters=3, share="head")
     keys = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
     values = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
@@ -202,8 +203,7 @@ def _step_setup(device, *, B=2, H=8, Hkv=2, N=600, D=64, steps=3, dtype=torch.fl
 def test_decode_step_stores_indexes_selects_attends(device: torch.device, kernel_routes) -> None:
     """The user's step on the kernel route: store, append, select, attend, against the reference."""
     B, H, D, steps = 2, 8, 64, 3
-    N = 200 if device.type == "cpu" else 600  # (the interpreter's kernels at a small size)
-    index, k_cache, v_cache, lengths = _step_setup(device, N=N, steps=steps)
+    index, k_cache, v_cache, lengths = _step_setup(device, steps=steps)
     for t in range(steps):
         q = torch.randn(B, H, D, device=device)
         k_new = torch.randn(B, 2, 1, D, device=device)
@@ -224,7 +224,7 @@ def test_attend_with_selections_of_other_layouts(device: torch.device, kernel_ro
     """attend() with given selections of other head counts and widths on one index: the attention
     workspace's counters sit at places that depend on (B * H, L, D), so a workspace left by a wide
     selection of few heads must not serve a narrower one of more heads as it is."""
-    index, k_cache, v_cache, lengths = _step_setup(device, N=200 if device.type == "cpu" else 600)
+    index, k_cache, v_cache, lengths = _step_setup(device)
     B, D = 2, 64
     for H, L in ((2, 1024), (8, 128), (4, 256)) if device.type == "cpu" else ((2, 4096), (8, 512), (4, 1024)):
         q = torch.randn(B, H, D, device=device)
@@ -304,7 +304,7 @@ def test_eager_decode_steps_replay_their_plan(subvectors: int, kernel_routes, mo
     the next ones replay them: each step's caches, lengths and output match the reference. (On a
     GPU a first run warms Triton's caches: a launch that compiles or autotunes is not recorded;
     the interpreter has none to warm.)"""
-    B, H, Hkv, N, D, steps = 2, 8, 2, 300, 64, 4
+    B, H, Hkv, N, D, steps = 2, 8, 2, 300 if device.type == "cuda" else 160, 64, 4
     config = pqattn.PQConfig(subvectors=subvectors, bits=4, sink=4, window=8, heavy=32, iters=2, share="head")
     lengths = [N, N - 70]
     for warm in (False,) if interpreted() else (True, False):

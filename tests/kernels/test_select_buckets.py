@@ -340,10 +340,10 @@ def test_index_selects_from_its_buckets(kernel_routes, device: torch.device, mon
     """PQIndex: one bucket launch per selection; appends (1 or 5 keys) add recent tokens until
     REINDEX_AFTER, when the buckets are rebuilt in place; every selection exact."""
     monkeypatch.setattr(pqattn.PQIndex, "REINDEX_AFTER", 6)
-    B, Hkv, H, N, D = 2, 2, 8, 3000 if device.type == "cuda" else 700, 64
+    B, Hkv, H, N, D = 2, 2, 8, 3000 if device.type == "cuda" else 400, 64
     cfg = pqattn.PQConfig(subvectors=2, bits=5, sink=16, window=32, heavy=64, iters=2, share="head")
     keys = torch.randn(B, Hkv, N + 40, D, device=device)
-    index = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 300], capacity=N + 40, config=cfg)
+    index = pqattn.PQIndex.build(keys[:, :, :N], [N, N - 150], capacity=N + 40, config=cfg)
     order, starts, frozen = index._buckets
     kw = dict(C=32, window=cfg.window, cand_lo=max(cfg.offset, cfg.sink))
     assert_buckets(order, starts, frozen, index.codes, index.lengths, **kw)
