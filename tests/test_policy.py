@@ -151,3 +151,26 @@ def test_no_private_names_across_modules_and_no_import_circle() -> None:
     for n in modules:
         if n not in state:
             visit(n, [n])
+
+
+def test_a_heavy_beyond_the_token_axis_is_clamped_with_a_warning(device: torch.device) -> None:
+    """heavy past N keeps every token of every row, as heavy = N does; the lists are sized by N
+    (nothing allocated for the heavy asked), and the call says so."""
+    B, H, Hkv, N, D = 1, 4, 2, 64, 16
+    keys, q = torch.randn(B, Hkv, N, D, device=device), torch.randn(B, H, D, device=device)
+    book = ops.build_index(keys, subvectors=2, bits=3, iters=1)
+    lengths = torch.tensor([N], device=device)
+    sizes = dict(sink=4, window=8, init_offset=4)
+    with pytest.warns(UserWarning, match="heavy: .*1000000000.* 64 "):
+        got = ops.select_topk(q, book.centroids, book.codes, lengths, heavy=10**9, **sizes)
+    want = ops.select_topk(q, book.centroids, book.codes, lengths, heavy=N, **sizes)
+    assert got.positions.shape == (B, H, 4 + N + 8) and torch.equal(got.counts, want.counts)
+    assert torch.equal(got.positions.sort(-1).values, want.positions.sort(-1).values)
+    with pytest.warns(UserWarning, match="heavy"):
+        oracle = ops.select_oracle(q, keys, lengths, heavy=10**9, **sizes)
+    assert oracle.counts.tolist() == [[N] * H]
+    index = pqattn.PQIndex.build(keys, config=pqattn.PQConfig(subvectors=2, bits=3, heavy=10**9, iters=1))
+    with pytest.warns(UserWarning, match="heavy") as caught:
+        sel = index.select(q)
+    assert len(caught) == 1 and sel.positions.shape == (B, Hkv, 128 + N + 128)
+    assert sel.counts.tolist() == [[N] * Hkv]

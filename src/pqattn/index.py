@@ -9,7 +9,7 @@ import torch
 from pqattn import _validate as check
 from pqattn import dispatch, ops
 from pqattn.dispatch import PQCodebook
-from pqattn.policy import SelectPolicy
+from pqattn.policy import SelectPolicy, clamp_row_heavy
 from pqattn.reference import Selection, SelectParams
 from pqattn.runtime.launch import PlanCache, recording, signature
 
@@ -503,7 +503,8 @@ class PQIndex:
                     f"got {keys.shape[2]}"
                 )
         group = max(1, q.shape[1] // self.kv_heads)
-        heavy, width = c.row_heavy(group), c.width(group)
+        heavy = clamp_row_heavy(c.row_heavy(group), self.capacity)
+        width = c.sink + heavy + c.window
         kernel = dispatch.kernel_path(q, self.centroids, heavy, c.share, c.rerank)
         if not kernel:
             if keys is not None and keys.shape[2] != self.capacity:  # the reference scores every row
@@ -517,11 +518,11 @@ class PQIndex:
                 self.lengths,
                 sink=c.sink,
                 window=c.window,
-                heavy=c.heavy,
+                heavy=heavy,  # the row's, clamped (a group's row of one budget)
                 init_offset=c.offset,
                 share=c.share,
                 group_rule=c.group_rule,
-                group_budget=c.group_budget,
+                group_budget=1.0,
                 rerank=c.rerank,
                 keys=keys,
             )

@@ -46,7 +46,7 @@ from pqattn.dispatch import (
     uses_histogram,
 )
 from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
-from pqattn.policy import row_heavy
+from pqattn.policy import clamp_row_heavy, row_heavy
 from pqattn.reference import Selection, SelectParams
 from pqattn.runtime.launch import recording, signature
 
@@ -298,7 +298,8 @@ def select_topk(
     check.sizes(sink, window, heavy, init_offset)
     check.length_values(lengths, codes.shape[2])
     check.share_options(share, group_rule, rerank, group_budget)
-    heavy = row_heavy(heavy, share, group_budget, q.shape[1] // codes.shape[1])
+    group = q.shape[1] // codes.shape[1]
+    heavy = clamp_row_heavy(row_heavy(heavy, share, group_budget, group), codes.shape[2])
     if rerank:
         if keys is None:
             raise ValueError("keys: expected the key cache [B, Hkv, N, D] with rerank >= 1, got None")
@@ -392,13 +393,14 @@ def select_oracle(
     """
     check.exact_selection_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     check.share_options(share, group_rule, 0, group_budget)
+    N = keys.shape[2]
     return ref.select_oracle(
         q,
         keys,
         lengths,
         sink=sink,
         window=window,
-        heavy=row_heavy(heavy, share, group_budget, q.shape[1] // keys.shape[1]),
+        heavy=clamp_row_heavy(row_heavy(heavy, share, group_budget, q.shape[1] // keys.shape[1]), N),
         init_offset=init_offset,
         share=share,
         group_rule=group_rule,
@@ -435,6 +437,7 @@ def select_pages(
     """
     check.exact_selection_inputs(q, keys, lengths, sink, window, heavy, init_offset)
     check.positive_int("page", page)
+    heavy = clamp_row_heavy(heavy, keys.shape[2])
     return ref.select_pages(
         q, keys, lengths, sink=sink, window=window, heavy=heavy, page=page, init_offset=init_offset
     )

@@ -22,6 +22,7 @@ The routes (pqattn.kernels.select; docs/kernels/select.md):
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from pqattn import _validate as check
 from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
@@ -130,6 +131,20 @@ def row_heavy(heavy: int, share: str, group_budget: float | None, group: int) ->
         return heavy
     budget = group if group_budget is None else group_budget
     return max(1, round(budget * heavy))
+
+
+def clamp_row_heavy(row_heavy: int, n_tokens: int, stacklevel: int = 3) -> int:
+    """A row's heavy, at most n_tokens: a row of n <= n_tokens tokens keeps every token either way
+    (the short-sequence rule), so only the list's padding shrinks; says so (a warning) when it
+    clamps, rather than allocate lists of `row_heavy` entries."""
+    if row_heavy <= n_tokens:
+        return row_heavy
+    warnings.warn(
+        f"heavy: a row keeps {row_heavy} heavy tokens, more than the {n_tokens} of the token axis: "
+        f"every row keeps all its tokens, and the list width uses {n_tokens} instead",
+        stacklevel=stacklevel,
+    )
+    return n_tokens
 
 
 def lookup_tables(share: str, group_rule: str, group: int) -> int:
