@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pqattn.reference.selection import GROUP_RULES, SHARES
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64)
 METRICS = ("euclidean", "ip")
@@ -278,12 +280,12 @@ def exact_selection_inputs(
 
 
 def share_options(share: str, group_rule: str, rerank: int, group_budget: float | None = None) -> None:
-    """A selection's sharing (SPEC §7): share in ("head", "group"), group_rule in ("sum", "max"),
+    """A selection's sharing (SPEC §7): share in SHARES, group_rule in GROUP_RULES,
     rerank a non-negative int, group_budget None or a positive number (heavies per group)."""
-    if share not in ("head", "group"):
-        raise ValueError(f"share: expected 'head' or 'group', got {share!r}")
-    if group_rule not in ("sum", "max"):
-        raise ValueError(f"group_rule: expected 'sum' or 'max', got {group_rule!r}")
+    if share not in SHARES:
+        raise ValueError(f"share: expected one of {SHARES}, got {share!r}")
+    if group_rule not in GROUP_RULES:
+        raise ValueError(f"group_rule: expected one of {GROUP_RULES}, got {group_rule!r}")
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ValueError(f"rerank: expected a non-negative int, got {rerank!r}")
     if group_budget is not None and (

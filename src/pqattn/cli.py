@@ -14,6 +14,7 @@ import torch
 import pqattn
 from pqattn.index import PQConfig
 from pqattn.lab.workload import WorkloadSpec
+from pqattn.reference import GROUP_RULES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -57,7 +58,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--share", default=c.share, choices=["head", "group"], help="a selection per query or KV head"
     )
     p.add_argument(
-        "--group-rule", default=c.group_rule, choices=["sum", "max"], help="a group's score (SPEC §7)"
+        "--group-rule", default=c.group_rule, choices=GROUP_RULES, help="a group's score (SPEC §7)"
     )
     p.add_argument("--group-budget", type=float, help="a group's rows in per-head heavies (default: G)")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the cache and the k-means init")

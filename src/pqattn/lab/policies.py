@@ -21,7 +21,7 @@ import torch
 
 from pqattn import ops
 from pqattn.policy import PER_HEAD, SelectPolicy
-from pqattn.reference import Selection
+from pqattn.reference import GROUP_RULES, Selection
 
 PQ_GRID = ((2, 6), (2, 8), (8, 6), (8, 8), (16, 6), (16, 8))
 KINDS = ("dense", "oracle", "streaming", "pq", "pages")
@@ -118,7 +118,7 @@ def head_select(rerank: int = 0) -> SelectPolicy:
 
 _FAMILY = re.compile(
     r"(?P<kind>dense|oracle|streaming|pq-M(?P<m>\d+)-b(?P<b>\d+)|pages-(?P<page>\d+))"
-    r"(?:-group-(?P<rule>sum|max)-x(?P<budget>[0-9.]+))?(?:-rr(?P<rr>\d+))?(?:-s(?P<s>\d+))?"
+    rf"(?:-group-(?P<rule>{'|'.join(GROUP_RULES)})-x(?P<budget>[0-9.]+))?(?:-rr(?P<rr>\d+))?(?:-s(?P<s>\d+))?"
 )
 
 
