@@ -400,6 +400,7 @@ def select(
             workspace=workspace,
             share=share,
             group_rule=group_rule,
+            tables=tables,
             n_tokens=N,
             code_base=code_base,
             rerank=rerank,

@@ -12,6 +12,7 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.kernels.select import fine
 from pqattn.lab.kernel_checks import selection_problem
+from pqattn.policy import lookup_tables
 from pqattn.reference import SelectParams
 
 # (TIE_TILE, BOUNDARY_CAP): the all-pairs rank, the bisection over the kept list, over the row
@@ -35,7 +36,7 @@ def _fine_case(
     if skewed:
         q = q.abs() + 0.5
         cent = 0.1 * cent + torch.linspace(-1, 1, C, device=device)[:, None]
-        tables = H // Hkv if share == "group" and rule == "max" else 1
+        tables = lookup_tables(share, rule, H // Hkv)
         sampled = fine.sample_tokens(sink, N - window - sink, fine.sample_size(M, tables)).to(device)
         high = C // 2 + codes[:, :, sampled] % (C // 2)
         codes = codes % 2
@@ -44,7 +45,7 @@ def _fine_case(
         sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
     )
     R = Hkv if share == "group" else H
-    tables = H // Hkv if share == "group" and rule == "max" else 1
+    tables = lookup_tables(share, rule, H // Hkv)
     positions = torch.full((B, R, params.width), -7, dtype=torch.int32, device=device)
     counts = torch.full((B, R), -7, dtype=torch.int32, device=device)
     ws = torch.zeros(
@@ -72,7 +73,7 @@ def _run(
     for _ in range(calls):  # the second call reuses the workspace the first left zeroed
         fine.pq_select_fine(
             q, cent, codes, lengths, params, positions=positions, counts=counts, workspace=ws, share=share,
-            group_rule=rule,
+            group_rule=rule, tables=lookup_tables(share, rule, H // Hkv),
         )  # fmt: skip
         problem = selection_problem(
             positions, counts, scores, lengths, cand_lo=sink, window=window,
@@ -312,7 +313,7 @@ def _rerank_case(
     for _ in range(2):
         fine.pq_select_fine(
             q, cent, codes, lengths, params, positions=positions, counts=counts, workspace=ws, share=share,
-            group_rule=rule, rerank=rerank, keys=keys,
+            group_rule=rule, tables=lookup_tables(share, rule, H // Hkv), rerank=rerank, keys=keys,
         )  # fmt: skip
         # the shortlist: the kernel's own (PQ ties at its cut may go either way), checked as a
         # PQ top-k; then the heavy part: the exact top-heavy within it

@@ -820,6 +820,7 @@ def pq_select_fine(
     workspace: torch.Tensor,
     share: str = "head",
     group_rule: str = "sum",
+    tables: int = 1,
     n_tokens: int | None = None,
     code_base: int = 0,
     rerank: int = 0,
@@ -828,7 +829,8 @@ def pq_select_fine(
 ) -> None:
     """Launch on validated inputs. q [B, H, D]; centroids [B, Hkv, M, C, dsub(+1)] (M, C and dsub
     powers of two); codes [B, Hkv, n_codes, M] holding tokens code_base + row; positions [B, R, L]
-    and counts [B, R] with R = H (share="head") or Hkv ("group"); workspace: int32, zero-filled
+    and counts [B, R] with R = H (share="head") or Hkv ("group"); tables: the LUTs a row scores
+    with (pqattn.policy.lookup_tables: G for the group max rule, else 1); workspace: int32, zero-filled
     once, at least `workspace_numel(B * R, tables, M, C, N, rerank * heavy)` elements (left
     zeroed where it must be). params.cand_lo must be at least code_base. rerank=R >= 1 with keys
     [B, Hkv, >= N, D] (D a power of two): the top R * heavy by PQ score into the shortlist, their
@@ -839,7 +841,6 @@ def pq_select_fine(
     N = codes.shape[2] + code_base if n_tokens is None else n_tokens
     group = share == "group"
     sum_rule = group_rule == "sum"
-    tables = G if group and not sum_rule else 1
     rows_per_b = Hkv if group else H
     rows = B * rows_per_b
     list_heavy = rerank * params.heavy
