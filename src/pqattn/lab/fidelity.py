@@ -18,7 +18,7 @@ import torch
 from pqattn import ops
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
-from pqattn.lab.policies import Policy, from_family, group_select, head_select
+from pqattn.lab.policies import Policy, from_family, group_select, head_select, yardsticks
 from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 from pqattn.policy import lookup_tables
@@ -78,15 +78,26 @@ def named_policies(names: str, density: float) -> list[Policy]:
 def quality_rows(
     policies: Sequence[Policy], *, tokens: int, sink: int, window: int, device: torch.device
 ) -> list:
-    """policy_sweep on both generators, each row with mass_share = mass / the per-head oracle's."""
+    """policy_sweep on both generators, each row with mass_share = mass / the per-head oracle's at
+    its density, and the equal-bytes shares (`policies.yardsticks`): mass / the exact top-k by its
+    group rule at its budget (share_equal_rows), mass / the per-head exact top-k at its tokens per
+    head (share_equal_tokens). The yardsticks are swept with the policies."""
+    named = {p.name: p for p in policies}
+    sticks = {p.name: yardsticks(p) for p in policies if p.kind in ("pq", "oracle")}
+    swept = list(dict.fromkeys([*policies, *(y for ys in sticks.values() for y in ys.values())]))
     rows = []
     for make in quality.GENERATORS.values():
         problem = make(tokens, device)
-        got = quality.policy_sweep(problem, list(policies), sink=sink, window=window)
+        got = quality.policy_sweep(problem, swept, sink=sink, window=window)
+        mass = {r["policy"]: r["mass"] for r in got}
         oracle = {r["density"]: r["mass"] for r in got if r["family"] == "oracle"}
         for r in got:
             r["tokens_N"] = tokens
             r["mass_share"] = r["mass"] / oracle[r["density"]] if r["density"] in oracle else None
+            ys = sticks.get(r["policy"], {})
+            for key in ("rows", "tokens"):
+                r[f"share_equal_{key}"] = r["mass"] / mass[ys[key].name] if key in ys else None
+            r["yardstick"] = r["policy"] not in named
         rows += got
     return rows
 
@@ -278,10 +289,21 @@ def run(
 
 def format_table(doc: dict) -> str:
     """Quality (mass share per generator and N) and speed (per shape) as text tables."""
-    lines = ["policy | N | generator | mass share of oracle", "--- | --- | --- | ---"]
+    lines = [
+        "policy | N | generator | tokens/head | mass share of oracle | of exact, equal rows | "
+        "of exact, equal tokens/head",
+        "--- | --- | --- | --- | --- | --- | ---",
+    ]
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
     for r in doc["quality"]:
-        share = "-" if r["mass_share"] is None else f"{r['mass_share']:.3f}"
-        lines.append(f"{r['policy']} | {r['tokens_N']} | {r['problem']} | {share}")
+        lines.append(
+            f"{r['policy']} | {r['tokens_N']} | {r['problem']} | {r['tokens']:.0f} | "
+            f"{share(r['mass_share'])} | {share(r.get('share_equal_rows'))} | "
+            f"{share(r.get('share_equal_tokens'))}"
+        )
     lines += ["", "index | N | generator | relative squared error", "--- | --- | --- | ---"]
     for r in doc.get("builds", []):
         smp = f", sample {r['sample']}" if r["sample"] else ""

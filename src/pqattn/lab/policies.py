@@ -116,6 +116,18 @@ def head_select(rerank: int = 0) -> SelectPolicy:
     return SelectPolicy(share="head", group_rule="sum", rerank=rerank)
 
 
+def yardsticks(policy: Policy) -> dict[str, Policy]:
+    """The exact selections a policy is measured against at equal bytes (SPEC §11): "rows", the
+    exact top-k by the policy's own group rule at its budget (as many rows per KV head); "tokens",
+    the per-head exact top-k at the policy's tokens per query head (a group row serves each of its
+    heads). Both are the per-head oracle at the policy's density for a per-head policy."""
+    d, budget = policy.density, policy.budget
+    rows = Policy("oracle", d)
+    if policy.share == "group":
+        rows = Policy("oracle", d, select=group_select(policy.group_rule, budget))
+    return {"rows": rows, "tokens": Policy("oracle", min(1.0, d * budget))}
+
+
 _FAMILY = re.compile(
     r"(?P<kind>dense|oracle|streaming|pq-M(?P<m>\d+)-b(?P<b>\d+)|pages-(?P<page>\d+))"
     rf"(?:-group-(?P<rule>{'|'.join(GROUP_RULES)})-x(?P<budget>[0-9.]+))?(?:-rr(?P<rr>\d+))?(?:-s(?P<s>\d+))?"

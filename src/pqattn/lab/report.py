@@ -234,6 +234,20 @@ def _fidelity_section(name: str, doc: dict) -> list[str]:
         ]
         for policy, v in share.items():
             lines.append(f"| {policy} | " + " | ".join(_fmt3(v.get(c)) for c in cols) + " |")
+    equal = [r for r in doc["quality"] if r.get("share_equal_rows") is not None and not r.get("yardstick")]
+    if equal:
+        lines += [
+            "",
+            "| policy | generator | N | tokens / head | of the per-head oracle | of exact top-k, equal rows "
+            "| of exact top-k, equal tokens / head |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in equal:
+            lines.append(
+                f"| {r['policy']} | {r['problem']} | {r['tokens_N']} | {r['tokens']:.0f} | "
+                f"{_fmt3(r['mass_share'])} | {_fmt3(r['share_equal_rows'])} | "
+                f"{_fmt3(r['share_equal_tokens'])} |"
+            )
     if doc.get("builds"):
         lines += [
             "",
