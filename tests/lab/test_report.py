@@ -14,6 +14,7 @@ from pqattn.lab.report import (
     HEAD_BEGIN,
     HEAD_END,
     render,
+    render_headline,
     update_model_cards,
     update_readme,
     update_results_page,
@@ -30,6 +31,16 @@ def test_generated_tables_match_committed_results() -> None:
     )
     assert update_results_page(ROOT / "docs/results.md", results, check=True), "docs/results.md stale"
     assert update_model_cards(ROOT / "models", results, check=True), "a model card is stale"
+
+
+def test_the_headline_shows_tokens_per_head_and_the_equal_bytes_yardsticks() -> None:
+    text = render_headline(ROOT / "bench/results")
+    header = next(line for line in text.splitlines() if line.startswith("| policy |"))
+    assert "tokens / head" in header
+    default = next(line for line in text.splitlines() if "the default (M=16" in line and "| 2% |" in line)
+    tokens = int(default.split("|")[3])
+    assert tokens == 64 + 64 + 4 * round(0.02 * 32768)  # sink + window + G per-head heavies
+    assert "At equal bytes" in text and "per-head exact top-k at its tokens per head" in text
 
 
 def test_render_and_rewrite(tmp_path, capsys) -> None:
