@@ -537,7 +537,8 @@ def sparse_decode(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Weighted attention of one query per sequence over its selected tokens (SPEC §3):
     out = sum_i w_i exp(a_i) v_i / sum_i w_i exp(a_i) over the first counts[b, h] positions, with
-    a_i = scale * <q, k_i>. An empty selection gives a zero row (lse -inf).
+    a_i = scale * <q, k_i>. An empty selection gives a zero row (lse -inf). The sum runs over the
+    listed entries: a position listed twice counts twice (repeats are not checked).
 
     Args:
         q: [B, H, D] in any floating dtype, H a multiple of Hkv.
