@@ -15,7 +15,7 @@ from pqattn import dispatch, ops
 from pqattn.integrations.hf import HFConfig
 from pqattn.lab.policies import Policy, from_family, group_select
 from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
-from pqattn.policy import DEFAULT, ROUTES, SelectPolicy, select_route
+from pqattn.policy import ROUTES, SelectPolicy, select_route
 
 PACKAGE = pathlib.Path(pqattn.__file__).parent
 # the policy's own fields (sink and window also size harness settings that select nothing)
@@ -23,8 +23,9 @@ POLICY_FIELDS = {f.name for f in dataclasses.fields(SelectPolicy)} - {"sink", "w
 
 
 def test_one_default_policy_everywhere() -> None:
-    assert pqattn.PQConfig().policy == DEFAULT == HFConfig().policy == SelectPolicy()
-    assert DEFAULT.share == "group" and DEFAULT.group_rule == "max"
+    default = SelectPolicy()
+    assert pqattn.PQConfig().policy == default == HFConfig().policy
+    assert default.share == "group" and default.group_rule == "max"
 
 
 def test_sizes_tables_and_rows() -> None:
@@ -32,7 +33,6 @@ def test_sizes_tables_and_rows() -> None:
     assert (head.row_heavy(4), head.width(4), head.tables(4), head.rows(32, 8)) == (16, 28, 1, 32)
     group = SelectPolicy(sink=4, window=8, heavy=16)
     assert (group.row_heavy(4), group.width(4), group.tables(4), group.rows(32, 8)) == (64, 76, 4, 8)
-    assert group.tokens_per_head(4) == 64
     assert SelectPolicy(heavy=16, group_budget=2.5).row_heavy(4) == 40
     assert SelectPolicy(heavy=16, group_rule="sum").tables(4) == 1
     assert SelectPolicy(heavy=0).row_heavy(4) == 0
@@ -67,7 +67,7 @@ def test_routes() -> None:
     assert select_route(2, C, STATELESS_TREE_MAX_HEAVY) == "tree"
     assert select_route(16, 256, MAX_TREE_HEAVY) == "tree"
     assert select_route(16, 256, MAX_TREE_HEAVY + 1) == "fine"
-    assert DEFAULT.route(16, 256, 4) == "fine"
+    assert SelectPolicy().route(16, 256, 4) == "fine"
     assert set(dispatch._ROUTE_WORKSPACE) == set(ROUTES)
     assert dispatch.uses_fine(16, 256, "group", 64) and not dispatch.uses_fine(2, C, "head", 8)
 

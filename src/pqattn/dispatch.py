@@ -18,7 +18,7 @@ import torch
 from pqattn import _validate as check
 from pqattn import reference as ref
 from pqattn.kernels.select import NewKey
-from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY, STATELESS_TREE_MAX_HEAVY
+from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY
 from pqattn.policy import lookup_tables, select_route
 from pqattn.reference import Selection, SelectParams
 from pqattn.runtime.launch import PlanCache, unrecorded
@@ -65,11 +65,10 @@ class PQCodebook(NamedTuple):
 # ---- routes ----------------------------------------------------------------------------------------
 
 
-def uses_histogram(M: int, C: int, heavy: int | None = None) -> bool:
-    """True when the selection for M sub-vectors of C centroids goes through the combination
-    histogram: C**M <= MAX_COMBOS (else the merge tree). With `heavy`, for a call that keeps no
-    histogram: also heavy > STATELESS_TREE_MAX_HEAVY (below it the tree costs less than counting)."""
-    return C**M <= MAX_COMBOS and (heavy is None or heavy > STATELESS_TREE_MAX_HEAVY)
+def uses_histogram(M: int, C: int) -> bool:
+    """True when codes of M sub-vectors of C centroids can keep the combination histogram (and its
+    buckets): C**M <= MAX_COMBOS. Which route a call takes: pqattn.policy.select_route."""
+    return C**M <= MAX_COMBOS
 
 
 def uses_fine(M: int, C: int, share: str = "head", heavy: int = 0, rerank: int = 0) -> bool:

@@ -529,8 +529,7 @@ class PQIndex:
         check.score_inputs(q, self.centroids, self.codes)
         if self._selection is None or self._selection_heads != q.shape[1]:
             H, M, C = q.shape[1], c.subvectors, 1 << c.bits
-            group = c.share == "group"
-            R = self.kv_heads if group else H
+            R = c.rows(H, self.kv_heads)
             self._plans.forget(self._workspace, *(self._selection or ()))
             self._selection = Selection(
                 torch.empty(self.batch, R, width, dtype=torch.int32, device=self.device),

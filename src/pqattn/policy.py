@@ -74,11 +74,6 @@ class SelectPolicy:
         """L, the selection list width for `group` query heads per KV head: sink + row_heavy + window."""
         return self.sink + self.row_heavy(group) + self.window
 
-    def tokens_per_head(self, group: int) -> int:
-        """The tokens each query head attends to beyond sink and window: the row's heavy (a
-        group's rows serve each of its heads)."""
-        return self.row_heavy(group)
-
     def tables(self, group: int) -> int:
         """Lookup tables a selection row scores with: one per head of a group under the max
         rule (the max of their scores), else one (the sum rule's is linear in the query)."""
@@ -152,5 +147,4 @@ def lookup_tables(share: str, group_rule: str, group: int) -> int:
     return group if share == "group" and group_rule == "max" else 1
 
 
-DEFAULT = SelectPolicy()
 PER_HEAD = SelectPolicy(share="head", group_rule="sum")
