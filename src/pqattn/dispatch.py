@@ -38,6 +38,8 @@ __all__ = [
     "encode",
     "flash_forward",
     "kernel_path",
+    "row_fetch",
+    "row_lookup",
     "select",
     "select_workspace_numel",
     "sparse_decode",
@@ -471,6 +473,45 @@ def sparse_decode(
         decode.group_decode(*qkv, positions, counts, **common)
     else:
         decode.sparse_decode(*qkv, positions, counts, weights=weights, dense_weights=dense_weights, **common)
+
+
+def row_lookup(
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    cache: ref.RowCache,
+    misses: ref.Misses,
+    slot_list: torch.Tensor,
+    *,
+    kernel: bool,
+) -> None:
+    """The host tier's row-cache step (SPEC §10): pqattn.kernels.rows.lookup_rows, or the reference."""
+    if not kernel:
+        ref.lookup_rows(positions, counts, cache, misses, slot_list)
+        return
+    from pqattn.kernels.rows import lookup_rows
+
+    lookup_rows(positions, counts, cache, misses, slot_list)
+
+
+def row_fetch(
+    rows: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    lengths: torch.Tensor,
+    misses: ref.Misses,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    *,
+    kernel: bool,
+) -> None:
+    """Store the step's new rows into the host tier and fetch the misses into their slots
+    (pqattn.kernels.rows.fetch_rows, or the reference)."""
+    if not kernel:
+        ref.fetch_rows(rows, k_new, v_new, lengths, misses, k_slots, v_slots)
+        return
+    from pqattn.kernels.rows import fetch_rows
+
+    fetch_rows(rows, _last_contiguous(k_new), _last_contiguous(v_new), lengths, misses, k_slots, v_slots)
 
 
 def bad_selection_rows(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:

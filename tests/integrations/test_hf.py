@@ -471,3 +471,53 @@ def test_static_decoder_steps_and_arguments(device: torch.device) -> None:
             pq_hf.StaticDecoder(model, ids, 3, prompt_lengths=bad)
     with pytest.raises(ValueError, match="prefill_tokens"):
         pq_hf.StaticDecoder(model, ids, 3, prefill_tokens=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_host_tier_generates_the_tokens_of_the_gpu_cache(kind: str, device: torch.device) -> None:
+    """kv_placement="host" through StaticDecoder (ragged prompts, a prefill in chunks): the same
+    greedy tokens as the cache on the GPU, every decode step sparse, rows fetched and reused, the
+    prompts' keys and values in the host rows."""
+    model = _model(kind, device)
+    P, new = (150, 10) if device.type == "cpu" else (600, 24)
+    ids = torch.randint(0, 128, (2, P), device=device)
+    lengths = [P, P - 41]
+    tokens, states = {}, {}
+    for placement in ("gpu", "host"):
+        config = pq_hf.HFConfig(heavy=8, sink=4, window=4, subvectors=4, bits=4, kv_placement=placement)
+        pq_hf.enable(model, config)
+        decoder = pq_hf.StaticDecoder(model, ids, new, prompt_lengths=lengths, prefill_tokens=P)
+        tokens[placement] = decoder.run()
+        states[placement] = _states(model)
+        pq_hf.disable(model)
+    assert torch.equal(tokens["host"], tokens["gpu"])
+    for state in states["host"]:
+        assert state.sparse_steps == new - 1
+        assert 0.0 < state.host.hit_rate() < 1.0
+    rows = states["host"][0].host.rows
+    assert bool(rows[:, :, :P].abs().sum(-1).gt(0).all()), "the prompt's keys and values are in the host rows"
+
+
+def test_host_tier_is_validated_and_needs_the_static_loop(device: torch.device, monkeypatch) -> None:
+    for field, value, what in (
+        ("share", "head", "share: expected 'group'"),
+        ("rerank", 2, "rerank: expected 0"),
+        ("dense_layers", (0,), r"dense_layers: expected \(\)"),
+        ("kv_placement", "disk", "kv_placement: expected one of"),
+        ("host_slots", 0, "host_slots"),
+    ):
+        kwargs = {"kv_placement": "host", field: value}
+        with pytest.raises(ValueError, match=what):
+            pq_hf.HFConfig(**kwargs)
+    model = _model("llama", device)
+    pq_hf.enable(model, pq_hf.HFConfig(heavy=8, sink=4, window=4, subvectors=4, kv_placement="host"))
+    ids = torch.randint(0, 128, (1, 40), device=device)
+    with pytest.raises(ValueError, match="kv_placement: 'host' keeps the cache in a host tier"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    from pqattn import host
+
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 10_000)
+    with pytest.raises(
+        ValueError, match=r"input_ids / max_new_tokens: the host tier needs .* the machine has 10000"
+    ):
+        pq_hf.StaticDecoder(model, ids, 4)

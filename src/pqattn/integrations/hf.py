@@ -35,7 +35,9 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from pqattn import _validate as check
+from pqattn import host as host_tier
 from pqattn import ops
+from pqattn.host import HostCache
 from pqattn.index import PQConfig, PQIndex
 
 NAME = "pqattn"
@@ -54,12 +56,21 @@ class HFConfig(PQConfig):
     SDPA) or "pqattn" (`pqattn.dense_attention`: the Triton flash kernel for CUDA fp16/bf16, the
     reference elsewhere). Prompts with padding, and prompts longer than a sliding window, prefill
     through SDPA, which applies their mask.
+
+    kv_placement: "gpu" (the cache is transformers' own, on the device) or "host" (SPEC §10: each
+    layer's keys and values go to host memory as the prefill makes them, and decode steps select
+    on the GPU and fetch the selected rows into a row cache of `host_slots` rows per KV head,
+    default `pqattn.host.ROW_CACHE_LISTS` list widths; `pqattn.host.HostCache`). The host tier
+    decodes through `generate` / `StaticDecoder`, with one selection per KV head
+    (share="group"), no re-rank and no dense_layers.
     """
 
     heavy_fraction: float | None = None
     dense_layers: tuple[int, ...] = ()
     capacity: int = 4096
     prefill: str = "sdpa"
+    kv_placement: str = "gpu"
+    host_slots: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,6 +79,19 @@ class HFConfig(PQConfig):
             raise ValueError(f"dense_layers: expected non-negative layer indices, got {self.dense_layers!r}")
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill: expected one of {PREFILL}, got {self.prefill!r}")
+        if self.kv_placement not in KV_PLACEMENTS:
+            raise ValueError(f"kv_placement: expected one of {KV_PLACEMENTS}, got {self.kv_placement!r}")
+        if self.host_slots is not None:
+            check.positive_int("host_slots", self.host_slots)
+        if self.kv_placement == "host":
+            bad = {
+                "share": (self.share, "group"),
+                "rerank": (self.rerank, 0),
+                "dense_layers": (self.dense_layers, ()),
+            }
+            for name, (got, want) in bad.items():
+                if got != want:
+                    raise ValueError(f"{name}: expected {want!r} with kv_placement='host', got {got!r}")
         if self.heavy_fraction is not None:
             if self.heavy != _DEFAULT_HEAVY:
                 raise ValueError(
@@ -93,6 +117,7 @@ _DEFAULT_HEAVY = next(f.default for f in dataclasses.fields(PQConfig) if f.name 
 
 
 PREFILL = ("sdpa", "pqattn")
+KV_PLACEMENTS = ("gpu", "host")
 
 
 @dataclasses.dataclass
@@ -108,6 +133,10 @@ class _LayerState:
     warned: dict[str, bool] = dataclasses.field(default_factory=dict)
     # shared by the model's layers: the dense split-K decode's buffers (`split_k_decode`)
     buffers: dict = dataclasses.field(default_factory=dict)
+    # kv_placement="host": the layer's cache layer (set by StaticDecoder) and its host tier (built
+    # at the end of the prefill)
+    host_layer: _HostLayer | None = None
+    host: HostCache | None = None
     sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
     split_k_steps: int = 0  # decode calls served by the dense split-K kernel
 
@@ -134,6 +163,8 @@ def pq_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if state is None or layer is None:
         return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+    if state.config.kv_placement == "host":
+        return _host_attention(module, state, query, key, value, attention_mask, scaling, **kwargs)
     B, q_len, S = query.shape[0], query.shape[2], key.shape[2]
     position_ids = kwargs.get("position_ids")
     dense_layer = layer in state.config.dense_layers
@@ -197,6 +228,47 @@ def pq_attention_forward(
     out = index.attend(q, key, value, index.select(q, key), scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
+
+
+def _host_attention(
+    module: torch.nn.Module,
+    state: _LayerState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A layer with its cache in host memory (kv_placement="host"). Prefill: key/value are the
+    tokens [0, end) of this chunk's end (the cache layer brought the earlier chunks back); dense
+    attention over them, and at the chunk that completes the prompts the layer's index and host
+    tier. Decode: key/value are the step's new token; the host tier does the step."""
+    layer = state.host_layer
+    if layer is None:
+        raise ValueError(
+            "kv_placement: 'host' keeps the cache in a host tier that pq_hf.generate / StaticDecoder "
+            "set up; this call came through another loop (model.generate?): decode with pq_hf.generate"
+        )
+    if state.prompt_lengths is None:  # a decode step
+        out = state.host.decode_step(query[:, :, 0], key, value, scale=scaling)
+        state.sparse_steps += 1
+        return out[:, None], None
+    c, end = state.config, key.shape[2]
+    mask = None if attention_mask is None else attention_mask[..., :end]
+    if c.prefill == "pqattn" and mask is None:
+        out = (ops.dense_attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None)
+    else:
+        out = _sdpa(module, query, key, value, mask, scaling, **kwargs)
+    if end >= max(state.prompt_lengths):
+        index = PQIndex.build(
+            key, state.prompt_lengths, capacity=layer.max_cache_len, config=c.index_config(end)
+        )
+        state.host = HostCache(
+            index, query_heads=query.shape[1], dtype=key.dtype, slots=c.host_slots, rows=layer.rows
+        )
+        state.index = index
+    return out
 
 
 def split_k_decode(
@@ -415,7 +487,12 @@ class StaticDecoder:
         self._forward = torch.compile(model, dynamic=False) if compile else model
         self.position = torch.tensor(lengths, dtype=torch.int64, device=dev)[:, None]  # [B, 1]
         self.cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
-        if ragged:
+        by_layer = {
+            m.layer_idx: m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None)
+        }
+        if any(s.config.kv_placement == "host" for s in by_layer.values()):
+            _host_tier_layers(model, self.cache, by_layer, B, P + max_new_tokens)
+        elif ragged:
             _write_at_rows(self.cache, self.position)
         self._kw = cache_kwargs(model, self.cache) | {"use_cache": True}
         self.mask = None  # [B, 1, 1, S] the filled slots, for a ragged batch's dense attention
@@ -550,6 +627,85 @@ class _RowSlotLayer(StaticLayer):
         self.keys.scatter_(2, at.expand(key_states.shape), key_states)
         self.values.scatter_(2, at.expand(value_states.shape), value_states)
         return self.keys, self.values
+
+
+class _HostLayer(StaticLayer):
+    """A StaticCache layer whose keys and values live in host memory (kv_placement="host"): a
+    prefill chunk is stored into the layer's host rows [B, Hkv, max_cache_len, 2, D] as it comes
+    and returned with the earlier chunks brought back from them (one layer's prompt on the GPU at a
+    time); a decode step's update returns the new token alone (its layer's HostCache stores it)."""
+
+    def __init__(self, max_cache_len: int, state: _LayerState) -> None:
+        super().__init__(max_cache_len)
+        self.state = state
+        self.filled = 0  # prompt tokens stored
+        self.rows: torch.Tensor | None = None
+        state.host_layer = self
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.batch_size, self.num_heads, _, self.k_head_dim = key_states.shape
+        self.v_head_dim = value_states.shape[-1]
+        if self.v_head_dim != self.k_head_dim:
+            raise ValueError(
+                f"kv_placement: 'host' keeps keys and values of one head dim, got {self.k_head_dim} "
+                f"and {self.v_head_dim}"
+            )
+        shape = (self.batch_size, self.num_heads, self.max_cache_len, 2, self.k_head_dim)
+        self.rows = host_tier.mapped_host_empty(shape, key_states.dtype, self.device)
+        self.keys = self.values = None
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[-2]
+        self.cumulative_length.add_(T)
+        if self.state.prompt_lengths is None:  # a decode step
+            return key_states, value_states
+        start = self.filled
+        if start + T > self.max_cache_len:
+            raise ValueError(
+                f"input_ids: expected at most {self.max_cache_len} prompt tokens, got {start + T}"
+            )
+        for b in range(self.batch_size):
+            for h in range(self.num_heads):
+                self.rows[b, h, start : start + T].copy_(
+                    torch.stack((key_states[b, h], value_states[b, h]), 1)
+                )
+        self.filled += T
+        if start == 0:
+            return key_states, value_states
+        past = self.rows[:, :, :start].to(self.device, non_blocking=True)
+        return torch.cat((past[..., 0, :], key_states), 2), torch.cat((past[..., 1, :], value_states), 2)
+
+
+def _host_tier_layers(
+    model: torch.nn.Module, cache: StaticCache, states: dict[int, _LayerState], batch: int, max_len: int
+) -> None:
+    """Give each layer of `cache` a host tier (kv_placement="host"), after checking that the whole
+    model's host and GPU footprint fits the machine (before anything is allocated)."""
+    cfg = model.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    one = [
+        host_tier.footprint(
+            s.config.index_config(max_len), batch=batch, query_heads=H, kv_heads=Hkv, head_dim=D,
+            capacity=max_len, dtype=dtype, slots=s.config.host_slots,
+        )
+        for s in states.values()
+    ]  # fmt: skip
+    need = host_tier.Footprint(sum(f.host for f in one), sum(f.gpu for f in one))
+    host_tier.check_fits(need, device, "input_ids / max_new_tokens")
+    if sorted(states) != list(range(len(cache.layers))):
+        raise ValueError(
+            f"kv_placement: 'host' needs every one of the cache's {len(cache.layers)} layers enabled, "
+            f"got layers {sorted(states)}"
+        )
+    cache.layers = [_HostLayer(layer.max_cache_len, states[i]) for i, layer in enumerate(cache.layers)]
 
 
 def generate(

@@ -6,6 +6,7 @@ exists for a case.
 
 from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, to_pages, unpage
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
+from pqattn.reference.rows import Misses, RowCache, fetch_rows, lookup_rows, new_row_cache
 from pqattn.reference.selection import (
     GROUP_RULES,
     SHARES,
@@ -30,6 +31,8 @@ __all__ = [
     "GROUP_RULES",
     "SHARES",
     "KMeansResult",
+    "Misses",
+    "RowCache",
     "SelectParams",
     "Selection",
     "bad_selection_rows",
@@ -40,7 +43,10 @@ __all__ = [
     "dense_weights",
     "encode",
     "exact_scores",
+    "fetch_rows",
     "group_scores",
+    "lookup_rows",
+    "new_row_cache",
     "page_bounds",
     "page_scores",
     "paged_append",

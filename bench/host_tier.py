@@ -1,0 +1,405 @@
+"""The host tier (SPEC §10) on the user's path, with its kernel figures beside.
+
+Parts (one JSON, each part a key):
+  fit:   Llama-3-8B layer shapes, 8 layers, B1 32K and 128K: `pq_hf.StaticDecoder` with
+         HFConfig(kv_placement="host") against the same loop with the cache on the GPU (sparse) and
+         the dense split-K loop, one model at a time: ms per token (CUDA events around each
+         replayed step, median), prefill seconds, greedy tokens compared, hit rate, PCIe bytes per
+         token, host and GPU memory.
+  large: 32 layers, B1 512K and B4 128K, where dense decoding does not fit on one GPU: the host
+         tier's caches filled directly (random codes and rows at the context length; a
+         2048-token prompt prefilled for real), then ms per token as above.
+  fetch: kernel figures of one layer (B1, 8 KV heads, 512K tokens, D 128, bf16): the row lookup
+         and the fetch at set hit rates, GB/s of the missed rows, beside a pinned contiguous
+         host-to-device copy of the same bytes.
+  text:  the project's trained model on held-out Python files (B4, 16K-byte prompts, 256 greedy
+         tokens): the row cache's hit rate with the default slots and with slots = the list width
+         (then a hit is a row listed at step t and at step t - 1), tokens against the GPU cache.
+
+Usage (on a GPU):
+    PYTHONPATH=src python bench/host_tier.py --parts fit,fetch,text --json OUT.json
+    PYTHONPATH=src python bench/host_tier.py --parts large --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+import transformers
+
+import pqattn.integrations.hf as pq_hf
+from pqattn import PQIndex, dispatch
+from pqattn import reference as ref
+from pqattn.dispatch import PQCodebook
+from pqattn.host import HostCache, mapped_host_empty
+from pqattn.lab import baselines
+from pqattn.lab.env import environment
+from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
+
+HEAVY = 1024  # tokens per query head (the group keeps 4 x 1024 rows per KV head)
+PROMPT = 2048  # the real prefill of the large part, before its caches are filled directly
+ROW_BYTES = 2 * 128 * 2  # a KV head's key and value of one position, bf16
+
+
+def _model(layers: int, max_positions: int) -> torch.nn.Module:
+    cfg = llama_config(**(LLAMA3_8B_LAYERS | {"layers": layers}), max_positions=max_positions)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _states(model) -> list:
+    return [m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None]
+
+
+def _row_stats(model) -> tuple[int, int]:
+    """(lookups, misses) of every layer's row cache so far (one sync)."""
+    stats = [s.host.row_cache.stats.sum((0, 1)) for s in _states(model) if s.host is not None]
+    total = torch.stack(stats).sum(0).tolist() if stats else [0, 0]
+    return int(total[0]), int(total[1])
+
+
+def _time_steps(decoder, steps: int) -> list[float]:
+    """ms of each of `steps` replayed decode steps (after the eager step, the capture and 3 warm)."""
+    for _ in range(min(5, decoder.steps_left - steps)):
+        decoder.step()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        decoder.step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _loop(model, ids, new_tokens: int, steps: int, placement: str | None) -> dict:
+    """Prefill + `steps` timed steps of the static loop; placement None: the dense split-K loop."""
+    if placement is None:
+        model.set_attn_implementation(baselines.register_dense_decode())
+    else:
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement=placement))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    decoder = pq_hf.StaticDecoder(model, ids, new_tokens)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    before = _row_stats(model)
+    times = _time_steps(decoder, steps)
+    after = _row_stats(model)
+    lookups, misses = after[0] - before[0], after[1] - before[1]
+    row = {
+        "placement": placement or "dense-split-k",
+        "prefill_s": prefill_s,
+        "ms_per_token": statistics.median(times),
+        "ms_iqr": _iqr(times),
+        "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
+        "tokens": decoder.tokens[:, : decoder.max_new_tokens - decoder.steps_left].tolist(),
+    }
+    if placement == "host":
+        B = ids.shape[0]
+        layers = len(_states(model))
+        row |= {
+            "hit_rate": 1 - misses / lookups,
+            "pcie_bytes_per_token": (misses / steps + B * layers * 8) * ROW_BYTES,
+            "host_bytes": sum(s.host.footprint.host for s in _states(model)),
+            "tier_gpu_bytes": sum(s.host.footprint.gpu for s in _states(model)),
+        }
+    del decoder
+    pq_hf.disable(model)
+    _free()
+    return row
+
+
+def _iqr(xs: list[float]) -> float:
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+def part_fit(steps: int) -> list[dict]:
+    rows = []
+    for context in (32768, 131072):
+        model = _model(8, context + 256)
+        ids = torch.randint(
+            0, 32000, (1, context), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+        )
+        case = {"case": f"llama8L-B1-{context // 1024}K", "B": 1, "context": context, "layers": 8}
+        runs = [_loop(model, ids, steps + 16, steps, p) for p in ("host", "gpu", None)]
+        host, gpu, dense = runs
+        same = sum(a == b for a, b in zip(host["tokens"][0], gpu["tokens"][0], strict=True))
+        for r in runs:
+            rows.append(case | {k: v for k, v in r.items() if k != "tokens"})
+        rows[-3]["tokens_equal_to_gpu"] = f"{same}/{len(host['tokens'][0])}"
+        rows[-3]["vs_gpu_sparse"] = gpu["ms_per_token"] / host["ms_per_token"]
+        rows[-3]["vs_dense_split_k"] = dense["ms_per_token"] / host["ms_per_token"]
+        del model
+        _free()
+    return rows
+
+
+def _fill_directly(model, decoder, tokens: int) -> None:
+    """Give every layer an index of `tokens` random codes (the prefill's centroids) and host rows
+    of random keys and values at those positions, and move the loop to position `tokens`."""
+    gen = torch.Generator("cuda").manual_seed(2)
+    chunk = torch.randn(1 << 16, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    for state in _states(model):
+        old = state.index
+        B, Hkv, M = old.batch, old.kv_heads, old.config.subvectors
+        codes = torch.randint(
+            0, 1 << old.config.bits, (B, Hkv, tokens, M), dtype=torch.uint8, device="cuda", generator=gen
+        )
+        index = PQIndex.from_codebook(
+            PQCodebook(old.centroids, codes, old.phi), [tokens] * B, capacity=old.capacity, config=old.config
+        )
+        rows = state.host_layer.rows
+        for b in range(B):
+            for h in range(Hkv):
+                for start in range(0, tokens, chunk.shape[0]):
+                    n = min(chunk.shape[0], tokens - start)
+                    rows[b, h, start : start + n].copy_(chunk[:n])
+        state.host = None
+        state.index = None
+        gc.collect()
+        state.host = HostCache(
+            index, query_heads=model.config.num_attention_heads, dtype=torch.bfloat16, rows=rows
+        )
+        state.index = index
+    decoder.position.fill_(tokens)
+
+
+def part_large(steps: int, shapes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    for B, context in shapes:
+        model = _model(32, context + 512)
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host"))
+        ids = torch.randint(0, 32000, (B, PROMPT), device="cuda")
+        t0 = time.perf_counter()
+        decoder = pq_hf.StaticDecoder(model, ids, context - PROMPT + steps + 16)
+        torch.cuda.synchronize()
+        setup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _fill_directly(model, decoder, context)
+        torch.cuda.synchronize()
+        fill_s = time.perf_counter() - t0
+        before = _row_stats(model)
+        times = _time_steps(decoder, steps)
+        after = _row_stats(model)
+        misses, lookups = after[1] - before[1], after[0] - before[0]
+        ms = statistics.median(times)
+        states = _states(model)
+        kv_dense = B * 32 * 8 * context * ROW_BYTES
+        rows.append(
+            {
+                "case": f"llama32L-B{B}-{context // 1024}K",
+                "B": B,
+                "context": context,
+                "layers": 32,
+                "placement": "host",
+                "ms_per_token": ms,
+                "ms_iqr": _iqr(times),
+                "tokens_per_s": B * 1000 / ms,
+                "hit_rate": 1 - misses / lookups,
+                "pcie_bytes_per_token": (misses / steps + B * 32 * 8) * ROW_BYTES,
+                "host_bytes": sum(s.host.footprint.host for s in states),
+                "tier_gpu_bytes": sum(s.host.footprint.gpu for s in states),
+                "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
+                "dense_kv_bytes": kv_dense,
+                "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+                "setup_s": setup_s,
+                "fill_s": fill_s,
+            }
+        )
+        print(rows[-1], flush=True)
+        del decoder, model, states
+        _free()
+    return rows
+
+
+def _lists(T: int, L: int, N: int, hit: float, Hkv: int) -> torch.Tensor:
+    """[T, 1, Hkv, L] lists: each keeps `hit` of the previous one's positions, the rest fresh."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    lists = [torch.randperm(N, device="cuda", generator=gen)[: Hkv * L].view(1, Hkv, L)]
+    keep = int(hit * L)
+    for _ in range(T - 1):
+        prev = lists[-1]
+        fresh = torch.randint(0, N, (1, Hkv, 4 * L), device="cuda", generator=gen)
+        rows = []
+        for h in range(Hkv):
+            kept = prev[0, h, torch.randperm(L, device="cuda", generator=gen)[:keep]]
+            new = fresh[0, h][~torch.isin(fresh[0, h], prev[0, h])].unique()
+            new = new[torch.randperm(new.numel(), device="cuda", generator=gen)[: L - keep]]
+            rows.append(torch.cat([kept, new]))
+        lists.append(torch.stack(rows)[None])
+    return torch.stack(lists).int()
+
+
+def part_fetch() -> list[dict]:
+    B, Hkv, N, D, L = 1, 8, 1 << 19, 128, 4352
+    S = 2 * L
+    rows_host = mapped_host_empty((B, Hkv, N, 2, D), torch.bfloat16, torch.device("cuda"))
+    rows_host.view(torch.int16).random_()
+    k_slots = torch.zeros(B, Hkv, S, D, dtype=torch.bfloat16, device="cuda")
+    v_slots = torch.zeros_like(k_slots)
+    lengths = torch.tensor([N], device="cuda")
+    k_new = torch.randn(B, Hkv, 1, D, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for hit in (0.0, 0.5, 0.8, 0.95):
+        T = 24
+        lists = _lists(T, L, N - 1, hit, Hkv)
+        counts = torch.full((B, Hkv), L, dtype=torch.int32, device="cuda")
+        cache = ref.new_row_cache(B, Hkv, N, S, torch.device("cuda"))
+        misses = ref.Misses(
+            *(torch.zeros(s, dtype=torch.int32, device="cuda") for s in ((B, Hkv, L), (B, Hkv, L), (B, Hkv)))
+        )
+        slot_list = torch.empty(B, Hkv, L, dtype=torch.int32, device="cuda")
+        events = []
+        for rep in range(2):
+            for t in range(T):
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                marks[0].record()
+                dispatch.row_lookup(lists[t], counts, cache, misses, slot_list, kernel=True)
+                marks[1].record()
+                dispatch.row_fetch(rows_host, k_new, k_new, lengths, misses, k_slots, v_slots, kernel=True)
+                marks[2].record()
+                if rep == 1 and t > 0:
+                    events.append((marks, misses.count.sum()))
+        torch.cuda.synchronize()
+        lookup = [a.elapsed_time(b) * 1e3 for (a, b, _), _ in events]
+        fetch = [b.elapsed_time(c) * 1e3 for (_, b, c), _ in events]
+        missed = [int(n) for _, n in events]
+        fetched = statistics.median(missed) * ROW_BYTES
+        src = torch.empty(int(fetched), dtype=torch.uint8).pin_memory()
+        dst = torch.empty_like(src, device="cuda")
+        copies = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            copies.append((a, b))
+        torch.cuda.synchronize()
+        copy_us = statistics.median(a.elapsed_time(b) * 1e3 for a, b in copies)
+        fetch_us = statistics.median(fetch)
+        out.append(
+            {
+                "case": f"rows-B1-N512K-L{L}-hit{int(hit * 100)}",
+                "target_hit_rate": hit,
+                "hit_rate": 1 - statistics.median(missed) / (Hkv * L),
+                "lookup_us": statistics.median(lookup),
+                "fetch_us": fetch_us,
+                "missed_bytes": fetched,
+                "fetch_gbps": fetched / fetch_us / 1e3,
+                "pinned_copy_us": copy_us,
+                "pinned_copy_gbps": fetched / copy_us / 1e3,
+                "note": "kernel figures: lookup_rows + fetch_rows on given lists, eager launches, "
+                "CUDA events",
+            }
+        )
+        print(out[-1], flush=True)
+    return out
+
+
+def part_text(model_path: str) -> list[dict]:
+    from pqattn.lab.corpus import documents, find_corpus
+    from pqattn.lab.tasks import load_model
+
+    model = load_model(model_path, torch.device("cuda"))
+    corpus = find_corpus()
+    docs = documents(corpus.held_out, 16384, 4)
+    ids = torch.tensor([list(d) for d in docs], dtype=torch.int64, device="cuda")
+    out, tokens = [], {}
+    for name, placement, slots in (
+        ("gpu", "gpu", None),
+        ("host", "host", None),
+        ("host-slots-L", "host", "L"),
+    ):
+        config = pq_hf.HFConfig(kv_placement=placement)
+        if slots == "L":
+            width = (
+                config.sink
+                + config.row_heavy(model.config.num_attention_heads // model.config.num_key_value_heads)
+                + config.window
+            )
+            config = pq_hf.HFConfig(kv_placement=placement, host_slots=width)
+        pq_hf.enable(model, config)
+        decoder = pq_hf.StaticDecoder(model, ids, 256)
+        decoder.run()
+        tokens[name] = decoder.tokens.tolist()
+        row = {"case": "byte-llama-13m-B4-16K", "run": name, "slots": config.host_slots}
+        if placement == "host":
+            per_layer = []
+            for s in _states(model):
+                lookups, misses = s.host.row_cache.stats.sum((0, 1)).tolist()
+                per_layer.append(1 - misses / lookups)
+            row |= {
+                "hit_rate": statistics.fmean(per_layer),
+                "hit_rate_per_layer": per_layer,
+                "tokens_equal_to_gpu": sum(
+                    a == b
+                    for x, y in zip(tokens[name], tokens["gpu"], strict=True)
+                    for a, b in zip(x, y, strict=True)
+                ),
+                "tokens": 4 * 256,
+            }
+        out.append(row)
+        print(row, flush=True)
+        del decoder
+        pq_hf.disable(model)
+        _free()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="fit,fetch,text", help="comma-separated: fit, large, fetch, text")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per loop")
+    parser.add_argument("--large", default="1x524288,4x131072", help="the large part's shapes, BxTOKENS")
+    parser.add_argument("--model", default="models/byte-llama-13m", help="the text part's trained model")
+    parser.add_argument("--json", required=True, help="where to write the results")
+    args = parser.parse_args()
+    doc = {
+        "schema": "host-tier/1",
+        "argv": vars(args),
+        "environment": environment(torch.device("cuda")),
+        "parts": {},
+    }
+    for part in args.parts.split(","):
+        if part == "fit":
+            doc["parts"]["fit"] = part_fit(args.steps)
+        elif part == "large":
+            shapes = [tuple(int(x) for x in s.split("x")) for s in args.large.split(",")]
+            doc["parts"]["large"] = part_large(args.steps, shapes)
+        elif part == "fetch":
+            doc["parts"]["fetch"] = part_fetch()
+        elif part == "text":
+            doc["parts"]["text"] = part_text(args.model)
+        else:
+            raise SystemExit(f"--parts: expected some of fit, large, fetch, text; got {part!r}")
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    for part, rows in doc["parts"].items():
+        for r in rows:
+            print(part, {k: v for k, v in r.items() if not isinstance(v, list)})
+
+
+if __name__ == "__main__":
+    main()

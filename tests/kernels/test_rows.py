@@ -1,0 +1,101 @@
+"""The host tier's row-cache kernels against their reference (CPU interpreter; GPU, with the host
+rows in mapped host memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pqattn import reference as ref
+from pqattn.host import mapped_host_empty
+from pqattn.kernels.rows import BLOCK_S, fetch_rows, lookup_rows
+
+
+def _copy(state):
+    return type(state)(*(t.clone() for t in state))
+
+
+def _lists(
+    B: int, R: int, L: int, n: torch.Tensor, previous: torch.Tensor | None, keep: float
+) -> torch.Tensor:
+    """[B, R, L] distinct positions per row below n[b], each row's newest position among them; about
+    `keep` of them taken from the previous step's lists (hits)."""
+    out = torch.empty(B, R, L, dtype=torch.int32)
+    for b in range(B):
+        for r in range(R):
+            newest = int(n[b]) - 1
+            pool = torch.randperm(newest)[: 4 * L]
+            if previous is not None:
+                old = previous[b, r][previous[b, r] >= 0]
+                old = old[torch.randperm(old.numel())[: int(keep * L)]].long()
+                pool = torch.cat([old, pool])
+            row = [newest]
+            for p in pool.tolist():
+                if p not in row:
+                    row.append(p)
+                if len(row) == L:
+                    break
+            out[b, r] = torch.tensor(row)[torch.randperm(L)]
+    return out
+
+
+@pytest.mark.parametrize("L,S", [(24, 40), (300, BLOCK_S + 200)])
+def test_row_cache_steps_match_the_reference(L: int, S: int, device: torch.device) -> None:
+    """Steps of lookup + fetch over lists that share part of their rows with the previous step's,
+    with ragged counts and the newest position listed: the kernels' state, misses, slot lists,
+    slots and host rows equal the reference's, and every listed row sits in its slot."""
+    B, R, N, D = 2, 3, 4 * L + 64, 16
+    rows = torch.randn(B, R, N, 2, D)
+    cache = ref.new_row_cache(B, R, N, S, device)
+    k_slots = torch.zeros(B, R, S, D, device=device)
+    v_slots = torch.zeros_like(k_slots)
+    want = (
+        _cpu(cache),
+        rows.clone(),
+        k_slots.cpu().clone(),
+        v_slots.cpu().clone(),
+    )  # the reference's, on the CPU
+    host = mapped_host_empty(rows.shape, rows.dtype, device)
+    host.copy_(rows)
+    lengths = torch.tensor([N - 40, N - 7], device=device)
+    previous = None
+    for step in range(4):
+        lengths += 1
+        pos = _lists(B, R, L, lengths.cpu(), previous, keep=0.6).to(device)
+        counts = torch.randint(L // 2, L + 1, (B, R), dtype=torch.int32, device=device)
+        counts[:, 0] = L  # the newest position is listed in these rows
+        previous = torch.where(torch.arange(L, device=device) < counts[..., None], pos, -1).cpu()
+        k_new, v_new = (torch.randn(B, R, 1, D, device=device) for _ in range(2))
+        shapes = ((B, R, L), (B, R, L), (B, R))
+        got_m = ref.Misses(*(torch.full(s, -5, dtype=torch.int32, device=device) for s in shapes))
+        want_m = _copy(got_m)
+        got_list = torch.full((B, R, L), -9, dtype=torch.int32, device=device)
+        want_list = got_list.clone()
+        want_m, want_list = _cpu(want_m), want_list.cpu().clone()
+        ref.lookup_rows(pos.cpu(), counts.cpu(), want[0], want_m, want_list)
+        ref.fetch_rows(want[1], k_new.cpu(), v_new.cpu(), lengths.cpu(), want_m, want[2], want[3])
+        lookup_rows(pos, counts, cache, got_m, got_list)
+        fetch_rows(host, k_new, v_new, lengths, got_m, k_slots, v_slots)
+        for name, g, w in zip(ref.RowCache._fields, cache, want[0], strict=True):
+            assert torch.equal(g.cpu(), w), (step, name)
+        assert torch.equal(got_m.count.cpu(), want_m.count)
+        assert 0 < int(got_m.count.sum()) < int(counts.sum()) or step == 0  # hits and misses
+        live = torch.arange(L) < want_m.count[..., None]
+        for g, w in zip(got_m[:2], want_m[:2], strict=True):
+            assert torch.equal(torch.where(live, g.cpu(), -1), torch.where(live, w, -1)), step
+        assert torch.equal(got_list.cpu(), want_list)
+        assert torch.equal(host, want[1])
+        assert torch.equal(k_slots.cpu(), want[2]) and torch.equal(v_slots.cpu(), want[3])
+        # every listed position is resident: its slot holds its host row
+        listed = torch.arange(L, device=device) < counts[..., None]
+        slot = got_list.long().clamp(min=0)
+        assert bool((got_list[listed] >= 0).all())
+        assert torch.equal(cache.owner.gather(2, slot)[listed], pos[listed])
+        host_k = (
+            host[..., 0, :].to(device).gather(2, pos.long().clamp(min=0)[..., None].expand(-1, -1, -1, D))
+        )
+        assert torch.equal(k_slots.gather(2, slot[..., None].expand(-1, -1, -1, D))[listed], host_k[listed])
+
+
+def _cpu(state):
+    return type(state)(*(t.cpu().clone() for t in state))

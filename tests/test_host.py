@@ -1,0 +1,124 @@
+"""`HostCache`, the host tier (SPEC §10): the same selection and output as the on-GPU PQIndex path,
+its memory checks and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pqattn
+from pqattn import host
+from pqattn.host import HostCache
+
+
+def _pair(device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.float32):
+    """A HostCache and an on-GPU PQIndex with its caches, over the same ragged prompts."""
+    N = 160 if device.type == "cpu" else 2000
+    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=8, iters=3)
+    keys = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
+    values = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
+    lengths = [N, N - 37]
+    cache = HostCache.prefill(
+        keys[:, :, :N],
+        values[:, :, :N],
+        lengths,
+        query_heads=H,
+        capacity=N + steps,
+        config=config,
+        slots=slots,
+    )
+    index = pqattn.PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config)
+    return cache, index, keys.clone(), values.clone(), lengths
+
+
+@pytest.mark.parametrize("routes", ["reference", "kernels"])
+def test_host_tier_decodes_as_the_gpu_cache_does(routes: str, device: torch.device, request) -> None:
+    """Ragged GQA batch, steps whose selections overlap: the host tier's selection and output equal
+    the on-GPU path's, rows missed are fetched (the hit rate is neither 0 nor 1), and the host
+    rows hold each step's new key and value."""
+    if routes == "kernels":
+        request.getfixturevalue("kernel_routes")
+    elif device.type == "cuda":
+        pytest.skip("the host tier takes its kernels on CUDA")
+    B, H, Hkv, D, steps = 2, 8, 2, 32, 6
+    cache, index, k_cache, v_cache, lengths = _pair(device, steps=steps)
+    for t in range(steps):
+        q = torch.randn(B, H, D, device=device)
+        k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
+        got = cache.decode_step(q, k_new, v_new).clone()
+        want = index.decode_step(q, k_new, v_new, k_cache, v_cache)
+        assert torch.equal(cache.index.lengths, index.lengths)
+        assert torch.equal(cache.index.select(q).positions, index.select(q).positions)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        for b, n in enumerate(lengths):
+            assert torch.equal(cache.rows[b, :, n + t, 0], k_new[b, :, 0].cpu())
+            assert torch.equal(cache.rows[b, :, n + t, 1], v_new[b, :, 0].cpu())
+    assert 0.0 < cache.hit_rate() < 1.0
+
+
+def test_host_tier_in_a_cuda_graph(device: torch.device) -> None:
+    """The whole step captured once and replayed per token (fetches from mapped host memory)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    B, H, Hkv, D, steps = 2, 8, 2, 32, 5
+    cache, index, k_cache, v_cache, _ = _pair(device, steps=steps + 1, dtype=torch.bfloat16)
+    q = torch.randn(B, H, D, device=device, dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device, dtype=torch.bfloat16) for _ in range(2))
+    cache.decode_step(q, k_new, v_new)
+    index.decode_step(q, k_new, v_new, k_cache, v_cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cache.decode_step(q, k_new, v_new)
+    for _ in range(steps):
+        for t in (q, k_new, v_new):
+            t.normal_()
+        graph.replay()
+        want = index.decode_step(q, k_new, v_new, k_cache, v_cache)
+        torch.cuda.synchronize()
+        assert torch.equal(cache.index.lengths, index.lengths)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert 0.0 < cache.hit_rate() < 1.0
+
+
+def test_host_tier_refuses_what_it_cannot_serve(device: torch.device, monkeypatch) -> None:
+    keys = torch.randn(1, 2, 64, 16, device=device)
+    head = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=4, heavy=8, iters=1, share="head")
+    with pytest.raises(ValueError, match="share: expected 'group'"):
+        HostCache.prefill(keys, keys, query_heads=4, config=head)
+    group = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=4, heavy=8, iters=1)
+    with pytest.raises(ValueError, match="slots: expected at least the list width 24, got 23"):
+        HostCache.prefill(keys, keys, query_heads=4, config=group, slots=23)
+    with pytest.raises(ValueError, match="query_heads"):
+        HostCache.prefill(keys, keys, query_heads=3, config=group)
+    with pytest.raises(ValueError, match="values"):
+        HostCache.prefill(keys, keys[:, :, :10], query_heads=4, config=group)
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 1000)
+    with pytest.raises(
+        ValueError,
+        match="capacity: the host tier needs 16384 bytes of page-locked host memory, the machine has 1000 ",
+    ):
+        HostCache.prefill(keys, keys, query_heads=4, config=group)
+    cache = HostCache(
+        pqattn.PQIndex.build(keys, config=group),
+        query_heads=4,
+        dtype=keys.dtype,
+        rows=torch.zeros(1, 2, 64, 2, 16),
+    )  # given rows are not checked against the memory
+    with pytest.raises(ValueError, match=r"q: expected shape \[B, H, D\] = \[1, 4, 16\]"):
+        cache.decode_step(torch.randn(1, 2, 16, device=device), keys[:, :, :1], keys[:, :, :1])
+
+
+def test_footprint_counts_what_a_tier_allocates(device: torch.device) -> None:
+    """The footprint, computed before allocation, covers the host rows exactly and the GPU tensors
+    the tier holds (index and row cache) within their small lists."""
+    keys = torch.randn(2, 2, 100, 16, device=device)
+    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=4, heavy=8, iters=1)
+    cache = HostCache.prefill(keys, keys, query_heads=4, capacity=120, config=config)
+    want = host.footprint(
+        config, batch=2, query_heads=4, kv_heads=2, head_dim=16, capacity=120, dtype=keys.dtype
+    )
+    assert want == cache.footprint
+    assert want.host == cache.rows.numel() * cache.rows.element_size()
+    tensors = [cache.index.codes, cache.index.centroids, cache.k_slots, cache.v_slots, *cache.row_cache]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    assert held <= want.gpu <= held * 1.1
