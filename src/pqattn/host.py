@@ -209,6 +209,7 @@ class HostCache:
             dtype=torch.int32,
             device=device,
         )
+        self.selection: ref.Selection | None = None  # the last step's lists (the index's buffer)
         self._checked: tuple | None = None  # the input signature decode_step last validated
 
     @classmethod
@@ -323,7 +324,7 @@ class HostCache:
                 )  # fmt: skip
             self._checked = signature
         index.append(k_new)
-        selection = index.select(q)
+        selection = self.selection = index.select(q)
         dispatch.row_lookup(
             selection.positions, selection.counts, self.row_cache, self.misses, self.slot_list,
             kernel=self._kernels,

@@ -8,7 +8,7 @@ import torch
 
 from pqattn import reference as ref
 from pqattn.host import mapped_host_empty
-from pqattn.kernels.rows import BLOCK_S, fetch_rows, lookup_rows
+from pqattn.kernels.rows import BLOCK, FETCH_BLOCKS, fetch_rows, lookup_rows
 
 
 def _copy(state):
@@ -39,11 +39,14 @@ def _lists(
     return out
 
 
-@pytest.mark.parametrize("L,S", [(24, 40), (300, BLOCK_S + 200)])
-def test_row_cache_steps_match_the_reference(L: int, S: int, device: torch.device) -> None:
+@pytest.mark.parametrize(
+    "L,S,block_rows", [(24, 40, FETCH_BLOCKS[0]), *((BLOCK + 300, 2 * BLOCK + 200, b) for b in FETCH_BLOCKS)]
+)
+def test_row_cache_steps_match_the_reference(L: int, S: int, block_rows: int, device: torch.device) -> None:
     """Steps of lookup + fetch over lists that share part of their rows with the previous step's,
-    with ragged counts and the newest position listed: the kernels' state, misses, slot lists,
-    slots and host rows equal the reference's, and every listed row sits in its slot."""
+    with ragged counts and the newest position listed, lists and slot scans longer than a block,
+    each fetch block size: the kernels' state, misses, slot lists, slots and host rows equal the
+    reference's, and every listed row sits in its slot."""
     B, R, N, D = 2, 3, 4 * L + 64, 16
     rows = torch.randn(B, R, N, 2, D)
     cache = ref.new_row_cache(B, R, N, S, device)
@@ -75,7 +78,7 @@ def test_row_cache_steps_match_the_reference(L: int, S: int, device: torch.devic
         ref.lookup_rows(pos.cpu(), counts.cpu(), want[0], want_m, want_list)
         ref.fetch_rows(want[1], k_new.cpu(), v_new.cpu(), lengths.cpu(), want_m, want[2], want[3])
         lookup_rows(pos, counts, cache, got_m, got_list)
-        fetch_rows(host, k_new, v_new, lengths, got_m, k_slots, v_slots)
+        fetch_rows(host, k_new, v_new, lengths, got_m, k_slots, v_slots, block_rows=block_rows)
         for name, g, w in zip(ref.RowCache._fields, cache, want[0], strict=True):
             assert torch.equal(g.cpu(), w), (step, name)
         assert torch.equal(got_m.count.cpu(), want_m.count)

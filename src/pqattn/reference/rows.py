@@ -10,7 +10,7 @@ State of one layer, per row r = (b, KV head), over a token axis of N positions a
 
 A step of row r with selection list P (its first `count` positions, distinct):
   1. hits: p with owner[slot_of[p]] == p; their slots are stamped last_used = step;
-  2. misses: the others, in ascending position order (the fetch reads host memory in that order);
+  2. misses: the others, in list order;
   3. victims: the first len(misses) slots not stamped in this step, in circular order from the hand
      (CLOCK with this step's selection as the reference bit: a listed row is never evicted, so sink
      and window rows, listed every step, stay); the hand moves past the last victim;
@@ -36,7 +36,7 @@ class RowCache(NamedTuple):
 
 
 class Misses(NamedTuple):
-    positions: torch.Tensor  # [B, Hkv, L] int32, ascending, the first `count` valid
+    positions: torch.Tensor  # [B, Hkv, L] int32 in list order, the first `count` valid
     slots: torch.Tensor  # [B, Hkv, L] int32, the slot each miss takes
     count: torch.Tensor  # [B, Hkv] int32
 
@@ -61,7 +61,7 @@ def lookup_rows(
     Args:
         positions: [B, Hkv, L] int32/int64 selection lists (a group selection), distinct positions.
         counts: [B, Hkv] listed positions per row.
-        cache: the layer's RowCache (updated). misses: written (ascending positions, their slots,
+        cache: the layer's RowCache (updated). misses: written (positions in list order, their slots,
             the count). slot_list: [B, Hkv, L] int32, written.
     """
     B, R = counts.shape
@@ -74,7 +74,7 @@ def lookup_rows(
             s = slot_of[p].long()
             hit = (s >= 0) & (owner[s.clamp(min=0)].long() == p)
             used[s[hit]] = step
-            missed = p[~hit].sort().values
+            missed = p[~hit]
             order = (hand + torch.arange(S, device=p.device)) % S
             free = (used[order] < step).nonzero().flatten()
             n = missed.numel()
