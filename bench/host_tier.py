@@ -37,7 +37,7 @@ from pqattn import PQIndex
 from pqattn import reference as ref
 from pqattn.dispatch import PQCodebook
 from pqattn.host import HostCache, mapped_host_empty
-from pqattn.kernels.rows import FETCH_BLOCKS, fetch_rows, lookup_rows
+from pqattn.kernels.rows import FETCH_BLOCK, FETCH_BLOCKS, fetch_rows, lookup_rows
 from pqattn.lab import baselines
 from pqattn.lab.env import environment
 from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
@@ -289,54 +289,51 @@ def part_fetch() -> list[dict]:
     k_new = torch.randn(B, Hkv, 1, D, device="cuda", dtype=torch.bfloat16)
     counts = torch.full((B, Hkv), L, dtype=torch.int32, device="cuda")
     out = []
-    for hit, ordered in ((0.0, False), (0.0, True), (0.5, False), (0.8, False), (0.8, True), (0.95, False)):
-        T = 24
-        lists = _lists(T, L, N - 1, hit, Hkv)
-        if ordered:
-            lists = lists.sort(-1).values
-        for block_rows in FETCH_BLOCKS:
-            cache = ref.new_row_cache(B, Hkv, N, S, torch.device("cuda"))
-            shapes = ((B, Hkv, L), (B, Hkv, L), (B, Hkv))
-            misses = ref.Misses(*(torch.zeros(s, dtype=torch.int32, device="cuda") for s in shapes))
-            slot_list = torch.empty(B, Hkv, L, dtype=torch.int32, device="cuda")
-            timed = []
-            for rep in range(2):
-                for t in range(T):
-                    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                    marks[0].record()
-                    lookup_rows(lists[t], counts, cache, misses, slot_list)
-                    marks[1].record()
-                    fetch_rows(
-                        rows_host, k_new, k_new, lengths, misses, k_slots, v_slots, block_rows=block_rows
-                    )
-                    marks[2].record()
-                    if rep == 1 and t > 0:
-                        timed.append((marks, misses.count.sum()))
-            torch.cuda.synchronize()
-            lookup = statistics.median(a.elapsed_time(b) * 1e3 for (a, b, _), _ in timed)
-            fetch = statistics.median(b.elapsed_time(c) * 1e3 for (_, b, c), _ in timed)
-            missed = statistics.median(int(n) for _, n in timed)
-            copy_us = _pinned_copy_us(missed * ROW_BYTES)
-            out.append(
-                {
-                    "case": f"rows-B1-N512K-L{L}-hit{int(hit * 100)}"
-                    + ("-sorted" if ordered else "")
-                    + f"-R{block_rows}",
-                    "target_hit_rate": hit,
-                    "sorted_lists": ordered,
-                    "block_rows": block_rows,
-                    "hit_rate": 1 - missed / (Hkv * L),
-                    "lookup_us": lookup,
-                    "fetch_us": fetch,
-                    "missed_bytes": missed * ROW_BYTES,
-                    "fetch_gbps": missed * ROW_BYTES / fetch / 1e3,
-                    "pinned_copy_us": copy_us,
-                    "pinned_copy_gbps": missed * ROW_BYTES / copy_us / 1e3,
-                    "note": "kernel figures: lookup_rows + fetch_rows on given lists, eager launches, "
-                    "CUDA events",
-                }
-            )
-            print(out[-1], flush=True)
+    sweep = [(hit, sort, r) for hit in (0.0, 0.8) for sort in (False, True) for r in FETCH_BLOCKS]
+    sweep += [(hit, True, FETCH_BLOCK) for hit in (0.5, 0.95)]
+    T = 24
+    lists = {hit: _lists(T, L, N - 1, hit, Hkv) for hit in (0.0, 0.5, 0.8, 0.95)}
+    for hit, ordered, block_rows in sweep:
+        cache = ref.new_row_cache(B, Hkv, N, S, torch.device("cuda"))
+        shapes = ((B, Hkv, L), (B, Hkv, L), (B, Hkv))
+        misses = ref.Misses(*(torch.zeros(s, dtype=torch.int32, device="cuda") for s in shapes))
+        slot_list = torch.empty(B, Hkv, L, dtype=torch.int32, device="cuda")
+        timed = []
+        for rep in range(2):
+            for t in range(T):
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                marks[0].record()
+                lookup_rows(lists[hit][t], counts, cache, misses, slot_list, sort=ordered)
+                marks[1].record()
+                fetch_rows(rows_host, k_new, k_new, lengths, misses, k_slots, v_slots, block_rows=block_rows)
+                marks[2].record()
+                if rep == 1 and t > 0:
+                    timed.append((marks, misses.count.sum()))
+        torch.cuda.synchronize()
+        lookup = statistics.median(a.elapsed_time(b) * 1e3 for (a, b, _), _ in timed)
+        fetch = statistics.median(b.elapsed_time(c) * 1e3 for (_, b, c), _ in timed)
+        missed = statistics.median(int(n) for _, n in timed)
+        copy_us = _pinned_copy_us(missed * ROW_BYTES)
+        out.append(
+            {
+                "case": f"rows-B1-N512K-L{L}-hit{int(hit * 100)}"
+                + ("-sorted" if ordered else "")
+                + f"-R{block_rows}",
+                "target_hit_rate": hit,
+                "sorted_misses": ordered,
+                "block_rows": block_rows,
+                "hit_rate": 1 - missed / (Hkv * L),
+                "lookup_us": lookup,
+                "fetch_us": fetch,
+                "missed_bytes": missed * ROW_BYTES,
+                "fetch_gbps": missed * ROW_BYTES / fetch / 1e3,
+                "pinned_copy_us": copy_us,
+                "pinned_copy_gbps": missed * ROW_BYTES / copy_us / 1e3,
+                "note": "kernel figures: lookup_rows + fetch_rows on given lists, eager launches, "
+                "CUDA events",
+            }
+        )
+        print(out[-1], flush=True)
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 
 from pqattn import reference as ref
 from pqattn.host import mapped_host_empty
-from pqattn.kernels.rows import BLOCK, FETCH_BLOCKS, fetch_rows, lookup_rows
+from pqattn.kernels.rows import FETCH_BLOCKS, fetch_rows, lookup_block, lookup_rows
 
 
 def _copy(state):
@@ -40,13 +40,22 @@ def _lists(
 
 
 @pytest.mark.parametrize(
-    "L,S,block_rows", [(24, 40, FETCH_BLOCKS[0]), *((BLOCK + 300, 2 * BLOCK + 200, b) for b in FETCH_BLOCKS)]
+    "L,S,block,sort,block_rows",
+    [
+        (24, 40, None, True, FETCH_BLOCKS[0]),
+        (300, 500, 128, False, FETCH_BLOCKS[0]),
+        *((300, 500, 128, True, b) for b in FETCH_BLOCKS),
+    ],
 )
-def test_row_cache_steps_match_the_reference(L: int, S: int, block_rows: int, device: torch.device) -> None:
+def test_row_cache_steps_match_the_reference(
+    L: int, S: int, block: int | None, sort: bool, block_rows: int, device: torch.device
+) -> None:
     """Steps of lookup + fetch over lists that share part of their rows with the previous step's,
-    with ragged counts and the newest position listed, lists and slot scans longer than a block,
-    each fetch block size: the kernels' state, misses, slot lists, slots and host rows equal the
-    reference's, and every listed row sits in its slot."""
+    with ragged counts and the newest position listed; lists and slot scans in one block and in
+    several, misses sorted or in list order, each fetch block size: the kernels' state, misses,
+    slot lists, slots and host rows equal the reference's, and every listed row sits in its
+    slot."""
+    sort_block = (lookup_block(L) if block is None else block) if sort else None
     B, R, N, D = 2, 3, 4 * L + 64, 16
     rows = torch.randn(B, R, N, 2, D)
     cache = ref.new_row_cache(B, R, N, S, device)
@@ -75,9 +84,9 @@ def test_row_cache_steps_match_the_reference(L: int, S: int, block_rows: int, de
         got_list = torch.full((B, R, L), -9, dtype=torch.int32, device=device)
         want_list = got_list.clone()
         want_m, want_list = _cpu(want_m), want_list.cpu().clone()
-        ref.lookup_rows(pos.cpu(), counts.cpu(), want[0], want_m, want_list)
+        ref.lookup_rows(pos.cpu(), counts.cpu(), want[0], want_m, want_list, sort_block=sort_block)
         ref.fetch_rows(want[1], k_new.cpu(), v_new.cpu(), lengths.cpu(), want_m, want[2], want[3])
-        lookup_rows(pos, counts, cache, got_m, got_list)
+        lookup_rows(pos, counts, cache, got_m, got_list, sort=sort, block=block)
         fetch_rows(host, k_new, v_new, lengths, got_m, k_slots, v_slots, block_rows=block_rows)
         for name, g, w in zip(ref.RowCache._fields, cache, want[0], strict=True):
             assert torch.equal(g.cpu(), w), (step, name)

@@ -677,7 +677,7 @@ class _HostLayer(StaticLayer):
         self.filled += T
         if start == 0:
             return key_states, value_states
-        past = self.rows[:, :, :start].to(self.device, non_blocking=True)
+        past = self.rows[:, :, :start].to(self.device)
         return torch.cat((past[..., 0, :], key_states), 2), torch.cat((past[..., 1, :], value_states), 2)
 
 

@@ -1,10 +1,12 @@
 """The host tier's row cache on the GPU (SPEC §10; reference: `pqattn.reference.rows`).
 
 Two launches per decode step of a layer:
-  * `lookup_rows`: one program per (sequence, KV head) walks its selection list in blocks of
-    BLOCK: hits stamp their slots, the misses are compacted in list order, the victims are the next
-    unstamped slots from the row's hand, then the maps are rewritten and the list of slots
-    written. Barriers order a program's own global writes before its later reads.
+  * `lookup_rows`: one program per (sequence, KV head) reads its selection list in one block (up
+    to MAX_BLOCK entries; more in several): hits stamp their slots, the misses are sorted by
+    position, the victims are the next unstamped slots from the row's hand, then the maps are
+    rewritten and the list of slots written. Each pass is one dependent chain of a few global
+    reads for the whole list, so a step costs a few memory latencies. Barriers order a
+    program's own global writes before its later reads.
   * `fetch_rows`: a grid over (row, block of misses) reads each missed row straight from host
     memory (page-locked and mapped: the kernel's loads cross PCIe, a position's key and value as
     one 2 x D read) into its slot; the step's new key and value come from the GPU, and the first
@@ -19,7 +21,9 @@ import triton.language as tl
 
 from pqattn.runtime.launch import Launcher
 
-BLOCK = 1024  # list entries or slots a step of the lookup reads
+MAX_BLOCK = 8192  # list entries or slots a step of the lookup reads at most (a whole list, usually)
+# Whether the lookup sorts the misses (the fetch then reads host memory in ascending address order).
+SORT_MISSES = True
 # Missed rows a fetch program copies: the space the tests run, and the one launched (docs/kernels/host.md).
 FETCH_BLOCKS = (16, 32, 64)
 FETCH_BLOCK = 32
@@ -48,10 +52,12 @@ def _lookup_kernel(
     S,
     N,
     BLOCK: tl.constexpr,
+    SORT: tl.constexpr,
 ):
     """Program row = b * R + r: one step of the row cache for list positions[b, r, :counts[b, r]]
-    (reference.rows.lookup_rows), in blocks of BLOCK list entries or slots. The row cache's
-    buffers are contiguous; barriers order the program's own writes before its later reads."""
+    (reference.rows.lookup_rows), in blocks of BLOCK list entries or slots; with SORT each
+    block's misses in ascending position order. The row cache's buffers are contiguous; barriers
+    order the program's own writes before its later reads."""
     row = tl.program_id(0)
     b = row // R
     r = row % R
@@ -78,9 +84,13 @@ def _lookup_kernel(
         hit = live & (s >= 0) & (o == p)
         tl.store(used_row + s, step, mask=hit)
         miss = live & ~hit
-        rank = n_miss + tl.cumsum(miss.to(tl.int32), axis=0) - 1
-        tl.store(miss_row + rank, p, mask=miss)
-        n_miss += tl.sum(miss.to(tl.int32), axis=0)
+        n_block = tl.sum(miss.to(tl.int32), axis=0)
+        if SORT:
+            tl.store(miss_row + n_miss + lane, tl.sort(tl.where(miss, p, 2147483647)), mask=lane < n_block)
+        else:
+            rank = n_miss + tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            tl.store(miss_row + rank, p, mask=miss)
+        n_miss += n_block
     tl.debug_barrier()
 
     # 3. victims: the first n_miss slots, circularly from the hand, that this step has not stamped
@@ -186,6 +196,11 @@ def _fetch_kernel(
     tl.store(v_slot_ptr + dst - D, kv, mask=live[:, None] & ~is_key[None, :])
 
 
+def lookup_block(L: int) -> int:
+    """The list entries a lookup step reads: the whole list up to MAX_BLOCK."""
+    return min(MAX_BLOCK, triton.next_power_of_2(max(L, 128)))
+
+
 _lookup_launch = Launcher(_lookup_kernel)
 _fetch_launch = Launcher(_fetch_kernel)
 
@@ -196,18 +211,24 @@ def lookup_rows(
     cache: tuple[torch.Tensor, ...],
     misses: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slot_list: torch.Tensor,
+    *,
+    sort: bool = SORT_MISSES,
+    block: int | None = None,
 ) -> None:
     """The row cache's step for lists positions [B, R, L] / counts [B, R] (int32/int64): cache is
     reference.rows.RowCache's (slot_of, owner, last_used, clock, stats), misses its Misses, both
-    and slot_list [B, R, L] int32 contiguous."""
+    and slot_list [B, R, L] int32 contiguous. sort: misses in ascending position order within
+    each block of list entries rather than in list order; block: a power of two, default
+    `lookup_block(L)`."""
     B, R, L = positions.shape
     slot_of, owner, used, clock, stats = cache
     N, S = slot_of.shape[-1], owner.shape[-1]
+    block = lookup_block(L) if block is None else block
     _lookup_launch(
         (B * R,),
         (positions, counts, slot_of, owner, used, clock, stats, *misses, slot_list),
         (*positions.stride(), *counts.stride(), R, L, S, N),
-        dict(BLOCK=BLOCK, num_warps=4),
+        dict(BLOCK=block, SORT=sort, num_warps=max(4, min(16, block // 256))),
     )
 
 

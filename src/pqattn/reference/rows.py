@@ -10,7 +10,8 @@ State of one layer, per row r = (b, KV head), over a token axis of N positions a
 
 A step of row r with selection list P (its first `count` positions, distinct):
   1. hits: p with owner[slot_of[p]] == p; their slots are stamped last_used = step;
-  2. misses: the others, in list order;
+  2. misses: the others, in list order, or (the kernel's way) ascending within each block of
+     `sort_block` list entries, so that the fetch reads host memory in ascending address order;
   3. victims: the first len(misses) slots not stamped in this step, in circular order from the hand
      (CLOCK with this step's selection as the reference bit: a listed row is never evicted, so sink
      and window rows, listed every step, stay); the hand moves past the last victim;
@@ -54,7 +55,13 @@ def new_row_cache(batch: int, kv_heads: int, n_tokens: int, slots: int, device: 
 
 
 def lookup_rows(
-    positions: torch.Tensor, counts: torch.Tensor, cache: RowCache, misses: Misses, slot_list: torch.Tensor
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    cache: RowCache,
+    misses: Misses,
+    slot_list: torch.Tensor,
+    *,
+    sort_block: int | None = None,
 ) -> None:
     """One step of the row cache (the module's rules 1-5), in place.
 
@@ -62,7 +69,8 @@ def lookup_rows(
         positions: [B, Hkv, L] int32/int64 selection lists (a group selection), distinct positions.
         counts: [B, Hkv] listed positions per row.
         cache: the layer's RowCache (updated). misses: written (positions in list order, their slots,
-            the count). slot_list: [B, Hkv, L] int32, written.
+            the count). slot_list: [B, Hkv, L] int32, written. sort_block: None (misses in list
+            order) or the list entries within which the misses are sorted.
     """
     B, R = counts.shape
     S = cache.owner.shape[-1]
@@ -75,6 +83,9 @@ def lookup_rows(
             hit = (s >= 0) & (owner[s.clamp(min=0)].long() == p)
             used[s[hit]] = step
             missed = p[~hit]
+            if sort_block is not None:
+                block = torch.arange(p.numel(), device=p.device)[~hit] // sort_block
+                missed = missed[torch.argsort(block * (1 << 32) + missed, stable=True)]
             order = (hand + torch.arange(S, device=p.device)) % S
             free = (used[order] < step).nonzero().flatten()
             n = missed.numel()
