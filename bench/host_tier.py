@@ -37,6 +37,7 @@ from pqattn import PQIndex
 from pqattn import reference as ref
 from pqattn.dispatch import PQCodebook
 from pqattn.host import HostCache, mapped_host_empty
+from pqattn.kernels import rows as rows_kernels
 from pqattn.kernels.rows import FETCH_BLOCK, FETCH_BLOCKS, fetch_rows, lookup_rows
 from pqattn.lab import baselines
 from pqattn.lab.env import environment
@@ -196,9 +197,27 @@ def _fill_directly(model, decoder, tokens: int) -> None:
     decoder.position.fill_(tokens)
 
 
-def part_large(steps: int, shapes: list[tuple[int, int]]) -> list[dict]:
+def _profile(decoder, steps: int = 3) -> list[dict]:
+    """GPU time per decode step by kernel (the replayed graph's kernels), the top 12 and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    rows = [
+        {"kernel": e.key[:80], "us_per_step": e.device_time_total / steps, "calls": e.count} for e in kernels
+    ]
+    rest = sum(r["us_per_step"] for r in rows[12:])
+    return [*rows[:12], {"kernel": "(the rest)", "us_per_step": rest, "calls": 0}]
+
+
+def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool]) -> list[dict]:
     rows = []
-    for B, context in shapes:
+    for (B, context), sort in ((shape, sort) for shape in shapes for sort in sorts):
+        rows_kernels.SORT_MISSES = sort
         model = _model(32, context + 512)
         pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host"))
         ids = torch.randint(0, 32000, (B, PROMPT), device="cuda")
@@ -237,9 +256,13 @@ def part_large(steps: int, shapes: list[tuple[int, int]]) -> list[dict]:
                 "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory,
                 "setup_s": setup_s,
                 "fill_s": fill_s,
+                "sorted_misses": sort,
+                "profile": _profile(decoder),
             }
         )
-        print(rows[-1], flush=True)
+        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
+        for k in rows[-1]["profile"]:
+            print(f"   {k['us_per_step']:9.1f} us  {k['calls']:5d}  {k['kernel']}", flush=True)
         del decoder, model, states
         _free()
     return rows
@@ -392,6 +415,9 @@ def main() -> None:
     parser.add_argument("--parts", default="fit,fetch,text", help="comma-separated: fit, large, fetch, text")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per loop")
     parser.add_argument("--large", default="1x524288,4x131072", help="the large part's shapes, BxTOKENS")
+    parser.add_argument(
+        "--sorts", default="1", help="the large part's lookups: 1 sorts misses, 0 not, 0,1 both"
+    )
     parser.add_argument("--model", default="models/byte-llama-13m", help="the text part's trained model")
     parser.add_argument("--json", required=True, help="where to write the results")
     args = parser.parse_args()
@@ -406,7 +432,7 @@ def main() -> None:
             doc["parts"]["fit"] = part_fit(args.steps)
         elif part == "large":
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.large.split(",")]
-            doc["parts"]["large"] = part_large(args.steps, shapes)
+            doc["parts"]["large"] = part_large(args.steps, shapes, [s == "1" for s in args.sorts.split(",")])
         elif part == "fetch":
             doc["parts"]["fetch"] = part_fetch()
         elif part == "text":

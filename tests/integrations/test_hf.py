@@ -492,7 +492,9 @@ def test_host_tier_generates_the_tokens_of_the_gpu_cache(kind: str, device: torc
         pq_hf.disable(model)
     assert torch.equal(tokens["host"], tokens["gpu"])
     for state in states["host"]:
-        assert state.sparse_steps == new - 1
+        # every decode call is sparse (a captured loop calls the layer twice: eager, capture)
+        assert state.sparse_steps == (2 if device.type == "cuda" else new - 1)
+        assert state.host.row_cache.stats[..., 0].sum() > 0
         assert 0.0 < state.host.hit_rate() < 1.0
     rows = states["host"][0].host.rows
     assert bool(rows[:, :, :P].abs().sum(-1).gt(0).all()), "the prompt's keys and values are in the host rows"

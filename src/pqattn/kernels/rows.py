@@ -212,18 +212,19 @@ def lookup_rows(
     misses: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slot_list: torch.Tensor,
     *,
-    sort: bool = SORT_MISSES,
+    sort: bool | None = None,
     block: int | None = None,
 ) -> None:
     """The row cache's step for lists positions [B, R, L] / counts [B, R] (int32/int64): cache is
     reference.rows.RowCache's (slot_of, owner, last_used, clock, stats), misses its Misses, both
     and slot_list [B, R, L] int32 contiguous. sort: misses in ascending position order within
-    each block of list entries rather than in list order; block: a power of two, default
-    `lookup_block(L)`."""
+    each block of list entries rather than in list order (default SORT_MISSES); block: a power
+    of two, default `lookup_block(L)`."""
     B, R, L = positions.shape
     slot_of, owner, used, clock, stats = cache
     N, S = slot_of.shape[-1], owner.shape[-1]
     block = lookup_block(L) if block is None else block
+    sort = SORT_MISSES if sort is None else sort
     _lookup_launch(
         (B * R,),
         (positions, counts, slot_of, owner, used, clock, stats, *misses, slot_list),
