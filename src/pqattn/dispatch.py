@@ -486,7 +486,7 @@ def row_lookup(
 ) -> None:
     """The host tier's row-cache step (SPEC §10): pqattn.kernels.rows.lookup_rows, or the reference."""
     if not kernel:
-        ref.lookup_rows(positions, counts, cache, misses, slot_list, sort_block=positions.shape[-1])
+        ref.lookup_rows(positions, counts, cache, misses, slot_list)
         return
     from pqattn.kernels.rows import lookup_rows
 

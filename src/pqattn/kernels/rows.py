@@ -2,8 +2,8 @@
 
 Two launches per decode step of a layer:
   * `lookup_rows`: one program per (sequence, KV head) reads its selection list in one block (up
-    to MAX_BLOCK entries; more in several): hits stamp their slots, the misses are sorted by
-    position, the victims are the next unstamped slots from the row's hand, then the maps are
+    to MAX_BLOCK entries; more in several): hits stamp their slots, the misses are compacted in
+    list order (or sorted), the victims are the next unstamped slots from the row's hand, then the maps are
     rewritten and the list of slots written. Each pass is one dependent chain of a few global
     reads for the whole list, so a step costs a few memory latencies. Barriers order a
     program's own global writes before its later reads.
@@ -22,8 +22,10 @@ import triton.language as tl
 from pqattn.runtime.launch import Launcher
 
 MAX_BLOCK = 8192  # list entries or slots a step of the lookup reads at most (a whole list, usually)
-# Whether the lookup sorts the misses (the fetch then reads host memory in ascending address order).
-SORT_MISSES = True
+# Whether the lookup sorts the misses (the fetch then reads host memory in ascending address order):
+# off, since the selection's lists come out nearly ascending and the sort costs more than it saves
+# (docs/kernels/host.md).
+SORT_MISSES = False
 # Missed rows a fetch program copies: the space the tests run, and the one launched (docs/kernels/host.md).
 FETCH_BLOCKS = (16, 32, 64)
 FETCH_BLOCK = 32
