@@ -278,6 +278,97 @@ def _fidelity_section(name: str, doc: dict) -> list[str]:
     return lines
 
 
+HOST_TIER_SCHEMA = "host-tier/1"  # bench/host_tier.py
+
+
+def _gb(x: float) -> str:
+    return _fmt(x / 1e9)
+
+
+def _host_tier_section(name: str, doc: dict) -> list[str]:
+    """bench/host_tier.py's parts: the model loops, the row cache's kernels, the trained model."""
+    parts = doc["parts"]
+    out = [f"### Host tier ({name})", "", _env_line(doc["environment"]), ""]
+    if "fit" in parts:
+        out += [
+            "Where both fit (8 layers, B1): the loop with the cache in host memory, on the GPU "
+            "(sparse) and dense split-K; `tokens` counts the greedy tokens before the first "
+            "difference (host: against the GPU cache; GPU: against a second GPU run).",
+            "",
+            "| case | placement | ms/token | prefill s | hit rate | PCIe MB/token | host GB | GPU peak GB "
+            "| tokens |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in parts["fit"]:
+            same = r.get("tokens_equal_to_gpu") or r.get("tokens_equal_to_a_second_run") or ""
+            host = "hit_rate" in r
+            pcie = _fmt(r["pcie_bytes_per_token"] / 1e6) if host else ""
+            host_gb = _gb(r["host_bytes"]) if host else ""
+            out.append(
+                f"| {r['case']} | {r['placement']} | {_fmt(r['ms_per_token'])} | {_fmt(r['prefill_s'])} "
+                f"| {_fmt3(r.get('hit_rate'))} | {pcie} | {host_gb} | {_gb(r['gpu_peak_bytes'])} | {same} |"
+            )
+        out.append("")
+    if "large" in parts:
+        out += [
+            "Where dense decoding does not fit one GPU (32 layers; caches filled directly): the "
+            "loop with the cache in host memory, and its fetch kernel's share of the step.",
+            "",
+            "| case | sorted misses | ms/token | tokens/s | hit rate | PCIe MB/token | fetch ms | fetch GB/s "
+            "| host GB | GPU peak GB | dense KV + weights GB | GPU GB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in parts["large"]:
+            fetch = next(k["us_per_step"] for k in r["profile"] if k["kernel"] == "_fetch_kernel")
+            out.append(
+                f"| {r['case']} | {r['sorted_misses']} | {_fmt(r['ms_per_token'])} "
+                f"| {_fmt(r['tokens_per_s'])} "
+                f"| {_fmt3(r['hit_rate'])} | {_fmt(r['pcie_bytes_per_token'] / 1e6)} | {_fmt(fetch / 1e3)} "
+                f"| {_fmt(r['pcie_bytes_per_token'] / fetch / 1e3)} | {_gb(r['host_bytes'])} "
+                f"| {_gb(r['gpu_peak_bytes'])} | {_gb(r['dense_kv_bytes'] + r['weights_bytes'])} "
+                f"| {_gb(r['gpu_total_bytes'])} |"
+            )
+        out.append("")
+        for r in parts["large"]:
+            top = ", ".join(f"{k['kernel'][:28]} {_fmt(k['us_per_step'] / 1e3)}" for k in r["profile"][:6])
+            out.append(f"- {r['case']} (sorted misses: {r['sorted_misses']}), ms per step by kernel: {top}")
+        out.append("")
+    if "fetch" in parts:
+        out += [
+            "The row cache's kernels on given lists (kernel figures: B1, 8 KV heads, 512K tokens, "
+            "lists of 4352 rows), beside a pinned contiguous copy of the same bytes.",
+            "",
+            "| case | hit rate | sorted | rows/program | lookup us | fetch us | MB | fetch GB/s "
+            "| copy GB/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in parts["fetch"]:
+            out.append(
+                f"| {r['case']} | {_fmt3(r['hit_rate'])} | {r['sorted_misses']} | {r['block_rows']} "
+                f"| {_fmt(r['lookup_us'])} | {_fmt(r['fetch_us'])} | {_fmt(r['missed_bytes'] / 1e6)} "
+                f"| {_fmt(r['fetch_gbps'])} | {_fmt(r['pinned_copy_gbps'])} |"
+            )
+        out.append("")
+    if "text" in parts:
+        out += [
+            "The trained model on held-out text: the row cache's hit rate (slots = the list width: "
+            "the rows listed at step t and at t - 1) and the greedy tokens against the GPU cache.",
+            "",
+            "| case | run | slots | hit rate | per layer | tokens equal |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in parts["text"]:
+            if "hit_rate" not in r:
+                continue
+            layers = " ".join(_fmt3(x) for x in r["hit_rate_per_layer"])
+            out.append(
+                f"| {r['case']} | {r['run']} | {r['slots'] or 'default'} | {_fmt3(r['hit_rate'])} | {layers} "
+                f"| {r['tokens_equal_to_gpu']}/{r['tokens']} |"
+            )
+        out.append("")
+    return out
+
+
 def _fmt3(x: float | None) -> str:
     return "" if x is None else f"{x:.3f}"
 
@@ -304,6 +395,8 @@ def render(results_dir: str | Path, readme_dir: str | Path | None = None) -> str
             out += _tasks_section(path.name, doc)
         elif "quality" in doc and "steps" in doc:
             out += _fidelity_section(path.name, doc)
+        elif doc.get("schema") == HOST_TIER_SCHEMA:
+            out += _host_tier_section(path.name, doc)
         elif "times" in doc and "rows" in doc:
             out += _pareto_section(path.name, doc)
             if readme_dir is not None:
