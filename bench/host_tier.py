@@ -12,6 +12,8 @@ Parts (one JSON, each part a key):
   fetch: kernel figures of one layer (B1, 8 KV heads, 512K tokens, D 128, bf16): the row lookup
          and the fetch at set hit rates, GB/s of the missed rows, beside a pinned contiguous
          host-to-device copy of the same bytes.
+  span:  the fetch's GB/s against the span of host memory it reads (random lists), and with the
+         rows from cudaHostAlloc instead of registered.
   text:  the project's trained model on held-out Python files (B4, 16K-byte prompts, 256 greedy
          tokens): the row cache's hit rate with the default slots and with slots = the list width
          (then a hit is a row listed at step t and at step t - 1), tokens against the GPU cache.
@@ -360,6 +362,61 @@ def part_fetch() -> list[dict]:
     return out
 
 
+def part_span() -> list[dict]:
+    """The fetch's rate against the span of host memory it reads (random lists, no sort): B1 over
+    128K and 512K tokens, B4 over 128K; rows registered (the tier's way) and from cudaHostAlloc."""
+    D, L, Hkv = 128, 4352, 8
+    makers = {
+        "registered": lambda shape: mapped_host_empty(shape, torch.bfloat16, torch.device("cuda")),
+        "cudaHostAlloc": lambda shape: torch.empty(shape, dtype=torch.bfloat16, pin_memory=True),
+    }
+    out = []
+    for alloc, B, N in (
+        ("registered", 1, 1 << 17),
+        ("registered", 1, 1 << 19),
+        ("registered", 4, 1 << 17),
+        ("cudaHostAlloc", 1, 1 << 19),
+    ):
+        rows = makers[alloc]((B, Hkv, N, 2, D))
+        rows.view(torch.int16).random_()
+        counts = torch.full((B, Hkv), L, dtype=torch.int32, device="cuda")
+        k_new = torch.randn(B, Hkv, 1, D, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.full((B,), N, device="cuda")
+        for hit in (0.0, 0.8):
+            lists = torch.cat([_lists(24, L, N - 1, hit, Hkv) for _ in range(B)], 1)
+            k_slots = torch.zeros(B, Hkv, 2 * L, D, dtype=torch.bfloat16, device="cuda")
+            v_slots = torch.zeros_like(k_slots)
+            cache = ref.new_row_cache(B, Hkv, N, 2 * L, torch.device("cuda"))
+            shapes = ((B, Hkv, L), (B, Hkv, L), (B, Hkv))
+            misses = ref.Misses(*(torch.zeros(s, dtype=torch.int32, device="cuda") for s in shapes))
+            slot_list = torch.empty(B, Hkv, L, dtype=torch.int32, device="cuda")
+            timed = []
+            for rep in range(2):
+                for t in range(24):
+                    lookup_rows(lists[t], counts, cache, misses, slot_list, sort=False)
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fetch_rows(rows, k_new, k_new, lengths, misses, k_slots, v_slots)
+                    b.record()
+                    if rep and t:
+                        timed.append((a, b, misses.count.sum()))
+            torch.cuda.synchronize()
+            us = statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in timed)
+            missed = statistics.median(int(c) for _, _, c in timed)
+            out.append(
+                {
+                    "case": f"span-{alloc}-B{B}-N{N // 1024}K-hit{int(hit * 100)}",
+                    "span_bytes": rows.numel() * rows.element_size(),
+                    "fetch_us": us,
+                    "missed_bytes": missed * ROW_BYTES,
+                    "fetch_gbps": missed * ROW_BYTES / us / 1e3,
+                }
+            )
+            print(out[-1], flush=True)
+        del rows
+    return out
+
+
 def part_text(model_path: str) -> list[dict]:
     from pqattn.lab.corpus import documents, find_corpus
     from pqattn.lab.tasks import load_model
@@ -412,7 +469,9 @@ def part_text(model_path: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="fit,fetch,text", help="comma-separated: fit, large, fetch, text")
+    parser.add_argument(
+        "--parts", default="fit,fetch,text", help="comma-separated: fit, large, fetch, span, text"
+    )
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per loop")
     parser.add_argument("--large", default="1x524288,4x131072", help="the large part's shapes, BxTOKENS")
     parser.add_argument(
@@ -435,10 +494,12 @@ def main() -> None:
             doc["parts"]["large"] = part_large(args.steps, shapes, [s == "1" for s in args.sorts.split(",")])
         elif part == "fetch":
             doc["parts"]["fetch"] = part_fetch()
+        elif part == "span":
+            doc["parts"]["span"] = part_span()
         elif part == "text":
             doc["parts"]["text"] = part_text(args.model)
         else:
-            raise SystemExit(f"--parts: expected some of fit, large, fetch, text; got {part!r}")
+            raise SystemExit(f"--parts: expected some of fit, large, fetch, span, text; got {part!r}")
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     for part, rows in doc["parts"].items():

@@ -349,6 +349,20 @@ def _host_tier_section(name: str, doc: dict) -> list[str]:
                 f"| {_fmt(r['fetch_gbps'])} | {_fmt(r['pinned_copy_gbps'])} |"
             )
         out.append("")
+    if "span" in parts:
+        out += [
+            "The fetch against the span of host memory it reads (kernel figures: random lists of 4352 "
+            "rows per KV head, no sort).",
+            "",
+            "| case | span GB | fetch us | MB | fetch GB/s |",
+            "|---|---|---|---|---|",
+        ]
+        for r in parts["span"]:
+            out.append(
+                f"| {r['case']} | {_gb(r['span_bytes'])} | {_fmt(r['fetch_us'])} "
+                f"| {_fmt(r['missed_bytes'] / 1e6)} | {_fmt(r['fetch_gbps'])} |"
+            )
+        out.append("")
     if "text" in parts:
         out += [
             "The trained model on held-out text: the row cache's hit rate (slots = the list width: "
