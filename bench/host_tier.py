@@ -173,7 +173,8 @@ def _fill_directly(model, decoder, tokens: int) -> None:
     """Give every layer an index of `tokens` random codes (the prefill's centroids) and host rows
     of random keys and values at those positions, and move the loop to position `tokens`."""
     gen = torch.Generator("cuda").manual_seed(2)
-    chunk = torch.randn(1 << 16, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    pairs = torch.randn(1 << 16, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    chunk = None  # the rows of `pairs` in the tier's layout
     for state in _states(model):
         old = state.index
         B, Hkv, M = old.batch, old.kv_heads, old.config.subvectors
@@ -184,6 +185,8 @@ def _fill_directly(model, decoder, tokens: int) -> None:
             PQCodebook(old.centroids, codes, old.phi), [tokens] * B, capacity=old.capacity, config=old.config
         )
         rows = state.host_layer.rows
+        if chunk is None:
+            chunk = ref.encode_rows(pairs[:, 0], pairs[:, 1], rows.dtype)
         for b in range(B):
             for h in range(Hkv):
                 for start in range(0, tokens, chunk.shape[0]):
@@ -216,12 +219,12 @@ def _profile(decoder, steps: int = 3) -> list[dict]:
     return [*rows[:12], {"kernel": "(the rest)", "us_per_step": rest, "calls": 0}]
 
 
-def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool]) -> list[dict]:
+def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int8: bool) -> list[dict]:
     rows = []
     for (B, context), sort in ((shape, sort) for shape in shapes for sort in sorts):
         rows_kernels.SORT_MISSES = sort
         model = _model(32, context + 512)
-        pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host"))
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host", host_int8=int8))
         ids = torch.randint(0, 32000, (B, PROMPT), device="cuda")
         t0 = time.perf_counter()
         decoder = pq_hf.StaticDecoder(model, ids, context - PROMPT + steps + 16)
@@ -236,11 +239,12 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool]) -> 
         after = _row_stats(model)
         misses, lookups = after[1] - before[1], after[0] - before[0]
         ms = statistics.median(times)
+        row_bytes = 2 * 128 + 8 if int8 else ROW_BYTES
         states = _states(model)
         kv_dense = B * 32 * 8 * context * ROW_BYTES
         rows.append(
             {
-                "case": f"llama32L-B{B}-{context // 1024}K",
+                "case": f"llama32L-B{B}-{context // 1024}K" + ("-int8" if int8 else ""),
                 "B": B,
                 "context": context,
                 "layers": 32,
@@ -249,7 +253,7 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool]) -> 
                 "ms_iqr": _iqr(times),
                 "tokens_per_s": B * 1000 / ms,
                 "hit_rate": 1 - misses / lookups,
-                "pcie_bytes_per_token": (misses / steps + B * 32 * 8) * ROW_BYTES,
+                "pcie_bytes_per_token": (misses / steps + B * 32 * 8) * row_bytes,
                 "host_bytes": sum(s.host.footprint.host for s in states),
                 "tier_gpu_bytes": sum(s.host.footprint.gpu for s in states),
                 "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
@@ -259,6 +263,7 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool]) -> 
                 "setup_s": setup_s,
                 "fill_s": fill_s,
                 "sorted_misses": sort,
+                "int8": int8,
                 "profile": _profile(decoder),
             }
         )
@@ -477,6 +482,7 @@ def main() -> None:
     parser.add_argument(
         "--sorts", default="1", help="the large part's lookups: 1 sorts misses, 0 not, 0,1 both"
     )
+    parser.add_argument("--int8", action="store_true", help="the large part with 8-bit host rows")
     parser.add_argument("--model", default="models/byte-llama-13m", help="the text part's trained model")
     parser.add_argument("--json", required=True, help="where to write the results")
     args = parser.parse_args()
@@ -491,7 +497,8 @@ def main() -> None:
             doc["parts"]["fit"] = part_fit(args.steps)
         elif part == "large":
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.large.split(",")]
-            doc["parts"]["large"] = part_large(args.steps, shapes, [s == "1" for s in args.sorts.split(",")])
+            sorts = [s == "1" for s in args.sorts.split(",")]
+            doc["parts"]["large"] = part_large(args.steps, shapes, sorts, args.int8)
         elif part == "fetch":
             doc["parts"]["fetch"] = part_fetch()
         elif part == "span":

@@ -8,11 +8,12 @@ import torch
 
 import pqattn
 from pqattn import host
+from pqattn import reference as ref
 from pqattn.host import HostCache
 from tests.helpers import rows_as_sets
 
 
-def _pair(device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.float32):
+def _pair(device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.float32, int8=False):
     """A HostCache and an on-GPU PQIndex with its caches, over the same ragged prompts (one
     deterministic build each)."""
     N = 160 if device.type == "cpu" else 2000
@@ -28,6 +29,7 @@ def _pair(device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.flo
         capacity=N + steps,
         config=config,
         slots=slots,
+        int8=int8,
     )
     index = pqattn.PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config)
     return cache, index, keys.clone(), values.clone(), lengths
@@ -61,6 +63,35 @@ def test_host_tier_decodes_as_the_gpu_cache_does(routes: str, device: torch.devi
             assert torch.equal(cache.rows[b, :, n + t, 0], k_new[b, :, 0].cpu())
             assert torch.equal(cache.rows[b, :, n + t, 1], v_new[b, :, 0].cpu())
     assert 0.0 < cache.hit_rate() < 1.0
+
+
+@pytest.mark.parametrize("routes", ["reference", "kernels"])
+def test_the_8_bit_host_tier_attends_over_the_dequantized_rows(
+    routes: str, device: torch.device, request
+) -> None:
+    """int8 rows: each step's output is the on-GPU attention, over the same lists, of the caches
+    as they come back from 8 bits (the new rows too), and close to the unquantized output."""
+    if routes == "kernels":
+        request.getfixturevalue("kernel_routes")
+    elif device.type == "cuda":
+        pytest.skip("the host tier takes its kernels on CUDA")
+    B, H, Hkv, D, steps = 2, 8, 2, 32, 4
+    cache, index, k_cache, v_cache, _ = _pair(device, steps=steps, int8=True)
+    assert cache.rows.dtype == torch.uint8 and cache.rows.shape[-1] == 2 * D + 8
+    deq = [ref.decode_rows(ref.encode_rows(k_cache, v_cache, torch.uint8), D)[i].clone() for i in (0, 1)]
+    for _ in range(steps):
+        q = torch.randn(B, H, D, device=device)
+        k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
+        got = cache.decode_step(q, k_new, v_new).clone()
+        exact = index.decode_step(q, k_new, v_new, k_cache, v_cache).clone()
+        new = ref.decode_rows(ref.encode_rows(k_new, v_new, torch.uint8), D)
+        at = (index.lengths - 1).view(B, 1, 1, 1).long().expand(B, Hkv, 1, D)
+        for plane, row in zip(deq, new, strict=True):
+            plane.scatter_(2, at, row)
+        mine = cache.selection
+        want = index.attend(q, *deq, pqattn.Selection(mine.positions.clone(), mine.counts.clone()))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert (got - exact).norm() < 0.03 * exact.norm()
 
 
 def test_host_tier_in_a_cuda_graph(device: torch.device) -> None:

@@ -46,6 +46,7 @@ def footprint(
     capacity: int,
     dtype: torch.dtype,
     slots: int | None = None,
+    int8: bool = False,
 ) -> Footprint:
     """The host and GPU bytes of one layer's HostCache (the index's codes and centroids, the row
     cache's slots and maps, its lists), computed before anything is allocated."""
@@ -57,7 +58,16 @@ def footprint(
     S = ROW_CACHE_LISTS * L if slots is None else slots
     index = rows * (capacity * M + M * C * dsub * 4)
     cache = rows * (capacity * 4 + S * (2 * head_dim * esize + 8) + L * 16)
-    return Footprint(host=rows * capacity * 2 * head_dim * esize, gpu=index + cache)
+    row_bytes = 2 * head_dim + 8 if int8 else 2 * head_dim * esize
+    return Footprint(host=rows * capacity * row_bytes, gpu=index + cache)
+
+
+def host_rows_shape(batch: int, kv_heads: int, capacity: int, head_dim: int, int8: bool) -> tuple[int, ...]:
+    """The host rows' shape: [B, Hkv, capacity, 2, D], or [B, Hkv, capacity, 2 * D + 8] uint8 for
+    8-bit rows (`pqattn.reference.encode_rows`)."""
+    if int8:
+        return (batch, kv_heads, capacity, 2 * head_dim + 8)
+    return (batch, kv_heads, capacity, 2, head_dim)
 
 
 def available_host_bytes() -> int | None:
@@ -140,6 +150,7 @@ class HostCache:
         dtype: torch.dtype,
         slots: int | None = None,
         rows: torch.Tensor | None = None,
+        int8: bool = False,
     ) -> None:
         """An empty host tier beside `index` (its rows unwritten: `write` them).
 
@@ -149,8 +160,11 @@ class HostCache:
             dtype: the keys' and values' dtype (host rows and slots).
             slots: rows per KV head the row cache holds, at least the list width
                 (default ROW_CACHE_LISTS widths).
-            rows: host memory to use, [B, Hkv, capacity, 2, D] of `dtype` (mapped, on a CUDA
-                machine: `mapped_host_empty`), instead of allocating it.
+            rows: host memory to use, `host_rows_shape(...)` of `dtype` (uint8 with int8), mapped
+                on a CUDA machine (`mapped_host_empty`), instead of allocating it.
+            int8: 8-bit host rows (an int8 code per element and a float32 scale per row of a KV
+                head, half the bytes of bf16): the attention then reads the dequantized rows
+                (`pqattn.reference.quantize`), not the prefill's.
         """
         c = index.config
         if c.share != "group":
@@ -178,20 +192,22 @@ class HostCache:
             raise ValueError(f"slots: expected at least the list width {self.list_width}, got {self.slots}")
         need = footprint(
             c, batch=B, query_heads=query_heads, kv_heads=Hkv, head_dim=D, capacity=N, dtype=dtype,
-            slots=self.slots,
+            slots=self.slots, int8=int8,
         )  # fmt: skip
+        shape = host_rows_shape(B, Hkv, N, D, int8)
+        rows_dtype = torch.uint8 if int8 else dtype
         if rows is None:
             check_fits(need, device)
-            rows = mapped_host_empty((B, Hkv, N, 2, D), dtype, device)
+            rows = mapped_host_empty(shape, rows_dtype, device)
         else:
-            check.tensor(
-                "rows", rows, shape=(B, Hkv, N, 2, D), dims="[B, Hkv, capacity, 2, D]", dtypes=(dtype,)
-            )
+            dims = "[B, Hkv, capacity, 2 * D + 8]" if int8 else "[B, Hkv, capacity, 2, D]"
+            check.tensor("rows", rows, shape=shape, dims=dims, dtypes=(rows_dtype,))
             if rows.device.type != "cpu" or not rows.is_contiguous():
                 raise ValueError(
                     f"rows: expected contiguous host memory, got {rows.device}, strides {rows.stride()}"
                 )
         self.footprint = need
+        self.int8 = int8
         self.rows = rows
         self.k_slots = torch.zeros((B, Hkv, self.slots, D), dtype=dtype, device=device)
         self.v_slots = torch.zeros_like(self.k_slots)
@@ -223,6 +239,7 @@ class HostCache:
         capacity: int | None = None,
         config: PQConfig | None = None,
         slots: int | None = None,
+        int8: bool = False,
     ) -> HostCache:
         """Index the prefill keys on their device and move keys and values to the host tier.
 
@@ -230,7 +247,8 @@ class HostCache:
             keys, values: [B, Hkv, N, D] (on the GPU that will decode).
             lengths: [B] valid tokens per sequence, None for N each.
             query_heads: H. capacity: tokens the tier holds (N by default; room for the steps).
-            config: the index and selection policy (PQConfig() by default). slots: see __init__.
+            config: the index and selection policy (PQConfig() by default). slots, int8: see
+                __init__.
 
         Returns:
             the HostCache.
@@ -253,25 +271,26 @@ class HostCache:
         )
         config = config or PQConfig()
         index = PQIndex.build(keys, lengths, capacity=capacity, config=config)
-        cache = cls(index, query_heads=query_heads, dtype=keys.dtype, slots=slots)
+        cache = cls(index, query_heads=query_heads, dtype=keys.dtype, slots=slots, int8=int8)
         cache.write(keys, values)
         return cache
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
         """Store keys and values [B, Hkv, T, D] at positions start.. of the host tier (a prefill
         chunk; the index is not touched) and empty the row cache, whose rows may be stale."""
-        B, Hkv, N, _, D = self.rows.shape
+        B, Hkv, N = self.rows.shape[:3]
+        D = self.index.head_dim
         check.tensor("keys", keys, shape=(B, Hkv, None, D), dims="[B, Hkv, T, D]", dtypes=check.FLOAT_DTYPES)
         check.tensor("values", values, shape=keys.shape, dims="[B, Hkv, T, D]", dtypes=check.FLOAT_DTYPES)
         T = keys.shape[2]
         check.non_negative_int("start", start)
         if start + T > N:
             raise ValueError(f"start: expected start + T <= capacity={N}, got {start} + {T}")
-        # one copy per KV head of a sequence: [T, 2, D] rows from the two [T, D] planes
+        # one copy per KV head of a sequence: its T rows, encoded where the keys are
         for b in range(B):
             for h in range(Hkv):
-                pair = torch.stack((keys[b, h], values[b, h]), dim=1).to(self.dtype)
-                self.rows[b, h, start : start + T].copy_(pair)
+                encoded = ref.encode_rows(keys[b, h], values[b, h], self.rows.dtype)
+                self.rows[b, h, start : start + T].copy_(encoded)
         self.reset_row_cache()
 
     def reset_row_cache(self) -> None:

@@ -40,24 +40,30 @@ def _lists(
 
 
 @pytest.mark.parametrize(
-    "L,S,block,sort,block_rows",
+    "L,S,block,sort,block_rows,int8",
     [
-        (24, 40, None, True, FETCH_BLOCKS[0]),
-        (300, 500, 128, False, FETCH_BLOCKS[0]),
-        *((300, 500, 128, True, b) for b in FETCH_BLOCKS),
+        (24, 40, None, True, FETCH_BLOCKS[0], False),
+        (24, 40, None, False, FETCH_BLOCKS[0], True),
+        (300, 500, 128, False, FETCH_BLOCKS[0], False),
+        (300, 500, 128, False, FETCH_BLOCKS[1], True),
+        *((300, 500, 128, True, b, False) for b in FETCH_BLOCKS),
     ],
 )
 def test_row_cache_steps_match_the_reference(
-    L: int, S: int, block: int | None, sort: bool, block_rows: int, device: torch.device
+    L: int, S: int, block: int | None, sort: bool, block_rows: int, int8: bool, device: torch.device
 ) -> None:
     """Steps of lookup + fetch over lists that share part of their rows with the previous step's,
     with ragged counts and the newest position listed; lists and slot scans in one block and in
     several, misses sorted or in list order, each fetch block size: the kernels' state, misses,
     slot lists, slots and host rows equal the reference's, and every listed row sits in its
-    slot."""
+    slot. int8: 8-bit host rows, dequantized by the fetch and quantized by its store of the new row
+    (bitwise the reference's)."""
     sort_block = (lookup_block(L) if block is None else block) if sort else None
     B, R, N, D = 2, 3, 4 * L + 64, 16
-    rows = torch.randn(B, R, N, 2, D)
+    rows = torch.randn(B, R, N, 2, D) * torch.rand(B, R, N, 2, 1) * 4
+    rows[0, 0, 5] = 0.0  # a zero row: scale 0
+    if int8:
+        rows = ref.encode_rows(rows[..., 0, :], rows[..., 1, :], torch.uint8)
     cache = ref.new_row_cache(B, R, N, S, device)
     k_slots = torch.zeros(B, R, S, D, device=device)
     v_slots = torch.zeros_like(k_slots)
@@ -103,9 +109,8 @@ def test_row_cache_steps_match_the_reference(
         slot = got_list.long().clamp(min=0)
         assert bool((got_list[listed] >= 0).all())
         assert torch.equal(cache.owner.gather(2, slot)[listed], pos[listed])
-        host_k = (
-            host[..., 0, :].to(device).gather(2, pos.long().clamp(min=0)[..., None].expand(-1, -1, -1, D))
-        )
+        host_k = ref.decode_rows(host, D)[0].to(device, k_slots.dtype)
+        host_k = host_k.gather(2, pos.long().clamp(min=0)[..., None].expand(-1, -1, -1, D))
         assert torch.equal(k_slots.gather(2, slot[..., None].expand(-1, -1, -1, D))[listed], host_k[listed])
 
 

@@ -14,7 +14,7 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.cli import main
 from pqattn.lab import metrics, tasks
-from pqattn.lab.policies import Policy, group_select, head_select, per_head, policy_grid
+from pqattn.lab.policies import Policy, from_family, group_select, head_select, per_head, policy_grid
 from tests.helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +73,22 @@ def test_a_sparse_policy_changes_the_logits(committed) -> None:
     ev, ids, sdpa = committed
     logits, mass = ev.chunk(ids[:, PREFILL:], Policy("streaming", 0.001))
     assert mass < 0.99 and (logits - sdpa[:, PREFILL:]).abs().max() > 1e-2
+
+
+def test_8_bit_rows_move_the_logits_a_little(committed) -> None:
+    """kv8 (the host tier's 8-bit rows): dense attention over them differs from dense by a little,
+    and a policy whose budget covers every token gives the same logits as dense over them."""
+    ev, ids, sdpa = committed
+    eight, mass = ev.chunk(ids[:, PREFILL:], Policy("dense", kv8=True))
+    assert mass == 1.0
+    err = (eight - sdpa[:, PREFILL:]).abs().max()
+    assert 1e-4 < err < 0.5, err
+    covered, _ = ev.chunk(ids[:, PREFILL:], Policy("oracle", 1.0, kv8=True))
+    assert_close(covered, eight, atol=2e-4, rtol=2e-4, what="oracle-kv8@1 against dense-kv8")
+    assert from_family("pq-M16-b8-group-max-x4-s16-kv8", 0.02).kv8
+    assert Policy("pq", 0.02, subvectors=16, bits=8, kv8=True).name == "pq-M16-b8-kv8@0.02"
+    with pytest.raises(ValueError, match="kv8"):
+        Policy("pq", 0.02, select=head_select(rerank=2), kv8=True)
 
 
 def _tiny_evaluator(settings: tasks.TaskSettings) -> tasks.PolicyEvaluator:
@@ -275,7 +291,7 @@ def test_policy_names_and_grid() -> None:
 def test_cli_on_the_committed_model(tmp_path) -> None:
     out = tmp_path / "tasks.json"
     argv = ["tasks", "--model", str(MODEL), "--contexts", "1024", "--position-docs", "1"]
-    argv += ["--tail-contexts", "1024", "--tail-docs", "1", "--tail-rows", "8", "--passkey-context", "1024"]
+    argv += ["--tail-contexts", "1024", "--tail-docs", "2", "--tail-rows", "8", "--passkey-context", "1024"]
     argv += ["--passkey-buckets", "2", "--passkey-trials", "2", "--densities", "0.05", "--pq", "2x4"]
     argv += ["--sink", "16", "--window", "16", "--iters", "2", "--device", "cpu", "--json", str(out)]
     assert main(argv) == 0
@@ -285,7 +301,8 @@ def test_cli_on_the_committed_model(tmp_path) -> None:
     names = {"dense", "oracle@0.05", "streaming@0.05", "pq-M2-b4@0.05", "pages-16@0.05"}
     assert {r["policy"] for r in doc["tail"]} == names
     dense = next(r for r in doc["tail"] if r["policy"] == "dense")
-    assert dense["gap"] == 0.0 and dense["mass"] == 1.0
+    assert dense["gap"] == 0.0 and dense["gap_se"] == 0.0 and dense["mass"] == 1.0
+    assert all(r["docs"] == 2 and len(r["doc_bpb"]) == 2 and r["se"] > 0 for r in doc["tail"])
     overall = {r["policy"]: r for r in doc["passkey"] if (r["depth_lo"], r["depth_hi"]) == (0.0, 1.0)}
     assert set(overall) == names and overall["dense"]["trials"] == 4
     assert overall["dense"]["accuracy"] >= 0.5, "the committed model retrieves at 1K bytes"

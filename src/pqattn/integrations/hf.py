@@ -37,6 +37,7 @@ from transformers.cache_utils import StaticLayer
 from pqattn import _validate as check
 from pqattn import host as host_tier
 from pqattn import ops
+from pqattn import reference as ref
 from pqattn.host import HostCache
 from pqattn.index import PQConfig, PQIndex
 
@@ -60,7 +61,9 @@ class HFConfig(PQConfig):
     kv_placement: "gpu" (the cache is transformers' own, on the device) or "host" (SPEC §10: each
     layer's keys and values go to host memory as the prefill makes them, and decode steps select
     on the GPU and fetch the selected rows into a row cache of `host_slots` rows per KV head,
-    default `pqattn.host.ROW_CACHE_LISTS` list widths; `pqattn.host.HostCache`). The host tier
+    default `pqattn.host.ROW_CACHE_LISTS` list widths; `pqattn.host.HostCache`); `host_int8`
+    stores the rows with 8 bits per element and a scale per row (half the host bytes; the
+    attention reads the dequantized rows). The host tier
     decodes through `generate` / `StaticDecoder`, with one selection per KV head
     (share="group"), no re-rank and no dense_layers.
     """
@@ -71,6 +74,7 @@ class HFConfig(PQConfig):
     prefill: str = "sdpa"
     kv_placement: str = "gpu"
     host_slots: int | None = None
+    host_int8: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,6 +87,8 @@ class HFConfig(PQConfig):
             raise ValueError(f"kv_placement: expected one of {KV_PLACEMENTS}, got {self.kv_placement!r}")
         if self.host_slots is not None:
             check.positive_int("host_slots", self.host_slots)
+        if self.host_int8 and self.kv_placement != "host":
+            raise ValueError(f"host_int8: expected kv_placement='host', got {self.kv_placement!r}")
         if self.kv_placement == "host":
             bad = {
                 "share": (self.share, "group"),
@@ -265,8 +271,9 @@ def _host_attention(
             key, state.prompt_lengths, capacity=layer.max_cache_len, config=c.index_config(end)
         )
         state.host = HostCache(
-            index, query_heads=query.shape[1], dtype=key.dtype, slots=c.host_slots, rows=layer.rows
-        )
+            index, query_heads=query.shape[1], dtype=key.dtype, slots=c.host_slots, rows=layer.rows,
+            int8=c.host_int8,
+        )  # fmt: skip
         state.index = index
     return out
 
@@ -651,8 +658,11 @@ class _HostLayer(StaticLayer):
                 f"kv_placement: 'host' keeps keys and values of one head dim, got {self.k_head_dim} "
                 f"and {self.v_head_dim}"
             )
-        shape = (self.batch_size, self.num_heads, self.max_cache_len, 2, self.k_head_dim)
-        self.rows = host_tier.mapped_host_empty(shape, key_states.dtype, self.device)
+        int8 = self.state.config.host_int8
+        shape = host_tier.host_rows_shape(
+            self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim, int8
+        )
+        self.rows = host_tier.mapped_host_empty(shape, torch.uint8 if int8 else key_states.dtype, self.device)
         self.keys = self.values = None
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
@@ -671,14 +681,14 @@ class _HostLayer(StaticLayer):
             )
         for b in range(self.batch_size):
             for h in range(self.num_heads):
-                self.rows[b, h, start : start + T].copy_(
-                    torch.stack((key_states[b, h], value_states[b, h]), 1)
-                )
+                encoded = ref.encode_rows(key_states[b, h], value_states[b, h], self.rows.dtype)
+                self.rows[b, h, start : start + T].copy_(encoded)
         self.filled += T
         if start == 0:
             return key_states, value_states
-        past = self.rows[:, :, :start].to(self.device)
-        return torch.cat((past[..., 0, :], key_states), 2), torch.cat((past[..., 1, :], value_states), 2)
+        past = ref.decode_rows(self.rows[:, :, :start].to(self.device), self.k_head_dim)
+        k, v = (x.to(key_states.dtype) for x in past)
+        return torch.cat((k, key_states), 2), torch.cat((v, value_states), 2)
 
 
 def _host_tier_layers(
@@ -694,7 +704,7 @@ def _host_tier_layers(
     one = [
         host_tier.footprint(
             s.config.index_config(max_len), batch=batch, query_heads=H, kv_heads=Hkv, head_dim=D,
-            capacity=max_len, dtype=dtype, slots=s.config.host_slots,
+            capacity=max_len, dtype=dtype, slots=s.config.host_slots, int8=s.config.host_int8,
         )
         for s in states.values()
     ]  # fmt: skip

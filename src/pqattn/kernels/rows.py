@@ -145,6 +145,36 @@ def _lookup_kernel(
 
 
 @triton.jit
+def _quantized(x, is_key, D: tl.constexpr):
+    """reference.rows.quantize of a [2 * D] key-then-value row x (float32): its codes (float32 of
+    int8 values), the scale of each element's half, and the two scales."""
+    ax = tl.abs(x)
+    scale_k = tl.div_rn(tl.max(tl.where(is_key, ax, 0.0), axis=0), 127.0)
+    scale_v = tl.div_rn(tl.max(tl.where(is_key, 0.0, ax), axis=0), 127.0)
+    scale = tl.where(is_key, scale_k, scale_v)
+    safe = tl.where(scale > 0, scale, 1.0)
+    q = tl.minimum(tl.maximum(tl.floor(tl.div_rn(x, safe) + 0.5), -127.0), 127.0)
+    return tl.where(scale > 0, q, 0.0), scale, scale_k, scale_v
+
+
+@triton.jit
+def _store_scale(ptr, scale):
+    """A float32 as 4 little-endian bytes at ptr (uint8)."""
+    bits = scale.to(tl.int32, bitcast=True)
+    for j in tl.static_range(4):
+        tl.store(ptr + j, ((bits >> (8 * j)) & 255).to(tl.uint8))
+
+
+@triton.jit
+def _load_scales(ptr):
+    """[BLOCK_R] float32 from 4 little-endian bytes at each of ptr [BLOCK_R] (uint8)."""
+    bits = tl.load(ptr).to(tl.int32)
+    for j in tl.static_range(1, 4):
+        bits = bits | (tl.load(ptr + j).to(tl.int32) << (8 * j))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fetch_kernel(
     rows_ptr,
     k_new_ptr,
@@ -165,11 +195,13 @@ def _fetch_kernel(
     N,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Program (row = b * R + r, block): copy misses block * BLOCK_R.. of the row from the host tier
-    rows [B, R, N, 2, D] into the slots [B, R, S, D] (reference.rows.fetch_rows), a position's
-    key and value as one [2 * D] read; block 0 also stores the step's new key and value at
-    position lengths[b] - 1 of the host tier."""
+    into the slots [B, R, S, D] (reference.rows.fetch_rows), a position's key and value as one
+    read; block 0 also stores the step's new key and value at position lengths[b] - 1 of the host
+    tier. Host rows: [B, R, N, 2, D] of the slots' kind, or with INT8 uint8 [B, R, N, 2 * D + 8]
+    (int8 codes of the key and value, then their float32 scales), dequantized here."""
     row = tl.program_id(0)
     block = tl.program_id(1)
     b = row // R
@@ -178,20 +210,40 @@ def _fetch_kernel(
     newest = tl.load(len_ptr + b).to(tl.int32) - 1
     e = tl.arange(0, 2 * D)  # a host row: the key's D elements, then the value's
     is_key = e < D
-    host_row = rows_ptr + row64 * N * 2 * D
+    width = 2 * D + 8 if INT8 else 2 * D  # elements of a host row
+    host_row = rows_ptr + row64 * N * width
     k_new = tl.load(k_new_ptr + b.to(tl.int64) * stride_nb + r * stride_nr + e, mask=is_key, other=0.0)
     v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vb + r * stride_vr + e - D, mask=~is_key, other=0.0)
-    new_row = tl.where(is_key, k_new.to(rows_ptr.dtype.element_ty), v_new.to(rows_ptr.dtype.element_ty))
-    if block == 0:
-        tl.store(host_row + newest.to(tl.int64) * 2 * D + e, new_row)
+    new_at = host_row + newest.to(tl.int64) * width
+    if INT8:
+        codes, scale, scale_k, scale_v = _quantized(
+            tl.where(is_key, k_new.to(tl.float32), v_new.to(tl.float32)), is_key, D
+        )
+        new_row = codes * scale  # what a later fetch of it gives
+        if block == 0:
+            tl.store(new_at + e, codes.to(tl.int8).to(tl.uint8, bitcast=True))
+            _store_scale(new_at + 2 * D, scale_k)
+            _store_scale(new_at + 2 * D + 4, scale_v)
+    else:
+        new_row = tl.where(is_key, k_new.to(rows_ptr.dtype.element_ty), v_new.to(rows_ptr.dtype.element_ty))
+        if block == 0:
+            tl.store(new_at + e, new_row)
     n_miss = tl.load(miss_cnt_ptr + row64)
     i = block * BLOCK_R + tl.arange(0, BLOCK_R)
     live = i < n_miss
     p = tl.load(miss_pos_ptr + row64 * L + i, mask=live, other=0)
     slot = tl.load(miss_slot_ptr + row64 * L + i, mask=live, other=0)
     is_new = (p == newest)[:, None]
-    src = host_row + p.to(tl.int64)[:, None] * 2 * D + e[None, :]
-    kv = tl.load(src, mask=live[:, None] & ~is_new, other=0.0)
+    from_host = live & (p != newest)
+    at = host_row + p.to(tl.int64) * width
+    if INT8:
+        codes = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0)
+        codes = codes.to(tl.int8, bitcast=True).to(tl.float32)
+        scale_k = _load_scales(at + 2 * D)
+        scale_v = _load_scales(at + 2 * D + 4)
+        kv = codes * tl.where(is_key[None, :], scale_k[:, None], scale_v[:, None])
+    else:
+        kv = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0.0)
     kv = tl.where(is_new, new_row[None, :], kv).to(k_slot_ptr.dtype.element_ty)
     dst = (row64 * S + slot.to(tl.int64))[:, None] * D + e[None, :]
     tl.store(k_slot_ptr + dst, kv, mask=live[:, None] & is_key[None, :])
@@ -247,13 +299,15 @@ def fetch_rows(
     block_rows: int = FETCH_BLOCK,
 ) -> None:
     """Store the new rows k_new / v_new [B, R, 1, D] (last dim contiguous) into the host tier rows
-    [B, R, N, 2, D] (contiguous; pinned host memory on a GPU) and copy the missed rows into the
-    slots k_slots / v_slots [B, R, S, D] (contiguous); block_rows: one of FETCH_BLOCKS."""
-    B, R, N, _, D = rows.shape
+    (contiguous; mapped host memory on a GPU): [B, R, N, 2, D], or uint8 [B, R, N, 2 * D + 8]
+    for 8-bit rows (reference.rows.encode_rows); copy the missed rows into the slots k_slots /
+    v_slots [B, R, S, D] (contiguous); block_rows: one of FETCH_BLOCKS."""
+    B, R, N = rows.shape[:3]
+    D = k_slots.shape[-1]
     L, S = misses[0].shape[-1], k_slots.shape[2]
     _fetch_launch(
         (B * R, triton.cdiv(L, block_rows)),
         (rows, k_new, v_new, lengths, *misses, k_slots, v_slots),
         (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), R, L, S, N),
-        dict(D=D, BLOCK_R=block_rows, num_warps=4),
+        dict(D=D, BLOCK_R=block_rows, INT8=rows.dtype == torch.uint8, num_warps=4),
     )

@@ -39,6 +39,7 @@ class Policy:
     page: int = 16
     select: SelectPolicy = PER_HEAD  # share, group rule, group budget (explicit for a group), re-rank
     sample: int = 0  # the index built on sample * C keys per sequence (0: every key)
+    kv8: bool = False  # attention over K and V as the host tier's 8-bit rows give them back
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,6 +55,8 @@ class Policy:
                 "select: a group selection is for pq and oracle policies, with an explicit group_budget, "
                 f"got {self.kind!r} with group_budget={self.select.group_budget}"
             )
+        if self.kv8 and self.rerank:
+            raise ValueError("kv8: the host tier's 8-bit rows do not re-rank (rerank needs the exact keys)")
         if (self.rerank or self.sample) and self.kind != "pq":
             raise ValueError(
                 f"rerank / sample: only pq policies re-rank or build on a sample, got {self.kind!r}"
@@ -80,7 +83,8 @@ class Policy:
     def family(self) -> str:
         """The policy without its density: dense, oracle, streaming, pq-M2-b6, pages-16, with
         -group-sum-x4 (a group selection of 4 heavies), -rr4 (re-rank of 4 heavies) and -s256 (an
-        index built on 256 keys per centroid)."""
+        index built on 256 keys per centroid) and -kv8 (attention over 8-bit keys and values, the
+        host tier's `int8` rows)."""
         if self.kind == "pq":
             name = f"pq-M{self.subvectors}-b{self.bits}"
         elif self.kind == "pages":
@@ -90,7 +94,8 @@ class Policy:
         if self.share == "group":
             name += f"-group-{self.group_rule}-x{self.budget:g}"
         name += f"-rr{self.rerank}" if self.rerank else ""
-        return name + (f"-s{self.sample}" if self.sample else "")
+        name += f"-s{self.sample}" if self.sample else ""
+        return name + ("-kv8" if self.kv8 else "")
 
     @property
     def name(self) -> str:
@@ -131,6 +136,7 @@ def yardsticks(policy: Policy) -> dict[str, Policy]:
 _FAMILY = re.compile(
     r"(?P<kind>dense|oracle|streaming|pq-M(?P<m>\d+)-b(?P<b>\d+)|pages-(?P<page>\d+))"
     rf"(?:-group-(?P<rule>{'|'.join(GROUP_RULES)})-x(?P<budget>[0-9.]+))?(?:-rr(?P<rr>\d+))?(?:-s(?P<s>\d+))?"
+    r"(?P<kv8>-kv8)?"
 )
 
 
@@ -150,6 +156,7 @@ def from_family(family: str, density: float) -> Policy:
         select = dict(share="group", group_rule=got["rule"], group_budget=float(got["budget"]))
     fields["select"] = SelectPolicy(**select, rerank=int(got["rr"] or 0))
     fields["sample"] = int(got["s"] or 0)
+    fields["kv8"] = bool(got["kv8"])
     return Policy(kind, **fields)
 
 
@@ -179,6 +186,10 @@ def select(
     """The selection of a non-dense `policy` for decode queries q [B, H, D] over keys [B, Hkv, N, D]
     (`book`: the PQ codebook of the keys at the policy's M, bits and sample; init_offset = sink); heavy =
     `policy.selection_heavy(n_tokens)`. Group selections have Hkv rows (`per_head` expands them)."""
+    if policy.kv8:
+        raise ValueError(
+            f"policy: {policy.name} changes the values attended, not the selection (pqattn tasks measures it)"
+        )
     heavy = policy.selection_heavy(n_tokens)
     per_head = policy.heavy(n_tokens)  # the functional API's heavy: tokens per query head
     shared = dict(share=policy.share, group_rule=policy.group_rule, group_budget=policy.budget)

@@ -259,7 +259,7 @@ class PolicyEvaluator:
         Hkv, T = k.shape[1], k.shape[2]
         g, prefill = H // Hkv, T - E
         score_rows = self.row_scores(layer, k, prefill)
-        kf, vf = k.float(), v.float()
+        kf, vf = eight_bit(k, v) if self.policy.kv8 else (k.float(), v.float())
         out = torch.empty(B, E, H, D, dtype=q.dtype, device=q.device)
         rows = max(1, (1 << 26) // max(1, B * H * T))
         pos = torch.arange(T, device=q.device)
@@ -280,6 +280,11 @@ class PolicyEvaluator:
         return out
 
 
+def eight_bit(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [..., D] as the host tier's 8-bit rows give them back (float32)."""
+    return ref.decode_rows(ref.encode_rows(k, v, torch.uint8), k.shape[-1])
+
+
 def _policy_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -287,6 +292,8 @@ def _policy_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if ev is not None and ev.recording:
         ev.prefilled.kv[module.layer_idx] = (key, value)
     if ev is None or ev.policy is None or ev.policy.kind == "dense":
+        if ev is not None and ev.policy is not None and ev.policy.kv8:
+            key, value = (x.to(key.dtype) for x in eight_bit(key, value))
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
     return ev.sparse_rows(module.layer_idx, query, key, value, scale), None
@@ -341,38 +348,50 @@ def tail_bpb(
     ev: PolicyEvaluator, docs: Sequence[bytes], policies: Sequence[Policy], rows: int, batch: int
 ) -> list[dict]:
     """Bits/byte of the last `rows` bytes of documents of T + 1 bytes, per policy (the first T - rows
-    bytes prefilled densely), with the gap to dense on the same bytes and the attention mass kept."""
+    bytes prefilled densely), with the gap to dense on the same bytes and the attention mass kept.
+    Standard errors over documents: `se` of the bits/byte, `gap_se` of the paired gap to dense;
+    `doc_bpb` keeps each document's bits/byte, for paired comparisons between policies."""
     T = len(docs[0]) - 1
-    bits = {p.name: 0.0 for p in policies}
+    per_doc: dict[str, list[float]] = {p.name: [] for p in policies}
     mass = {p.name: 0.0 for p in policies}
-    dense_bits = 0.0
-    n_docs = 0
+    dense_doc: list[float] = []
     for i in range(0, len(docs), batch):
         ids = _ids(docs[i : i + batch], ev.device)
         ev.prefill(ids[:, : T - rows])
         chunk, targets = ids[:, T - rows : T], ids[:, T - rows + 1 :]
         dense_logits, _ = ev.chunk(chunk, Policy("dense"))
-        dense_bits += float(_nll_bits(dense_logits, targets).double().sum())
+        dense_doc += _nll_bits(dense_logits, targets).double().mean(-1).tolist()
         for p in policies:
-            logits, kept = (dense_logits, 1.0) if p.kind == "dense" else ev.chunk(chunk, p)
-            bits[p.name] += float(_nll_bits(logits, targets).double().sum())
+            plain = p.kind == "dense" and not p.kv8
+            logits, kept = (dense_logits, 1.0) if plain else ev.chunk(chunk, p)
+            per_doc[p.name] += _nll_bits(logits, targets).double().mean(-1).tolist()
             mass[p.name] += kept * ids.shape[0]
-        n_docs += ids.shape[0]
-    dense = dense_bits / (n_docs * rows)
-    return [
-        _policy_row(p)
-        | {
-            "context": T,
-            "rows": rows,
-            "docs": n_docs,
-            "heavy": 0 if p.kind == "dense" else p.heavy(T - rows),
-            "bpb": bits[p.name] / (n_docs * rows),
-            "gap": bits[p.name] / (n_docs * rows) - dense,
-            "gap_rel": (bits[p.name] / (n_docs * rows) - dense) / dense,
-            "mass": mass[p.name] / n_docs,
-        }
-        for p in policies
-    ]
+    n_docs = len(dense_doc)
+    dense = torch.tensor(dense_doc, dtype=torch.float64)
+
+    def se(x: torch.Tensor) -> float | None:
+        return float(x.std() / math.sqrt(n_docs)) if n_docs > 1 else None
+
+    out = []
+    for p in policies:
+        bpb = torch.tensor(per_doc[p.name], dtype=torch.float64)
+        out.append(
+            _policy_row(p)
+            | {
+                "context": T,
+                "rows": rows,
+                "docs": n_docs,
+                "heavy": 0 if p.kind == "dense" else p.heavy(T - rows),
+                "bpb": float(bpb.mean()),
+                "se": se(bpb),
+                "gap": float((bpb - dense).mean()),
+                "gap_se": se(bpb - dense),
+                "gap_rel": float((bpb - dense).mean() / dense.mean()),
+                "mass": mass[p.name] / n_docs,
+                "doc_bpb": per_doc[p.name],
+            }
+        )
+    return out
 
 
 def _policy_row(p: Policy) -> dict:
@@ -383,6 +402,7 @@ def _policy_row(p: Policy) -> dict:
         "density": p.density,
         "subvectors": p.subvectors if p.kind == "pq" else None,
         "bits": p.bits if p.kind == "pq" else None,
+        "kv8": p.kv8,
     }
 
 

@@ -6,7 +6,16 @@ exists for a case.
 
 from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, to_pages, unpage
 from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
-from pqattn.reference.rows import Misses, RowCache, fetch_rows, lookup_rows, new_row_cache
+from pqattn.reference.rows import (
+    Misses,
+    RowCache,
+    decode_rows,
+    encode_rows,
+    fetch_rows,
+    lookup_rows,
+    new_row_cache,
+    quantize,
+)
 from pqattn.reference.selection import (
     GROUP_RULES,
     SHARES,
@@ -39,9 +48,11 @@ __all__ = [
     "bucket_candidates",
     "build_pq",
     "code_combinations",
+    "decode_rows",
     "dense_attention",
     "dense_weights",
     "encode",
+    "encode_rows",
     "exact_scores",
     "fetch_rows",
     "group_scores",
@@ -51,6 +62,7 @@ __all__ = [
     "page_scores",
     "paged_append",
     "pq_scores",
+    "quantize",
     "select_from_scores",
     "select_oracle",
     "select_pages",

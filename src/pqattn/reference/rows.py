@@ -108,6 +108,38 @@ def lookup_rows(
             cache.stats[b, r, 1] += n
 
 
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit rows: x [..., D] -> (q [..., D] int8, scale [...] float32) with scale = max|x| / 127 and
+    q = floor(x / scale + 1/2) (0 where the row is 0), so that x ~ q * scale."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(x / safe[..., None] + 0.5).clamp(-127, 127)
+    return torch.where(scale[..., None] > 0, q, 0.0).to(torch.int8), scale
+
+
+def encode_rows(keys: torch.Tensor, values: torch.Tensor, rows_dtype: torch.dtype) -> torch.Tensor:
+    """Host rows of keys and values [..., D]: [..., 2, D] of rows_dtype (key then value), or for
+    rows_dtype uint8 the 8-bit layout [..., 2 * D + 8]: the key's and the value's int8 codes, then
+    their float32 scales (little-endian bytes)."""
+    if rows_dtype != torch.uint8:
+        return torch.stack((keys, values), dim=-2).to(rows_dtype)
+    (qk, sk), (qv, sv) = quantize(keys), quantize(values)
+    scales = torch.stack((sk, sv), dim=-1).contiguous().view(torch.uint8)  # [..., 8]
+    return torch.cat((qk.view(torch.uint8), qv.view(torch.uint8), scales), dim=-1)
+
+
+def decode_rows(rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [..., D] of host rows (`encode_rows`'s layouts; 8-bit rows dequantized to
+    float32)."""
+    if rows.dtype != torch.uint8:
+        return rows[..., 0, :], rows[..., 1, :]
+    D = head_dim
+    codes = rows[..., : 2 * D].contiguous().view(torch.int8).float()
+    scales = rows[..., 2 * D : 2 * D + 8].contiguous().view(torch.float32)  # [..., 2]
+    return codes[..., :D] * scales[..., :1], codes[..., D:] * scales[..., 1:]
+
+
 def fetch_rows(
     rows: torch.Tensor,
     k_new: torch.Tensor,
@@ -120,19 +152,21 @@ def fetch_rows(
     """Store the step's new rows in the host tier and fill the missed slots, in place.
 
     Args:
-        rows: [B, Hkv, N, 2, D] the host tier (key then value of a position: one contiguous row).
+        rows: the host tier, [B, Hkv, N, 2, D] (key then value of a position: one contiguous row)
+            or uint8 [B, Hkv, N, 2 * D + 8] (8-bit rows, `encode_rows`).
         k_new, v_new: [B, Hkv, 1, D] the step's new key and value, at position lengths[b] - 1.
         lengths: [B] tokens per sequence, the new one included.
         misses: from `lookup_rows`. k_slots, v_slots: [B, Hkv, S, D] the row cache's rows.
     """
     B, R = misses.count.shape
+    D = k_slots.shape[-1]
     for b in range(B):
         at = int(lengths[b]) - 1
-        rows[b, :, at, 0] = k_new[b, :, 0].to(rows.dtype)
-        rows[b, :, at, 1] = v_new[b, :, 0].to(rows.dtype)
+        rows[b, :, at] = encode_rows(k_new[b, :, 0], v_new[b, :, 0], rows.dtype)
         for r in range(R):
             n = int(misses.count[b, r])
             p = misses.positions[b, r, :n].long()
             s = misses.slots[b, r, :n].long()
-            k_slots[b, r, s] = rows[b, r, p, 0].to(k_slots.dtype)
-            v_slots[b, r, s] = rows[b, r, p, 1].to(v_slots.dtype)
+            k, v = decode_rows(rows[b, r, p], D)
+            k_slots[b, r, s] = k.to(k_slots.dtype)
+            v_slots[b, r, s] = v.to(v_slots.dtype)
