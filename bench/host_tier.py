@@ -196,7 +196,11 @@ def _fill_directly(model, decoder, tokens: int) -> None:
         state.index = None
         gc.collect()
         state.host = HostCache(
-            index, query_heads=model.config.num_attention_heads, dtype=torch.bfloat16, rows=rows
+            index,
+            query_heads=model.config.num_attention_heads,
+            dtype=torch.bfloat16,
+            rows=rows,
+            int8=state.config.host_int8,
         )
         state.index = index
     decoder.position.fill_(tokens)
