@@ -167,11 +167,38 @@ def _policies_table(doc: dict) -> list[str]:
         "| --- |" + " ---: |" * (len(contexts) + 2),
     ]
     for n in names:
-        gaps = [f"{tail[(c, n)]['gap']:+.4f}" if (c, n) in tail else "" for c in contexts]
+        gaps = [_gap(tail[(c, n)]) if (c, n) in tail else "" for c in contexts]
         mass = f"{tail[(last, n)]['mass']:.3f}" if (last, n) in tail else ""
         acc = f"{keys[n]['accuracy']:.3f}" if n in keys else ""
         lines.append(f"| {n} | " + " | ".join(gaps) + f" | {mass} | {acc} |")
+    twins = [
+        (c, n, n.replace("-kv8", ""))
+        for c, n in tail
+        if tail[(c, n)].get("kv8") and (c, n.replace("-kv8", "")) in tail and "doc_bpb" in tail[(c, n)]
+    ]
+    if twins:
+        lines.append("")
+    for c, n, twin in twins:
+        diff, se = _paired(tail[(c, n)]["doc_bpb"], tail[(c, twin)]["doc_bpb"])
+        lines.append(
+            f"- {n} against {twin} at {c} (8-bit host rows against the rows as the prefill made them): "
+            f"{diff:+.5f} ± {se:.5f} bits/byte (paired over {len(tail[(c, n)]['doc_bpb'])} documents)"
+        )
     return lines
+
+
+def _gap(row: dict) -> str:
+    """A tail row's gap to dense, with its standard error where the row has one."""
+    se = row.get("gap_se")
+    return f"{row['gap']:+.4f}" + (f" ± {se:.4f}" if se else "")
+
+
+def _paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """The mean of the per-document differences a - b and its standard error."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
+    return mean, (var / len(d)) ** 0.5
 
 
 def _tasks_section(name: str, doc: dict) -> list[str]:
