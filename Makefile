@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # The quick benchmark suites (on the GPU when there is one); BENCH_ARGS adds options, e.g. --json.
 bench: $(STAMP)
-	$(VENV)/bin/pqattn bench step generate select decode build prefill --quick $(BENCH_ARGS)
+	$(VENV)/bin/pqattn bench step generate host select decode build prefill --quick $(BENCH_ARGS)
 
 # Triton kernels run under the interpreter when there is no GPU (TRITON_INTERPRET=1); the tests
 # run in TEST_WORKERS processes (pytest-xdist), the two cores of the CI machine by default.

@@ -164,3 +164,30 @@ def test_footprint_counts_what_a_tier_allocates(device: torch.device) -> None:
     tensors = [cache.index.codes, cache.index.centroids, cache.k_slots, cache.v_slots, *cache.row_cache]
     held = sum(t.numel() * t.element_size() for t in tensors)
     assert held <= want.gpu <= held * 1.1
+
+
+def test_truncate_keeps_the_rows_before_and_forgets_the_rest(device: torch.device) -> None:
+    """After a roll-back, the positions past the new lengths are written again: the row cache must
+    not serve their old rows (the steps after it still equal the on-GPU path), while the rows
+    before stay resident."""
+    if device.type == "cuda":
+        pytest.skip("the CPU reference route is enough: truncate is PyTorch on the row cache")
+    B, H, Hkv, D, steps = 2, 8, 2, 32, 6
+    cache, index, k_cache, v_cache, lengths = _pair(device, steps=steps)
+    for t in range(steps):
+        if t == 3:  # roll back two tokens and decode new ones at those positions
+            back = [n + 1 for n in lengths]
+            cache.truncate(back)
+            index.truncate(back)
+            resident = cache.row_cache.owner
+            assert bool((resident < torch.tensor(back).view(B, 1, 1)).all())
+            assert bool((resident >= 0).any())
+        q = torch.randn(B, H, D, device=device)
+        k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
+        got = cache.decode_step(q, k_new, v_new).clone()
+        index.decode_step(q, k_new, v_new, k_cache, v_cache)
+        mine = cache.selection
+        want = index.attend(
+            q, k_cache, v_cache, pqattn.Selection(mine.positions.clone(), mine.counts.clone())
+        )
+        assert torch.equal(got, want), t

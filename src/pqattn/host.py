@@ -293,6 +293,18 @@ class HostCache:
                 self.rows[b, h, start : start + T].copy_(encoded)
         self.reset_row_cache()
 
+    def truncate(self, lengths: torch.Tensor | list[int]) -> None:
+        """Roll the sequences back to `lengths` tokens (`PQIndex.truncate`): the rows past them leave
+        the row cache (their positions will be written again), the others stay resident."""
+        self.index.truncate(lengths)
+        rc = self.row_cache
+        n = self.index.lengths.view(-1, 1, 1)
+        positions = torch.arange(rc.slot_of.shape[-1], device=n.device)
+        rc.slot_of.masked_fill_(positions >= n, -1)
+        gone = rc.owner >= n.to(rc.owner.dtype)
+        rc.owner.masked_fill_(gone, -1)
+        rc.last_used.masked_fill_(gone, -1)
+
     def reset_row_cache(self) -> None:
         """Forget every resident row (the counters stay)."""
         rc = self.row_cache

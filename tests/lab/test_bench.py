@@ -120,6 +120,10 @@ def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
         "llama8L-B32-32K",
         "llama8L-B1-128K",
     ]
+    host = suites.host_suite("full", meta)
+    assert [c.name for c in host] == ["llama8L-B1-32K-host", "llama8L-B1-128K-host"]
+    assert [i.name for i in host[0].impls] == ["pqattn-host", "pqattn", "dense-split-k"]
+    assert [i.role for i in host[0].impls] == ["pqattn", "baseline", "baseline"]
     step = suites.step_suite("full", meta)
     assert [(c.params["B"], c.params["N"]) for c in step] == [
         (1, 4096), (1, 32768), (1, 131072), (8, 32768), (32, 32768), (1, 524288)

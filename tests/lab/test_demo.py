@@ -20,7 +20,7 @@ SMALL_CFG = PQConfig(sink=32, window=32, heavy=96, iters=8)
 def test_demo_runs_and_pq_beats_streaming() -> None:
     result = run_demo(SMALL, SMALL_CFG, device=torch.device("cpu"), dtype=torch.float32, repeats=3)
     rows = {r["method"]: r for r in result["results"]}
-    assert set(rows) == {"pq", "streaming", "oracle", "dense"}
+    assert set(rows) == {"pq", "pq-host", "streaming", "oracle", "dense"}
     for r in rows.values():
         for key in (
             "tokens",
@@ -37,6 +37,10 @@ def test_demo_runs_and_pq_beats_streaming() -> None:
     assert rows["oracle"]["oracle_recall"] == 1.0 and rows["streaming"]["oracle_recall"] == 0.0
     assert rows["pq"]["output_rel_err"] < rows["streaming"]["output_rel_err"]
     assert rows["pq"]["tokens"] == 32 + 4 * 96 + 32 and rows["oracle"]["tokens"] == 32 + 96 + 32
+    # the cache in host memory: the same lists and attention, its own steps
+    for key in ("tokens", "attention_mass", "oracle_recall"):
+        assert rows["pq-host"][key] == pytest.approx(rows["pq"][key], abs=1e-6), key
+    assert rows["pq-host"]["output_rel_err"] == pytest.approx(rows["pq"]["output_rel_err"], rel=1e-3)
     table = format_table(result)
     assert "pq" in table and "streaming" in table and "oracle" in table
 
@@ -79,6 +83,7 @@ def test_cli_demo_json(tmp_path, capsys) -> None:
             "pq",
             "pq-faithful",
             "pq-coarse",
+            "pq-host",
             "streaming",
             "oracle",
             "dense",
@@ -133,7 +138,7 @@ def test_gpu_step_times_show_when_measured() -> None:
     header = next(line for line in format_table(result).splitlines() if line.startswith("method"))
     assert "GPU time" not in header
     assert "On a CPU pqattn runs its PyTorch reference" in " ".join(format_table(result).split())
-    for r, us in zip(result["results"], (4.0, None, None, 20.0), strict=True):
+    for r, us in zip(result["results"], (4.0, 8.0, None, None, 20.0), strict=True):
         r["step_gpu_us"], r["gpu_speedup_vs_dense"] = us, None if us is None else 20.0 / us
     table = format_table(result)
     header = next(line for line in table.splitlines() if line.startswith("method"))
@@ -157,7 +162,7 @@ def test_the_variants_beside_the_default() -> None:
         spec, cfg, device=torch.device("cpu"), dtype=torch.float32, repeats=2, variants=variants
     )
     rows = {r["method"]: r for r in result["results"]}
-    assert list(rows) == ["pq", "pq-faithful", "pq-coarse", "streaming", "oracle", "dense"]
+    assert list(rows) == ["pq", "pq-faithful", "pq-coarse", "pq-host", "streaming", "oracle", "dense"]
     assert rows["pq-faithful"]["tokens"] == rows["pq"]["tokens"] == 16 + 4 * 96 + 16
     assert rows["pq-coarse"]["tokens"] == 16 + 96 + 16
     assert rows["pq-faithful"]["attention_mass"] >= rows["pq"]["attention_mass"] - 0.01

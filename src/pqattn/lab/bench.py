@@ -268,7 +268,7 @@ def run_bench(
                 mode = primary_mode(row["timings"])
                 row["primary"] = mode
                 row.update(rates(impl.bytes, impl.flops, row["timings"][mode]["median_us"], ceilings))
-                if case.suite == "generate":
+                if case.suite in ("generate", "host"):  # model loops: tokens per second
                     row.update(_token_rates(row))
             results.append(row)
             if on_row is not None:

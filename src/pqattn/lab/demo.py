@@ -4,7 +4,8 @@ Builds the index over the prefill, runs the decode steps (append the step's key,
 and reports per method the captured attention mass, the recall of the oracle's heavy tokens, the
 output error against dense attention, and the time of one decode step against dense SDPA measured
 in the same run. Variants of the config (`variant_configs`: the exact re-rank on top of it, the
-coarse per-head index it replaced as the default) run beside it: quality and speed, same run.
+coarse per-head index it replaced as the default) run beside it, and pq-host, the config with the
+KV cache in host memory (`pqattn.host.HostCache`, SPEC §10): quality and speed, same run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 import pqattn
 from pqattn import ops
+from pqattn.host import HostCache
 from pqattn.index import PQConfig, PQIndex
 from pqattn.lab import metrics
 from pqattn.lab.env import environment
@@ -83,7 +85,8 @@ def run_demo(
     sync(device)
     build_ms = (time.perf_counter() - t0) * 1e3
     variants = variants or {}
-    methods = ("pq", *variants, *METHODS[1:])
+    host = _host_cache(index, work.keys, work.values, N, spec.steps, H) if c.share == "group" else None
+    methods = ("pq", *variants, *(("pq-host",) if host else ()), *METHODS[1:])
     indexes = {"pq": index}
     for name, vc in variants.items():
         if all(getattr(vc, f) == getattr(c, f) for f in _BUILD_FIELDS):  # the same codebook
@@ -126,9 +129,16 @@ def run_demo(
         keys, values = work.keys[:, :, :n].float(), work.values[:, :, :n].float()
         reference = ops.dense_attention(q.float()[:, :, None], keys, values)[:, :, 0]
         probs = metrics.attention_probs(q.float(), keys)
-        sels = {m: select(m, q, n) for m in methods}
+        sels = {m: select(m, q, n) for m in methods if m != "pq-host"}
+        outs = {}
+        if host is not None:  # the host tier's own step: its lists and its output
+            new = (work.keys[:, :, n - 1 : n], work.values[:, :, n - 1 : n])
+            outs["pq-host"] = host.decode_step(q, *new).clone()
+            sels["pq-host"] = per_head(host.selection, H)
         for m, sel in sels.items():
-            out = ops.sparse_decode(q, work.keys, work.values, sel.positions, sel.counts)
+            out = outs.get(m)
+            if out is None:
+                out = ops.sparse_decode(q, work.keys, work.values, sel.positions, sel.counts)
             quality[m]["mass"].append(float(metrics.captured_mass(probs, sel).mean()))
             recall = metrics.oracle_recall(sel, sels["oracle"], sels["streaming"], n)
             quality[m]["recall"].append(float(recall.mean()))
@@ -157,6 +167,10 @@ def run_demo(
                 for c, (kc, vc) in zip(copies, caches, strict=True)
             ]
             rewinds[m] = lambda copies=copies: [c.truncate([n] * c.batch) for c in copies]
+        elif m == "pq-host":  # its rows in host memory, one tier per cache copy
+            tiers = [_host_cache(index, kc, vc, n, _GRAPH_CALLS, H) for kc, vc in caches]
+            steps[m] = [lambda t=t: t.decode_step(q, k_new, v_new) for t in tiers]
+            rewinds[m] = lambda tiers=tiers: [t.truncate([n] * t.index.batch) for t in tiers]
         else:
             sel = select(m, q, n)
             steps[m] = [
@@ -202,10 +216,26 @@ def run_demo(
         "timing_note": "eager wall-clock per decode step with a device sync"
         + (", and GPU time of the\nstep replayed in a CUDA graph" if device.type == "cuda" else "")
         + " (medians), each over its own copies of the cache; pq = PQIndex.decode_step (store,\nappend, "
-        "select, attend), streaming/oracle = pqattn.sparse_decode over their selection, dense = torch SDPA",
+        "select, attend), pq-host = HostCache.decode_step (the same with the cache in host memory; the\n"
+        "timed step repeats one query, whose rows stay resident), streaming/oracle = pqattn.sparse_decode\n"
+        "over their selection, dense = torch SDPA",
         "timings": timings,
         "results": rows,
     }
+
+
+def _host_cache(
+    index: PQIndex, keys: torch.Tensor, values: torch.Tensor, n: int, room: int, heads: int
+) -> HostCache:
+    """A host tier over index's codebook (its first n tokens) and keys / values [B, Hkv, >= n, D]."""
+    book = ops.PQCodebook(index.centroids, index.codes[:, :, :n], index.phi)
+    tier = HostCache(
+        PQIndex.from_codebook(book, capacity=n + room, config=index.config),
+        query_heads=heads,
+        dtype=keys.dtype,
+    )
+    tier.write(keys[:, :, :n], values[:, :, :n])
+    return tier
 
 
 # Steps per captured graph. A graph of one step, replayed between CUDA events, also times the
@@ -323,7 +353,7 @@ def verdict(result: dict) -> str:
     """One line: which PQ methods beat dense on this device, and the attention mass they keep."""
     gpu = has_gpu(result)
     key = "gpu_speedup_vs_dense" if gpu else "speedup_vs_dense"
-    pq = [r for r in result["results"] if r["method"].startswith("pq")]
+    pq = [r for r in result["results"] if r["method"].startswith("pq") and r.get(key) is not None]
     faster = [f"{r['method']} ({r[key]:.2f}x, mass {r['attention_mass']:.2f})" for r in pq if r[key] > 1.0]
     slower = [f"{r['method']} ({r[key]:.2f}x)" for r in pq if r[key] <= 1.0]
     where = "GPU time" if gpu else "wall-clock"

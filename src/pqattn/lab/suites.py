@@ -9,6 +9,7 @@ is a subset for a fast look, `tiny` runs in seconds on a CPU (what the tests use
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 from collections.abc import Callable
@@ -933,12 +934,15 @@ def _generate_case(
     sink: int = 64,
     window: int = 64,
     compiled: bool = False,
+    host: bool = False,
 ) -> Case:
     """A randomly initialised Llama-style model (no download), `batch` prompts of `context` random
     tokens, timed per decode step of the whole batch in the static loop
     (`pqattn.integrations.hf.StaticDecoder`: a StaticCache, the step captured as one CUDA graph on
     a GPU and replayed): SDPA against pqattn (dense prefill, PQ index per layer, sparse decode);
-    with `compiled`, also both with the decode forward through torch.compile (compile=True)."""
+    with `compiled`, also both with the decode forward through torch.compile (compile=True); with
+    `host` (the host suite), the loop with the KV cache in host memory (HFConfig(kv_placement=
+    "host"), SPEC §10) against the loop with it on the GPU and the dense split-K loop."""
     import transformers
 
     import pqattn.integrations.hf as pq_hf
@@ -977,6 +981,8 @@ def _generate_case(
             attention = kind.removesuffix("-compiled")
             if attention == "pqattn":
                 pq_hf.enable(model, pq_config)
+            elif attention == "pqattn-host":
+                pq_hf.enable(model, dataclasses.replace(pq_config, kv_placement="host"))
             else:
                 model.set_attn_implementation(
                     baselines.register_dense_decode() if attention == "split" else "sdpa"
@@ -989,65 +995,60 @@ def _generate_case(
 
     no_graph = "the call replays the decode loop's own CUDA graph of the whole model's step"
     weights = n_params * _esize(dtype)
-    compiled_impls = [
-        Impl(
-            "pqattn-compiled",
-            "pqattn",
-            lambda x: x.step("pqattn-compiled"),
-            weights + sparse_kv_bytes,
-            2 * n_params * batch,
-            note="the pqattn loop, its decode forward through torch.compile (StaticDecoder(compile=True))",
-            versus=("sdpa-compiled",),
-            no_graph=no_graph,
-        ),
-        Impl(
-            "sdpa-compiled",
-            "baseline",
-            lambda x: x.step("dense-compiled"),
-            weights + kv_bytes,
-            2 * n_params * batch,
-            note="the SDPA loop with the decode forward through torch.compile",
-            no_graph=no_graph,
-        ),
-    ]
-    return Case(
-        "generate",
-        name,
-        params,
-        make_inputs,
-        [
-            Impl(
-                "pqattn",
-                "pqattn",
-                lambda x: x.step("pqattn"),
-                weights + sparse_kv_bytes,
-                2 * n_params * batch,
-                note="pqattn.integrations.hf.StaticDecoder: SDPA prefill + PQ index, sparse decode",
-                versus=("sdpa", "dense-split-k"),
-                no_graph=no_graph,
-            ),
-            Impl(
-                "sdpa",
-                "baseline",
-                lambda x: x.step("dense"),
-                weights + kv_bytes,
-                2 * n_params * batch,
-                note="the same static loop with attn_implementation='sdpa'",
-                no_graph=no_graph,
-            ),
-            Impl(
-                "dense-split-k",
-                "baseline",
-                lambda x: x.step("split"),
-                weights + kv_bytes,
-                2 * n_params * batch,
-                note="the same static loop, decode attention over every token through pqattn's group "
-                "decode kernel (a flash-decoding stand-in: lab.baselines.dense_decode_attention)",
-                no_graph=no_graph,
-            ),
-            *(compiled_impls if compiled else []),
-        ],
+
+    def loop(name: str, role: str, kind: str, nbytes: int, note: str, versus=None) -> Impl:
+        """A step of the decoder `kind` (`_OneDecoder`), timed as one call."""
+        step = lambda x, kind=kind: x.step(kind)  # noqa: E731
+        return Impl(
+            name, role, step, nbytes, 2 * n_params * batch, note=note, versus=versus, no_graph=no_graph
+        )
+
+    sparse, dense = weights + sparse_kv_bytes, weights + kv_bytes
+    pq_loop = "pqattn.integrations.hf.StaticDecoder: SDPA prefill + PQ index, sparse decode"
+    split_k = (
+        "the same static loop, decode attention over every token through pqattn's group decode kernel "
+        "(a flash-decoding stand-in: lab.baselines.dense_decode_attention)"
     )
+    if host:
+        impls = [
+            loop(
+                "pqattn-host",
+                "pqattn",
+                "pqattn-host",
+                sparse,
+                "StaticDecoder with HFConfig(kv_placement='host'): the KV cache in host memory, the selected "
+                "rows fetched into a GPU row cache (the floor counts GPU bytes; the PCIe bytes depend on "
+                "the hit rate: bench/host_tier.py)",
+                ("pqattn", "dense-split-k"),
+            ),
+            loop("pqattn", "baseline", "pqattn", sparse, pq_loop),
+            loop("dense-split-k", "baseline", "split", dense, split_k),
+        ]
+    else:
+        impls = [
+            loop("pqattn", "pqattn", "pqattn", sparse, pq_loop, ("sdpa", "dense-split-k")),
+            loop("sdpa", "baseline", "dense", dense, "the same static loop with attn_implementation='sdpa'"),
+            loop("dense-split-k", "baseline", "split", dense, split_k),
+        ]
+    if compiled and not host:
+        impls += [
+            loop(
+                "pqattn-compiled",
+                "pqattn",
+                "pqattn-compiled",
+                sparse,
+                "the pqattn loop, its decode forward through torch.compile (StaticDecoder(compile=True))",
+                ("sdpa-compiled",),
+            ),
+            loop(
+                "sdpa-compiled",
+                "baseline",
+                "dense-compiled",
+                dense,
+                "the SDPA loop with the decode forward through torch.compile",
+            ),
+        ]
+    return Case("host" if host else "generate", name, params, make_inputs, impls)
 
 
 def generate_suite(size: str, device: torch.device) -> list[Case]:
@@ -1061,6 +1062,24 @@ def generate_suite(size: str, device: torch.device) -> list[Case]:
     ]
 
 
+def host_suite(size: str, device: torch.device) -> list[Case]:
+    """The model loop with the KV cache in host memory against it on the GPU and dense split-K
+    (shapes where all fit; the larger ones are bench/host_tier.py's)."""
+    if size == "tiny":
+        tiny = dict(layers=2, hidden=64, intermediate=128, H=4, Hkv=2, vocab=128)
+        case = _generate_case(
+            device, "tiny-host", **tiny, batch=2, context=300, density=0.05, sink=4, window=4, host=True
+        )
+        return [case]
+    contexts = [32] if size == "quick" else [32, 128]
+    return [
+        _generate_case(
+            device, f"llama8L-B1-{c}K-host", **LLAMA3_8B_LAYERS, batch=1, context=c * KiB, host=True
+        )
+        for c in contexts
+    ]
+
+
 SUITES: dict[str, Callable[[str, torch.device], list[Case]]] = {
     "step": step_suite,
     "select": select_suite,
@@ -1068,6 +1087,7 @@ SUITES: dict[str, Callable[[str, torch.device], list[Case]]] = {
     "build": build_suite,
     "prefill": prefill_suite,
     "generate": generate_suite,
+    "host": host_suite,
 }
 
 
