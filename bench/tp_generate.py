@@ -42,6 +42,20 @@ def _save_random(path: str) -> None:
     model.save_pretrained(path)
 
 
+def _tensor_parallel() -> dict:
+    """from_pretrained's tensor-parallel arguments: a DistributedConfig where this transformers takes
+    one (passing `tp_plan` alone is deprecated there), else `tp_plan`."""
+    import inspect
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    if "tp_plan" not in inspect.signature(DistributedConfig).parameters:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
 def _timed(fn) -> tuple[torch.Tensor, float]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -115,7 +129,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     one = {"device_map": "cuda" if torch.cuda.is_available() else "cpu"}  # one process: its own device
-    place = {"tp_plan": "auto"} if world > 1 else one
+    place = _tensor_parallel() if world > 1 else one
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **place).eval()
     vocab = model.config.vocab_size
     if args.corpus:

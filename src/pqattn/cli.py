@@ -635,6 +635,8 @@ def _run_pareto(args: argparse.Namespace) -> int:
     from pqattn.lab.env import environment, resolve_device
     from pqattn.lab.policies import from_family, policy_grid
 
+    if args.times_only and not args.json:
+        raise ValueError("times-only: expected --json PATH to write the step times to (they are not printed)")
     device = resolve_device(args.device)
     densities = tuple(float(d) for d in args.densities.split(","))
     policies = policy_grid(densities, _pq_configs(args.pq), args.page)

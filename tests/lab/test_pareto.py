@@ -82,6 +82,7 @@ def test_cli_times_only_then_join(tmp_path) -> None:
         "--families",
         "pq-M2-b3-group-max-x2-rr2-s4",
     ]
+    assert main(["pareto", "--times-only", *common]) == 2  # nowhere to write them: refused before measuring
     assert main(["pareto", "--times-only", "--json", str(times), *common]) == 0
     assert set(json.loads(times.read_text())) == {"times"}
     out = tmp_path / "p.json"

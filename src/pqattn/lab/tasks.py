@@ -32,6 +32,7 @@ from pqattn import reference as ref
 from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
 from pqattn.lab.policies import PQ_GRID, Policy, from_family, policy_grid
+from pqattn.lab.progress import Progress
 from pqattn.lab.train import passkey_line, random_name, random_value
 
 NAME = "pqattn_task"
@@ -312,7 +313,9 @@ def _nll_bits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nll.reshape(targets.shape) / LOG2
 
 
-def position_bpb(ev: PolicyEvaluator, docs: Sequence[bytes], batch: int) -> list[dict]:
+def position_bpb(
+    ev: PolicyEvaluator, docs: Sequence[bytes], batch: int, tick: Callable[[int], None] | None = None
+) -> list[dict]:
     """Dense bits/byte by position bucket over documents of T + 1 bytes: byte t (1 <= t <= T) is
     predicted from bytes [0, t) and counts in the bucket [lo, hi) of POSITION_EDGES holding t (the
     last bucket also holds t = T). Per bucket: the mean over its bytes, and the standard error of
@@ -328,6 +331,8 @@ def position_bpb(ev: PolicyEvaluator, docs: Sequence[bytes], batch: int) -> list
         bits = _nll_bits(ev.logits(ids[:, :-1]), ids[:, 1:]).double().cpu()
         sums = torch.zeros(ids.shape[0], len(edges) - 1, dtype=torch.float64).index_add_(1, bucket, bits)
         per_doc.append(sums / width)
+        if tick:
+            tick(i + ids.shape[0])
     means = torch.cat(per_doc)
     n = means.shape[0]
     se = means.std(0) / math.sqrt(n) if n > 1 else None
@@ -345,7 +350,12 @@ def position_bpb(ev: PolicyEvaluator, docs: Sequence[bytes], batch: int) -> list
 
 
 def tail_bpb(
-    ev: PolicyEvaluator, docs: Sequence[bytes], policies: Sequence[Policy], rows: int, batch: int
+    ev: PolicyEvaluator,
+    docs: Sequence[bytes],
+    policies: Sequence[Policy],
+    rows: int,
+    batch: int,
+    tick: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Bits/byte of the last `rows` bytes of documents of T + 1 bytes, per policy (the first T - rows
     bytes prefilled densely), with the gap to dense on the same bytes and the attention mass kept.
@@ -366,6 +376,8 @@ def tail_bpb(
             logits, kept = (dense_logits, 1.0) if plain else ev.chunk(chunk, p)
             per_doc[p.name] += _nll_bits(logits, targets).double().mean(-1).tolist()
             mass[p.name] += kept * ids.shape[0]
+        if tick:
+            tick(i + ids.shape[0])
     n_docs = len(dense_doc)
     dense = torch.tensor(dense_doc, dtype=torch.float64)
 
@@ -431,6 +443,7 @@ def passkey(
     trials: int,
     batch: int,
     seed: int,
+    tick: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Passkey accuracy per policy and depth bucket (`trials` per bucket); the planted line's depth
     is uniform within its bucket, the filler documents are used in turn."""
@@ -454,6 +467,8 @@ def passkey(
             logits, _ = ev.chunk(chunk, p)
             ok = (logits.argmax(-1) == targets).all(-1).cpu().float()
             right[p.name].index_add_(0, where, ok)
+        if tick:
+            tick(i + len(part))
     rows = []
     for p in policies:
         for b in range(buckets):
@@ -528,7 +543,8 @@ def run_tasks(
                 if not docs:
                     log(f"positions: no held-out document of {T + 1} bytes")
                     continue
-                doc["positions"] += position_bpb(ev, docs, s.batch(T))
+                with Progress(f"tasks: positions at {T}", len(docs)) as tick:
+                    doc["positions"] += position_bpb(ev, docs, s.batch(T), tick)
                 log(f"positions at {T}: {len(docs)} documents")
         elif part == "tail":
             doc["tail"] = []
@@ -537,7 +553,8 @@ def run_tasks(
                 if not docs:
                     log(f"tail: no held-out document of {T + 1} bytes")
                     continue
-                doc["tail"] += tail_bpb(ev, docs, policies, s.tail_rows, s.batch(T))
+                with Progress(f"tasks: tail at {T}, {len(policies)} policies", len(docs)) as tick:
+                    doc["tail"] += tail_bpb(ev, docs, policies, s.tail_rows, s.batch(T), tick)
                 log(f"tail at {T}: {len(docs)} documents, {len(policies)} policies")
                 if on_part:
                     on_part(doc)
@@ -546,16 +563,18 @@ def run_tasks(
             fillers = corpus_mod.documents(corpus.held_out, T, s.passkey_buckets * s.passkey_trials)
             if not fillers:
                 raise ValueError(f"corpus: no held-out document of {T} bytes for the passkey task")
-            doc["passkey"] = passkey(
-                ev,
-                fillers,
-                policies,
-                length=T,
-                buckets=s.passkey_buckets,
-                trials=s.passkey_trials,
-                batch=s.batch(T),
-                seed=s.seed,
-            )
+            with Progress(f"tasks: passkey at {T}", s.passkey_buckets * s.passkey_trials) as tick:
+                doc["passkey"] = passkey(
+                    ev,
+                    fillers,
+                    policies,
+                    length=T,
+                    buckets=s.passkey_buckets,
+                    trials=s.passkey_trials,
+                    batch=s.batch(T),
+                    seed=s.seed,
+                    tick=tick,
+                )
             log(f"passkey at {T}: {s.passkey_buckets * s.passkey_trials} trials")
         else:
             raise ValueError(f"parts: expected positions, tail or passkey, got {part!r}")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
+from pqattn.lab.progress import Progress
 
 LOG2 = math.log(2.0)
 NAME_LETTERS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -237,6 +238,7 @@ def train(
     _sync(device)
     t0 = time.perf_counter()
     stopped_at = None
+    tick = Progress("train", total)
     for (context, _), n in zip(spec.phases, counts, strict=True):
         window_loss = []
         for _ in range(n):
@@ -246,16 +248,19 @@ def train(
             loss = trainer.step(context, lr_at(step, total, spec))
             window_loss.append(loss)
             step += 1
+            tick(step, f"at context {context}")
             if step % spec.log_every == 0 or step == total:
                 mean = float(torch.stack(window_loss).mean()) / LOG2
                 elapsed = time.perf_counter() - t0
                 tok_s = step * spec.tokens_per_step / elapsed
                 curve.append({"step": step, "context": context, "bpb": mean, "elapsed_s": elapsed})
+                tick.close()  # the log line takes the progress line's place
                 log(
                     f"step {step:>5}/{total} ctx {context:>5}  train {mean:.3f} bits/byte  "
                     f"{tok_s / 1e3:.0f}K tok/s  {elapsed:.0f} s"
                 )
                 window_loss = []
+    tick.close()
     _sync(device)
     train_s = time.perf_counter() - t0
     if stopped_at is not None:
