@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import pqattn
-from pqattn import PQConfig, PQIndex
+from pqattn import PQConfig, PQIndex, ops
 from pqattn import reference as ref
 from pqattn.index import _MAX_PLANS
 from pqattn.runtime.launch import interpreted
-from tests.helpers import assert_close, assert_index_selection, count_plan_replays
+from tests.helpers import assert_close, assert_index_selection, count_plan_replays, rows_as_sets
 
 # a small per-head index: M=2 sub-vectors of 2 bits
 COARSE = PQConfig(subvectors=2, bits=2, sink=2, window=2, heavy=4, iters=1, share="head")
@@ -455,3 +455,33 @@ def test_group_selection_decode_steps(
         assert_close(out, expect, atol=1e-5, rtol=1e-5, what=f"step {t}")
     if routes == "kernels":  # (a first call that compiles is not recorded)
         assert replays[0] >= steps - 2, "the steps replay their plan"
+
+
+@pytest.mark.parametrize("routes", ["reference", "kernels"])
+def test_decode_steps_over_paged_caches(routes: str, device: torch.device, request) -> None:
+    """decode_step with a block table (SPEC §8): the paged caches take each step's key and value at
+    the sequence's length, and each step selects and attends as the contiguous cache's step does
+    (the same codebook); a cache whose blocks cannot hold the capacity is refused."""
+    if routes == "kernels":
+        request.getfixturevalue("kernel_routes")
+    B, H, Hkv, D, steps, P = 2, 8, 2, 64, 3, 16
+    index, k_cache, v_cache, lengths = _step_setup(device, steps=steps)
+    book = ops.PQCodebook(index.centroids, index.codes[:, :, : max(lengths)], None)
+    paged = pqattn.PQIndex.from_codebook(book, lengths, capacity=index.capacity, config=index.config)
+    blocks = -(-index.capacity // P)
+    table = torch.randperm(B * blocks, device=device).view(B, blocks)  # blocks in any order
+    k_paged = ref.to_pages(k_cache, table, B * blocks, P)
+    v_paged = ref.to_pages(v_cache, table, B * blocks, P)
+    for t in range(steps):
+        q = torch.randn(B, H, D, device=device)
+        k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
+        want = index.decode_step(q, k_new, v_new, k_cache, v_cache).clone()
+        got = paged.decode_step(q, k_new, v_new, k_paged, v_paged, block_table=table).clone()
+        assert torch.equal(paged.lengths, index.lengths)
+        for b, n in enumerate(lengths):
+            rows = ref.unpage(k_paged, table)[b, :, : n + t + 1]
+            assert torch.equal(rows, k_cache[b, :, : n + t + 1])
+        assert rows_as_sets(*paged.select(q)) == rows_as_sets(*index.select(q))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="block_table: expected blocks for the index's capacity"):
+        paged.decode_step(q, k_new, v_new, k_paged, v_paged, block_table=table[:, :2])

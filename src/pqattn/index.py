@@ -152,6 +152,7 @@ class PQIndex:
         self._arrivals = torch.zeros((batch,), dtype=torch.int32, device=self.device)
         # recorded launches per (method, input signature): valid while the buffers above are
         self._plans = PlanCache(_MAX_PLANS)
+        self._paged_checked: set[tuple] = set()  # signatures of paged caches whose table was checked
 
     @classmethod
     def build(
@@ -583,31 +584,37 @@ class PQIndex:
         selection: Selection | None = None,
         *,
         scale: float | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sparse attention of q over the selected tokens of the cache (selects first when
         `selection` is None).
 
         Args:
-            q: [B, H, D]. k_cache, v_cache: [B, Hkv, >= the longest length, D].
+            q: [B, H, D]. k_cache, v_cache: [B, Hkv, >= the longest length, D], or with
+                `block_table` [B, max_blocks] paged caches [num_blocks, P, Hkv, D] (SPEC §8;
+                positions stay logical).
             selection: a Selection from `select`, or None. scale: default 1/sqrt(D).
 
         Returns:
             out [B, H, D] in q's dtype; on the kernel path a buffer of the index's, reused by the
             next call (copy it to keep it).
         """
-        if k_cache.dim() == 4 and k_cache.shape[2] < self._max_length:
+        if block_table is not None:
+            self._check_paged(k_cache, v_cache, block_table)  # once per signature
+        elif k_cache.dim() == 4 and k_cache.shape[2] < self._max_length:
             raise ValueError(
                 f"k_cache: expected at least {self._max_length} tokens on axis 2 (the longest sequence), "
                 f"got {k_cache.shape[2]}"
             )
         inputs = (q, k_cache, v_cache) if selection is None else (q, k_cache, v_cache, *selection)
+        inputs += () if block_table is None else (block_table,)
         key = self._plan_key("attend", *inputs, scale=scale)
         plan = self._plans.get(key)
         if plan is not None:
             plan(*inputs)
             return self._attn_out
         with recording() as rec:
-            out = self._attend(q, k_cache, v_cache, selection, scale)
+            out = self._attend(q, k_cache, v_cache, selection, scale, block_table)
         if self._kernels_only(q, select=selection is None):
             self._keep(key, rec, *inputs)
         return out
@@ -632,10 +639,17 @@ class PQIndex:
         v_cache: torch.Tensor,
         selection: Selection | None,
         scale: float | None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if selection is None and block_table is not None and self.config.rerank:
+            raise ValueError(
+                "block_table: a config that re-ranks reads contiguous keys in PQIndex.select; pass a "
+                "selection (select_topk(..., keys=k_cache, block_table=block_table) re-ranks paged keys)"
+            )
         sel = self.select(q, k_cache) if selection is None else selection
+        paged = {} if block_table is None else {"block_table": block_table}
         if not dispatch.decode_kernel_path(q):
-            return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale)
+            return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale, **paged)
         B, H, D = q.shape
         L = sel.positions.shape[-1]
         if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
@@ -662,7 +676,28 @@ class PQIndex:
             scale=scale,
             out=self._attn_out,
             workspace=self._attn_workspace,
+            **paged,
         )
+
+    def _check_paged(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor) -> None:
+        """Paged caches [num_blocks, P, Hkv, D] and a block table whose blocks hold the capacity,
+        checked once per input signature (the values of the table: one host read, then)."""
+        seen = signature(k_cache, v_cache, block_table)
+        if seen is not None and seen in self._paged_checked:
+            return
+        _, Hkv, n_tokens, D = check.paged_cache(k_cache, v_cache, block_table, self.batch)
+        if (Hkv, D) != (self.kv_heads, self.head_dim):
+            raise ValueError(
+                f"k_cache: expected Hkv={self.kv_heads}, D={self.head_dim} (the index's), "
+                f"got Hkv={Hkv}, D={D}"
+            )
+        if n_tokens < self.capacity:
+            raise ValueError(
+                f"block_table: expected blocks for the index's capacity={self.capacity} tokens, got "
+                f"{block_table.shape[1]} blocks of {k_cache.shape[1]} = {n_tokens}"
+            )
+        if seen is not None and len(self._paged_checked) < _MAX_PLANS:
+            self._paged_checked.add(seen)
 
     def decode_step(
         self,
@@ -673,6 +708,7 @@ class PQIndex:
         v_cache: torch.Tensor,
         *,
         scale: float | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step of a layer: store the new key and value, index the key, select, attend.
 
@@ -685,7 +721,10 @@ class PQIndex:
 
         Args:
             q: [B, H, D]. k_new, v_new: [B, Hkv, 1, D].
-            k_cache, v_cache: [B, Hkv, >= capacity, D]. scale: default 1/sqrt(D).
+            k_cache, v_cache: [B, Hkv, >= capacity, D], or with `block_table` [B, max_blocks]
+                paged caches [num_blocks, P, Hkv, D] whose blocks hold the capacity (the new rows
+                then go in through `pqattn.paged_append`: two launches, capturable).
+            scale: default 1/sqrt(D).
 
         Returns:
             out [B, H, D] in q's dtype (on the kernel path a buffer of the index's).
@@ -699,6 +738,8 @@ class PQIndex:
             >>> out.shape, index.lengths.tolist()
             (torch.Size([1, 4, 16]), [65])
         """
+        if block_table is not None:
+            return self._paged_step(q, k_new, v_new, k_cache, v_cache, block_table, scale)
         inputs = (q, k_new, v_new, k_cache, v_cache)
         key = self._plan_key("step", *inputs, scale=scale)
         plan = self._plans.get(key)
@@ -741,6 +782,28 @@ class PQIndex:
             self._keep(key, rec, *inputs)
         self._reindex_when_due()
         return out
+
+    def _paged_step(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """decode_step over paged caches: paged_append at the lengths, append, attend."""
+        kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check.tensor(
+                name, t, shape=kv_shape, dims="[B, Hkv, 1, D]", dtypes=check.FLOAT_DTYPES, device=self.device
+            )
+        self._check_paged(k_cache, v_cache, block_table)
+        self._check_room(1, "k_new")
+        ops.paged_append(k_cache, v_cache, block_table, self.lengths, k_new[:, :, 0], v_new[:, :, 0])
+        self.append(k_new)
+        return self.attend(q, k_cache, v_cache, scale=scale, block_table=block_table)
 
 
 def decode_step(
