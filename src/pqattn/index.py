@@ -738,8 +738,22 @@ class PQIndex:
             >>> out.shape, index.lengths.tolist()
             (torch.Size([1, 4, 16]), [65])
         """
-        if block_table is not None:
-            return self._paged_step(q, k_new, v_new, k_cache, v_cache, block_table, scale)
+        kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
+        if block_table is not None:  # paged caches: paged_append at the lengths, append, attend
+            for name, t in (("k_new", k_new), ("v_new", v_new)):
+                check.tensor(
+                    name,
+                    t,
+                    shape=kv_shape,
+                    dims="[B, Hkv, 1, D]",
+                    dtypes=check.FLOAT_DTYPES,
+                    device=self.device,
+                )
+            self._check_paged(k_cache, v_cache, block_table)
+            self._check_room(1, "k_new")
+            ops.paged_append(k_cache, v_cache, block_table, self.lengths, k_new[:, :, 0], v_new[:, :, 0])
+            self.append(k_new)
+            return self.attend(q, k_cache, v_cache, scale=scale, block_table=block_table)
         inputs = (q, k_new, v_new, k_cache, v_cache)
         key = self._plan_key("step", *inputs, scale=scale)
         plan = self._plans.get(key)
@@ -749,7 +763,6 @@ class PQIndex:
             self._max_length += 1
             self._reindex_when_due()
             return self._attn_out
-        kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             check.tensor(
                 name, t, shape=kv_shape, dims="[B, Hkv, 1, D]", dtypes=check.FLOAT_DTYPES, device=self.device
@@ -782,28 +795,6 @@ class PQIndex:
             self._keep(key, rec, *inputs)
         self._reindex_when_due()
         return out
-
-    def _paged_step(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        scale: float | None,
-    ) -> torch.Tensor:
-        """decode_step over paged caches: paged_append at the lengths, append, attend."""
-        kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
-            check.tensor(
-                name, t, shape=kv_shape, dims="[B, Hkv, 1, D]", dtypes=check.FLOAT_DTYPES, device=self.device
-            )
-        self._check_paged(k_cache, v_cache, block_table)
-        self._check_room(1, "k_new")
-        ops.paged_append(k_cache, v_cache, block_table, self.lengths, k_new[:, :, 0], v_new[:, :, 0])
-        self.append(k_new)
-        return self.attend(q, k_cache, v_cache, scale=scale, block_table=block_table)
 
 
 def decode_step(
