@@ -79,7 +79,7 @@ def select_config(rows: int, device: torch.device) -> triton.Config:
     8 warps while the rows fit one program per SM; 4 warps (255 registers a thread at P = 4096:
     two programs per SM) while they fit two; beyond that 4 warps capped at 168 registers (three
     per SM; some spill) with the runs' bounds loaded after the search. The figures, and the
-    warps and caps measured slower: docs/kernels/select.md."""
+    warps and caps measured slower: docs/kernels/select-log.md."""
     if device.type == "cuda":
         sms = sm_count(device)
         if rows <= sms:

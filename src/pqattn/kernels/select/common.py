@@ -4,7 +4,7 @@ Scores become order-preserving uint32 keys (`order_key`, 0 = not a candidate); a
 table LUT[m, c] = <q_m, centroid[m, c]> lives in the workspace (`write_lut`, `lut_base`); a top-k
 over keys is a count search that keeps a bracket of existing keys (`probe`), and with token counts
 per key (the histogram routes) `weighted_cut` finds the cut. The decisions and the searches
-measured slower: docs/kernels/select.md.
+measured slower: docs/kernels/select.md and select-log.md.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def weighted_cut(key, w, need):
     tokens, the first step probes two values in one reduction: where a normal distribution of the
     scores (the tokens' weighted mean and variance) puts the (k / 1.5)-th and the (1.5 k)-th
     largest, and the bracket usually holds few keys after it. Why these numbers, and the searches
-    measured slower (four probes a step, a compacted finish): docs/kernels/select.md.
+    measured slower (four probes a step, a compacted finish): docs/kernels/select-log.md.
     """
     valid = w > 0
     total, lo, top = sum_min_max(w, tl.where(valid, key, tl.full([], 0xFFFFFFFF, tl.uint32)), key)

@@ -82,7 +82,7 @@ SCORE_WARPS = 8
 REG_LUT_ELEMENTS = 2048
 INTERPRETER_SMS = 16  # the SM count assumed off the GPU (small test rows still split and loop)
 # The max rule's G tables of at most this many centroids are gathered from registers (faster
-# there; one table gathers as fast from memory: docs/kernels/select.md)
+# there; one table gathers as fast from memory: docs/kernels/select-log.md)
 REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
