@@ -13,11 +13,13 @@ from pqattn.host import HostCache
 from tests.helpers import rows_as_sets
 
 
-def _pair(device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.float32, int8=False):
+def _pair(
+    device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.float32, int8=False, metric="euclidean"
+):
     """A HostCache and an on-GPU PQIndex with its caches, over the same ragged prompts (one
     deterministic build each)."""
     N = 160 if device.type == "cpu" else 2000
-    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=8, iters=3)
+    config = pqattn.PQConfig(subvectors=4, bits=4, sink=4, window=8, heavy=8, iters=3, metric=metric)
     keys = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
     values = torch.randn(B, Hkv, N + steps, D, device=device, dtype=dtype)
     lengths = [N, N - 37]
@@ -35,8 +37,12 @@ def _pair(device, *, B=2, H=8, Hkv=2, D=32, steps=6, slots=None, dtype=torch.flo
     return cache, index, keys.clone(), values.clone(), lengths
 
 
-@pytest.mark.parametrize("routes", ["reference", "kernels"])
-def test_host_tier_decodes_as_the_gpu_cache_does(routes: str, device: torch.device, request) -> None:
+@pytest.mark.parametrize(
+    "routes,metric", [("reference", "euclidean"), ("kernels", "euclidean"), ("kernels", "ip")]
+)
+def test_host_tier_decodes_as_the_gpu_cache_does(
+    routes: str, metric: str, device: torch.device, request
+) -> None:
     """Ragged GQA batch, steps whose selections overlap: the host tier selects the on-GPU path's
     tokens (sets: the kernels' list order is not fixed), its output equals the on-GPU attention
     over its own lists, rows missed are fetched (the hit rate is neither 0 nor 1), and the host
@@ -46,7 +52,7 @@ def test_host_tier_decodes_as_the_gpu_cache_does(routes: str, device: torch.devi
     elif device.type == "cuda":
         pytest.skip("the host tier takes its kernels on CUDA")
     B, H, Hkv, D, steps = 2, 8, 2, 32, 6
-    cache, index, k_cache, v_cache, lengths = _pair(device, steps=steps)
+    cache, index, k_cache, v_cache, lengths = _pair(device, steps=steps, metric=metric)
     for t in range(steps):
         q = torch.randn(B, H, D, device=device)
         k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))

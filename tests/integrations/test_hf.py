@@ -500,6 +500,25 @@ def test_host_tier_generates_the_tokens_of_the_gpu_cache(kind: str, device: torc
     assert bool(rows[:, :, :P].abs().sum(-1).gt(0).all()), "the prompt's keys and values are in the host rows"
 
 
+def test_8_bit_host_tier_generates_from_8_bit_rows(device: torch.device) -> None:
+    """host_int8: the layers' host rows are 8-bit (2 * D + 8 bytes a position), the prompt's rows
+    decode back close to the keys, and every decode step is sparse over them."""
+    model = _model("llama", device)
+    P, new = (150, 6) if device.type == "cpu" else (600, 12)
+    ids = torch.randint(0, 128, (1, P), device=device)
+    config = pq_hf.HFConfig(
+        heavy=8, sink=4, window=4, subvectors=4, bits=4, kv_placement="host", host_int8=True
+    )
+    pq_hf.enable(model, config)
+    out = pq_hf.StaticDecoder(model, ids, new, capture=False).run()
+    assert out.shape == (1, P + new)
+    for state in _states(model):
+        rows = state.host.rows
+        assert rows.dtype == torch.uint8 and rows.shape[-1] == 2 * 16 + 8
+        assert state.sparse_steps == new - 1 and state.host.int8
+    pq_hf.disable(model)
+
+
 def test_host_tier_is_validated_and_needs_the_static_loop(device: torch.device, monkeypatch) -> None:
     for field, value, what in (
         ("share", "head", "share: expected 'group'"),
@@ -511,6 +530,8 @@ def test_host_tier_is_validated_and_needs_the_static_loop(device: torch.device, 
         kwargs = {"kv_placement": "host", field: value}
         with pytest.raises(ValueError, match=what):
             pq_hf.HFConfig(**kwargs)
+    with pytest.raises(ValueError, match="host_int8: expected kv_placement='host', got 'gpu'"):
+        pq_hf.HFConfig(host_int8=True)
     model = _model("llama", device)
     pq_hf.enable(model, pq_hf.HFConfig(heavy=8, sink=4, window=4, subvectors=4, kv_placement="host"))
     ids = torch.randint(0, 128, (1, 40), device=device)
