@@ -95,21 +95,31 @@ def _time_steps(decoder, steps: int) -> list[float]:
     return times
 
 
+def _seconds(fn, *args):
+    """(fn(*args), its wall-clock seconds with the GPU's work included)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def _steps_and_rows(model, decoder, steps: int) -> tuple[list[float], int, int]:
+    """ms of each timed step (`_time_steps`), and the row caches' lookups and misses over them."""
+    before = _row_stats(model)
+    times = _time_steps(decoder, steps)
+    after = _row_stats(model)
+    return times, after[0] - before[0], after[1] - before[1]
+
+
 def _loop(model, ids, new_tokens: int, steps: int, placement: str | None) -> dict:
     """Prefill + `steps` timed steps of the static loop; placement None: the dense split-K loop."""
     if placement is None:
         model.set_attn_implementation(baselines.register_dense_decode())
     else:
         pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement=placement))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    decoder = pq_hf.StaticDecoder(model, ids, new_tokens)
-    torch.cuda.synchronize()
-    prefill_s = time.perf_counter() - t0
-    before = _row_stats(model)
-    times = _time_steps(decoder, steps)
-    after = _row_stats(model)
-    lookups, misses = after[0] - before[0], after[1] - before[1]
+    decoder, prefill_s = _seconds(pq_hf.StaticDecoder, model, ids, new_tokens)
+    times, lookups, misses = _steps_and_rows(model, decoder, steps)
     row = {
         "placement": placement or "dense-split-k",
         "prefill_s": prefill_s,
@@ -230,18 +240,9 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int
         model = _model(32, context + 512)
         pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host", host_int8=int8))
         ids = torch.randint(0, 32000, (B, PROMPT), device="cuda")
-        t0 = time.perf_counter()
-        decoder = pq_hf.StaticDecoder(model, ids, context - PROMPT + steps + 16)
-        torch.cuda.synchronize()
-        setup_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _fill_directly(model, decoder, context)
-        torch.cuda.synchronize()
-        fill_s = time.perf_counter() - t0
-        before = _row_stats(model)
-        times = _time_steps(decoder, steps)
-        after = _row_stats(model)
-        misses, lookups = after[1] - before[1], after[0] - before[0]
+        decoder, setup_s = _seconds(pq_hf.StaticDecoder, model, ids, context - PROMPT + steps + 16)
+        _, fill_s = _seconds(_fill_directly, model, decoder, context)
+        times, lookups, misses = _steps_and_rows(model, decoder, steps)
         ms = statistics.median(times)
         row_bytes = 2 * 128 + 8 if int8 else ROW_BYTES
         states = _states(model)

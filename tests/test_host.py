@@ -37,6 +37,18 @@ def _pair(
     return cache, index, keys.clone(), values.clone(), lengths
 
 
+def _matches_the_gpu_step(got, cache, index, q, k_new, v_new, k_cache, v_cache) -> None:
+    """Run the on-GPU path's step on the same inputs: the same lengths, the same tokens selected
+    (as sets: the kernels' list order is not fixed), and `got` equal to the on-GPU attention over
+    the lists the host tier's step attended over."""
+    index.decode_step(q, k_new, v_new, k_cache, v_cache)
+    assert torch.equal(cache.index.lengths, index.lengths)
+    mine = cache.selection
+    assert rows_as_sets(*mine) == rows_as_sets(*index.select(q))
+    want = index.attend(q, k_cache, v_cache, pqattn.Selection(mine.positions.clone(), mine.counts.clone()))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "routes,metric", [("reference", "euclidean"), ("kernels", "euclidean"), ("kernels", "ip")]
 )
@@ -57,14 +69,7 @@ def test_host_tier_decodes_as_the_gpu_cache_does(
         q = torch.randn(B, H, D, device=device)
         k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
         got = cache.decode_step(q, k_new, v_new).clone()
-        index.decode_step(q, k_new, v_new, k_cache, v_cache)
-        assert torch.equal(cache.index.lengths, index.lengths)
-        mine = cache.selection  # the lists the step attended over
-        assert rows_as_sets(*mine) == rows_as_sets(*index.select(q))
-        want = index.attend(
-            q, k_cache, v_cache, pqattn.Selection(mine.positions.clone(), mine.counts.clone())
-        )
-        assert torch.equal(got, want)
+        _matches_the_gpu_step(got, cache, index, q, k_new, v_new, k_cache, v_cache)
         for b, n in enumerate(lengths):
             assert torch.equal(cache.rows[b, :, n + t, 0], k_new[b, :, 0].cpu())
             assert torch.equal(cache.rows[b, :, n + t, 1], v_new[b, :, 0].cpu())
@@ -117,14 +122,7 @@ def test_host_tier_in_a_cuda_graph(device: torch.device) -> None:
         for t in (q, k_new, v_new):
             t.normal_()
         graph.replay()
-        index.decode_step(q, k_new, v_new, k_cache, v_cache)
-        assert torch.equal(cache.index.lengths, index.lengths)
-        mine = cache.selection  # the lists the step attended over
-        assert rows_as_sets(*mine) == rows_as_sets(*index.select(q))
-        want = index.attend(
-            q, k_cache, v_cache, pqattn.Selection(mine.positions.clone(), mine.counts.clone())
-        )
-        assert torch.equal(out, want)
+        _matches_the_gpu_step(out, cache, index, q, k_new, v_new, k_cache, v_cache)
     assert 0.0 < cache.hit_rate() < 1.0
 
 
@@ -191,9 +189,4 @@ def test_truncate_keeps_the_rows_before_and_forgets_the_rest(device: torch.devic
         q = torch.randn(B, H, D, device=device)
         k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
         got = cache.decode_step(q, k_new, v_new).clone()
-        index.decode_step(q, k_new, v_new, k_cache, v_cache)
-        mine = cache.selection
-        want = index.attend(
-            q, k_cache, v_cache, pqattn.Selection(mine.positions.clone(), mine.counts.clone())
-        )
-        assert torch.equal(got, want), t
+        _matches_the_gpu_step(got, cache, index, q, k_new, v_new, k_cache, v_cache)

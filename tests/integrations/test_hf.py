@@ -473,8 +473,10 @@ def test_static_decoder_steps_and_arguments(device: torch.device) -> None:
         pq_hf.StaticDecoder(model, ids, 3, prefill_tokens=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_host_tier_generates_the_tokens_of_the_gpu_cache(kind: str, device: torch.device) -> None:
+@pytest.mark.parametrize("kind,prefill", [("llama", "sdpa"), ("qwen2", "pqattn")])
+def test_host_tier_generates_the_tokens_of_the_gpu_cache(
+    kind: str, prefill: str, device: torch.device
+) -> None:
     """kv_placement="host" through StaticDecoder (ragged prompts, a prefill in chunks): the same
     greedy tokens as the cache on the GPU, every decode step sparse, rows fetched and reused, the
     prompts' keys and values in the host rows."""
@@ -484,7 +486,9 @@ def test_host_tier_generates_the_tokens_of_the_gpu_cache(kind: str, device: torc
     lengths = [P, P - 41]
     tokens, states = {}, {}
     for placement in ("gpu", "host"):
-        config = pq_hf.HFConfig(heavy=8, sink=4, window=4, subvectors=4, bits=4, kv_placement=placement)
+        config = pq_hf.HFConfig(
+            heavy=8, sink=4, window=4, subvectors=4, bits=4, kv_placement=placement, prefill=prefill
+        )
         pq_hf.enable(model, config)
         decoder = pq_hf.StaticDecoder(model, ids, new, prompt_lengths=lengths, prefill_tokens=P)
         tokens[placement] = decoder.run()

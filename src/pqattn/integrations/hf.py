@@ -195,15 +195,7 @@ def pq_attention_forward(
         if dense_layer or state.padded:
             state.index = None
             return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
-        window = _sliding_window(module)
-        plain_causal = getattr(module, "is_causal", True) and (window is None or window >= n)
-        if c.prefill == "pqattn" and plain_causal:
-            # Without padding, and with no sliding window shorter than the sequence, the mask is
-            # the bottom-right causal one.
-            attn = ops.dense_attention(query, key, value, causal=True, scale=scaling)
-            out = (attn.transpose(1, 2).contiguous(), None)
-        else:
-            out = _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+        out = _prefill_attention(module, c, query, key, value, attention_mask, scaling, **kwargs)
         lengths = [n] * B if state.prompt_lengths is None else state.prompt_lengths
         if n < max(lengths):  # a chunk of a longer prefill: the index is built at its last chunk
             return out
@@ -236,6 +228,27 @@ def pq_attention_forward(
     return out[:, None], None
 
 
+def _prefill_attention(
+    module: torch.nn.Module,
+    config: HFConfig,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A prompt's dense attention over key/value [B, Hkv, n, D] (a prompt without padding):
+    `pqattn.dense_attention` when the config asks for it and no sliding window shorter than the
+    sequence makes the mask other than the bottom-right causal one; SDPA with the mask otherwise."""
+    window = _sliding_window(module)
+    plain_causal = getattr(module, "is_causal", True) and (window is None or window >= key.shape[2])
+    if config.prefill == "pqattn" and plain_causal:
+        attn = ops.dense_attention(query, key, value, causal=True, scale=scaling)
+        return attn.transpose(1, 2).contiguous(), None
+    return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+
+
 def _host_attention(
     module: torch.nn.Module,
     state: _LayerState,
@@ -262,10 +275,7 @@ def _host_attention(
         return out[:, None], None
     c, end = state.config, key.shape[2]
     mask = None if attention_mask is None else attention_mask[..., :end]
-    if c.prefill == "pqattn" and mask is None:
-        out = (ops.dense_attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None)
-    else:
-        out = _sdpa(module, query, key, value, mask, scaling, **kwargs)
+    out = _prefill_attention(module, c, query, key, value, mask, scaling, **kwargs)
     if end >= max(state.prompt_lengths):
         index = PQIndex.build(
             key, state.prompt_lengths, capacity=layer.max_cache_len, config=c.index_config(end)
