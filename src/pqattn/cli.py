@@ -536,6 +536,15 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passkey-context", type=int, default=t.passkey_context, help="passkey document length")
     p.add_argument("--passkey-buckets", type=int, default=t.passkey_buckets, help="depth buckets")
     p.add_argument("--passkey-trials", type=int, default=t.passkey_trials, help="trials per depth bucket")
+    p.add_argument(
+        "--passkey-keys", type=int, default=t.passkey_keys, help="planted lines per document (1 queried)"
+    )
+    p.add_argument(
+        "--passkey-near",
+        type=int,
+        default=t.passkey_near,
+        help="letters in which a distractor's name differs from the queried one's (0: independent names)",
+    )
     _add_policy_args(p, "heavy / prefill length")
     p.add_argument(
         "--batch-tokens", type=int, default=t.batch_tokens, help="tokens per forward (documents batched)"
@@ -567,6 +576,8 @@ def _run_tasks(args: argparse.Namespace) -> int:
         passkey_context=args.passkey_context,
         passkey_buckets=args.passkey_buckets,
         passkey_trials=args.passkey_trials,
+        passkey_keys=args.passkey_keys,
+        passkey_near=args.passkey_near,
         densities=tuple(float(d) for d in args.densities.split(",")),
         pq_configs=_pq_configs(args.pq),
         page=args.page,

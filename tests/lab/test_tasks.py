@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,28 @@ def test_passkey_document() -> None:
         tasks.passkey_document(b"short\n", 2000, 0.5, gen)
 
 
+@pytest.mark.parametrize("near", [0, 2])
+def test_passkey_document_with_distractors(near: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    filler = b"".join(f"line_{i} = f({i})\n".encode() for i in range(4000))
+    for depth in (0.0, 0.5, 0.99):
+        doc, answer = tasks.passkey_document(filler, 30000, depth, gen, keys=8, near=near)
+        assert len(doc) == 30000 and answer == 5
+        value, name = doc[-5:], doc[: -5 - 3].rsplit(b"\n", 1)[1]
+        planted = re.findall(rb"\n([A-Z]{8}) = (\d{5})\n", doc)
+        assert len(planted) == 8 and len({n for n, _ in planted}) == 8, "eight lines, eight names"
+        assert planted.count((name, value)) == 1, "the queried line once"
+        at = doc.index(b"\n" + name + b" = " + value + b"\n") + 1
+        assert abs(at / 30000 - depth) < 0.02
+        for other, _ in planted:
+            differ = sum(a != b for a, b in zip(other, name, strict=True))
+            assert other == name or (differ == near if near else differ > 0)
+    with pytest.raises(ValueError, match="passkey_keys"):
+        tasks.TaskSettings(passkey_keys=0)
+    with pytest.raises(ValueError, match="passkey_near"):
+        tasks.TaskSettings(passkey_near=9)
+
+
 def test_policy_names_and_grid() -> None:
     grid = policy_grid((0.01, 0.1), ((2, 6), (16, 8)))
     assert [p.name for p in grid[:6]] == [
@@ -292,7 +315,8 @@ def test_cli_on_the_committed_model(tmp_path) -> None:
     out = tmp_path / "tasks.json"
     argv = ["tasks", "--model", str(MODEL), "--contexts", "1024", "--position-docs", "1"]
     argv += ["--tail-contexts", "1024", "--tail-docs", "2", "--tail-rows", "8", "--passkey-context", "1024"]
-    argv += ["--passkey-buckets", "2", "--passkey-trials", "2", "--densities", "0.05", "--pq", "2x4"]
+    argv += ["--passkey-buckets", "2", "--passkey-trials", "2", "--passkey-keys", "2"]
+    argv += ["--densities", "0.05", "--pq", "2x4"]
     argv += ["--sink", "16", "--window", "16", "--iters", "2", "--device", "cpu", "--json", str(out)]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
@@ -305,5 +329,6 @@ def test_cli_on_the_committed_model(tmp_path) -> None:
     assert all(r["docs"] == 2 and len(r["doc_bpb"]) == 2 and r["se"] > 0 for r in doc["tail"])
     overall = {r["policy"]: r for r in doc["passkey"] if (r["depth_lo"], r["depth_hi"]) == (0.0, 1.0)}
     assert set(overall) == names and overall["dense"]["trials"] == 4
+    assert all(r["keys"] == 2 and r["near"] == 2 and 0 <= r["se"] <= 0.5 for r in overall.values())
     assert overall["dense"]["accuracy"] >= 0.5, "the committed model retrieves at 1K bytes"
     assert doc["corpus"]["digest"] and doc["environment"]["transformers"]

@@ -161,7 +161,8 @@ def _policies_table(doc: dict) -> list[str]:
     lines = [
         f"Per policy: bits/byte gap to dense over each document's last {s['tail_rows']} bytes "
         f"({s['tail_docs']} documents per context), attention mass kept in the model at {last}, passkey "
-        f"accuracy ({s['passkey_buckets'] * s['passkey_trials']} trials at {s['passkey_context']} bytes):",
+        f"accuracy ({s['passkey_buckets'] * s['passkey_trials']} trials at {s['passkey_context']} bytes"
+        f"{_passkey_form(s)})" + (", ± one standard error:" if _has_errors(doc) else ":"),
         "",
         "| policy | " + " | ".join(f"gap @{c}" for c in contexts) + " | mass | passkey |",
         "| --- |" + " ---: |" * (len(contexts) + 2),
@@ -169,7 +170,7 @@ def _policies_table(doc: dict) -> list[str]:
     for n in names:
         gaps = [_gap(tail[(c, n)]) if (c, n) in tail else "" for c in contexts]
         mass = f"{tail[(last, n)]['mass']:.3f}" if (last, n) in tail else ""
-        acc = f"{keys[n]['accuracy']:.3f}" if n in keys else ""
+        acc = _accuracy(keys[n]) if n in keys else ""
         lines.append(f"| {n} | " + " | ".join(gaps) + f" | {mass} | {acc} |")
     twins = [
         (c, n, n.replace("-kv8", ""))
@@ -185,6 +186,27 @@ def _policies_table(doc: dict) -> list[str]:
             f"{diff:+.5f} ± {se:.5f} bits/byte (paired over {len(tail[(c, n)]['doc_bpb'])} documents)"
         )
     return lines
+
+
+def _has_errors(doc: dict) -> bool:
+    """Whether a tasks document's rows carry standard errors (older runs did not)."""
+    return any("gap_se" in r for r in doc.get("tail", [])) or any("se" in r for r in doc.get("passkey", []))
+
+
+def _passkey_form(settings: dict) -> str:
+    """How many lines a passkey document plants, where the settings say (older runs planted one)."""
+    keys = settings.get("passkey_keys", 1)
+    if keys == 1:
+        return ""
+    near = settings.get("passkey_near", 0)
+    names = f"names {near} letters from the queried one's" if near else "independent names"
+    return f", the queried line among {keys - 1} distractors of the same form with {names}"
+
+
+def _accuracy(row: dict) -> str:
+    """A passkey row's accuracy, with its standard error where the row has one."""
+    se = row.get("se")
+    return f"{row['accuracy']:.3f}" + (f" ± {se:.3f}" if se is not None else "")
 
 
 def _gap(row: dict) -> str:

@@ -7,7 +7,9 @@ per byte, so bits per token are bits per byte):
 * tail: bits/byte of the last `tail_rows` bytes of each document under every selection policy,
   and its gap to dense attention on the same bytes;
 * passkey: a line `NAME = VALUE` planted at a random depth of a document that ends with
-  `NAME = `; a trial is right when the model's greedy bytes are VALUE.
+  `NAME = `, among `passkey_keys - 1` distractor lines of the same form planted at uniform depths
+  (their names differ from NAME in `passkey_near` letters, 0 for independent names); a trial is
+  right when the model's greedy bytes are VALUE.
 
 Protocol ("teacher-forced decoding"): the first P tokens of a document are prefilled with dense
 attention; the last E tokens then go through the model as one chunk in which every query row at
@@ -33,7 +35,7 @@ from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
 from pqattn.lab.policies import PQ_GRID, Policy, from_family, policy_grid
 from pqattn.lab.progress import Progress
-from pqattn.lab.train import passkey_line, random_name, random_value
+from pqattn.lab.train import NAME_LENGTH, NAME_LETTERS, passkey_line, random_name, random_value
 
 NAME = "pqattn_task"
 LOG2 = math.log(2.0)
@@ -49,11 +51,13 @@ class TaskSettings:
     contexts: tuple[int, ...] = (8192, 16384, 32768)
     position_docs: int = 32
     tail_contexts: tuple[int, ...] = (8192, 16384, 32768)
-    tail_docs: int = 16
+    tail_docs: int = 64
     tail_rows: int = 128
-    passkey_context: int = 16384
+    passkey_context: int = 32768
     passkey_buckets: int = 5
     passkey_trials: int = 100  # per depth bucket
+    passkey_keys: int = 8  # planted lines per document: the queried one and its distractors
+    passkey_near: int = 2  # letters in which a distractor's name differs from the queried one's
     densities: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1)
     pq_configs: tuple[tuple[int, int], ...] = PQ_GRID
     page: int = 16
@@ -66,6 +70,10 @@ class TaskSettings:
     batch_tokens: int = 131072  # documents per forward: batch_tokens // context (at least 1)
 
     def __post_init__(self) -> None:
+        if self.passkey_keys < 1:
+            raise ValueError(f"passkey_keys: expected >= 1, got {self.passkey_keys}")
+        if not 0 <= self.passkey_near <= NAME_LENGTH:
+            raise ValueError(f"passkey_near: expected 0..{NAME_LENGTH}, got {self.passkey_near}")
         if self.window < self.page:
             # page bounds are taken over whole pages of the cache: a page holding a token past a
             # query row must lie in that row's window (see PolicyEvaluator)
@@ -418,19 +426,46 @@ def _policy_row(p: Policy) -> dict:
     }
 
 
-def passkey_document(filler: bytes, length: int, depth: float, gen: torch.Generator) -> tuple[bytes, int]:
+def passkey_document(
+    filler: bytes,
+    length: int,
+    depth: float,
+    gen: torch.Generator,
+    *,
+    keys: int = 1,
+    near: int = 0,
+) -> tuple[bytes, int]:
     """A document of `length` bytes: `filler` with the line `NAME = VALUE` planted at the line
-    start nearest below `depth` (a share of the document), ending in `NAME = VALUE`; returns it and
-    len(VALUE)."""
+    start nearest below `depth` (a share of the document) and `keys - 1` distractor lines of the
+    same form at uniform depths, ending in `NAME = VALUE`; returns it and len(VALUE). A
+    distractor's name differs from NAME in `near` random letters (0: an independent name)."""
     name, value = random_name(gen), random_value(gen)
-    line = passkey_line(name, value)
+    lines = [(depth, passkey_line(name, value))]
+    names = {name}
+    while len(lines) < keys:
+        other = _near_name(name, near, gen) if near else random_name(gen)
+        if other not in names:
+            names.add(other)
+            lines.append((float(torch.rand((), generator=gen)), passkey_line(other, random_value(gen))))
     query = b"\n" + name + b" = "
-    body_len = length - len(line) - len(query) - len(value)
+    body_len = length - sum(len(line) for _, line in lines) - len(query) - len(value)
     if len(filler) < body_len:
         raise ValueError(f"filler: expected at least {body_len} bytes, got {len(filler)}")
     body = filler[:body_len]
-    cut = body.rfind(b"\n", 0, max(1, int(depth * body_len))) + 1
-    return body[:cut] + line + body[cut:] + query + value, len(value)
+    # the cuts at line starts, planted from the deepest so earlier cuts keep their offsets
+    cuts = [(body.rfind(b"\n", 0, max(1, int(d * body_len))) + 1, i) for i, (d, _) in enumerate(lines)]
+    for cut, i in sorted(cuts, reverse=True):
+        body = body[:cut] + lines[i][1] + body[cut:]
+    return body + query + value, len(value)
+
+
+def _near_name(name: bytes, letters: int, gen: torch.Generator) -> bytes:
+    """`name` with `letters` of its positions changed to other letters."""
+    out = bytearray(name)
+    for i in torch.randperm(len(name), generator=gen)[:letters].tolist():
+        shift = int(torch.randint(1, len(NAME_LETTERS), (), generator=gen))
+        out[i] = NAME_LETTERS[(NAME_LETTERS.index(out[i]) + shift) % len(NAME_LETTERS)]
+    return bytes(out)
 
 
 def passkey(
@@ -443,17 +478,20 @@ def passkey(
     trials: int,
     batch: int,
     seed: int,
+    keys: int = 1,
+    near: int = 0,
     tick: Callable[[int], None] | None = None,
 ) -> list[dict]:
-    """Passkey accuracy per policy and depth bucket (`trials` per bucket); the planted line's depth
-    is uniform within its bucket, the filler documents are used in turn."""
+    """Passkey accuracy per policy and depth bucket (`trials` per bucket) with its binomial
+    standard error; the queried line's depth is uniform within its bucket, its distractors'
+    (`passkey_document`) anywhere, the filler documents are used in turn."""
     gen = torch.Generator().manual_seed(seed)
     cases = []
     for b in range(buckets):
         for _ in range(trials):
             depth = (b + float(torch.rand((), generator=gen))) / buckets
             filler = fillers[len(cases) % len(fillers)]
-            doc, answer = passkey_document(filler, length, depth, gen)
+            doc, answer = passkey_document(filler, length, depth, gen, keys=keys, near=near)
             cases.append((b, doc, answer))
     answer = cases[0][2]  # every value has 5 digits
     right = {p.name: torch.zeros(buckets) for p in policies}
@@ -471,28 +509,28 @@ def passkey(
             tick(i + len(part))
     rows = []
     for p in policies:
+        form = (p, length, keys, near)
         for b in range(buckets):
-            rows.append(
-                _policy_row(p)
-                | {
-                    "context": length,
-                    "depth_lo": b / buckets,
-                    "depth_hi": (b + 1) / buckets,
-                    "trials": trials,
-                    "accuracy": float(right[p.name][b]) / trials,
-                }
-            )
-        rows.append(
-            _policy_row(p)
-            | {
-                "context": length,
-                "depth_lo": 0.0,
-                "depth_hi": 1.0,
-                "trials": trials * buckets,
-                "accuracy": float(right[p.name].sum()) / (trials * buckets),
-            }
-        )
+            rows.append(_passkey_row(*form, b / buckets, (b + 1) / buckets, right[p.name][b], trials))
+        rows.append(_passkey_row(*form, 0.0, 1.0, right[p.name].sum(), trials * buckets))
     return rows
+
+
+def _passkey_row(
+    p: Policy, length: int, keys: int, near: int, lo: float, hi: float, right: torch.Tensor, trials: int
+) -> dict:
+    """One depth span's accuracy and its binomial standard error."""
+    acc = float(right) / trials
+    return _policy_row(p) | {
+        "context": length,
+        "keys": keys,
+        "near": near,
+        "depth_lo": lo,
+        "depth_hi": hi,
+        "trials": trials,
+        "accuracy": acc,
+        "se": math.sqrt(acc * (1 - acc) / trials),
+    }
 
 
 def load_model(path: str, device: torch.device):
@@ -573,9 +611,11 @@ def run_tasks(
                     trials=s.passkey_trials,
                     batch=s.batch(T),
                     seed=s.seed,
+                    keys=s.passkey_keys,
+                    near=s.passkey_near,
                     tick=tick,
                 )
-            log(f"passkey at {T}: {s.passkey_buckets * s.passkey_trials} trials")
+            log(f"passkey at {T}, {s.passkey_keys} keys: {s.passkey_buckets * s.passkey_trials} trials")
         else:
             raise ValueError(f"parts: expected positions, tail or passkey, got {part!r}")
         if on_part:

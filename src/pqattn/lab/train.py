@@ -36,6 +36,7 @@ from pqattn.lab.progress import Progress
 
 LOG2 = math.log(2.0)
 NAME_LETTERS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+NAME_LENGTH = 8  # letters of a planted name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ def passkey_line(name: bytes, value: bytes) -> bytes:
 
 
 def random_name(gen: torch.Generator) -> bytes:
-    idx = torch.randint(0, len(NAME_LETTERS), (8,), generator=gen)
+    idx = torch.randint(0, len(NAME_LETTERS), (NAME_LENGTH,), generator=gen)
     return bytes(NAME_LETTERS[i] for i in idx.tolist())
 
 
