@@ -36,7 +36,6 @@ import transformers
 
 import pqattn.integrations.hf as pq_hf
 from pqattn import PQIndex
-from pqattn import host as host_tier
 from pqattn import reference as ref
 from pqattn.dispatch import PQCodebook
 from pqattn.host import HostCache, mapped_host_empty
@@ -250,9 +249,7 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int
         kv_dense = B * 32 * 8 * context * ROW_BYTES
         rows.append(
             {
-                "case": f"llama32L-B{B}-{context // 1024}K"
-                + ("-int8" if int8 else "")
-                + ("-thp" if host_tier.HUGE_PAGES else ""),
+                "case": f"llama32L-B{B}-{context // 1024}K" + ("-int8" if int8 else ""),
                 "B": B,
                 "context": context,
                 "layers": 32,
@@ -272,7 +269,6 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int
                 "fill_s": fill_s,
                 "sorted_misses": sort,
                 "int8": int8,
-                "huge_pages": host_tier.HUGE_PAGES,
                 "profile": _profile(decoder),
             }
         )
@@ -378,13 +374,10 @@ def part_fetch() -> list[dict]:
 
 def part_span() -> list[dict]:
     """The fetch's rate against the span of host memory it reads (random lists, no sort): B1 over
-    128K and 512K tokens, B4 over 128K; rows registered (the tier's way, on 4 KiB pages and on
-    transparent huge pages) and from cudaHostAlloc."""
+    128K and 512K tokens, B4 over 128K; rows registered (the tier's way) and from cudaHostAlloc."""
     D, L, Hkv = 128, 4352, 8
-    cuda = torch.device("cuda")
     makers = {
-        "registered": lambda shape: mapped_host_empty(shape, torch.bfloat16, cuda, huge_pages=False),
-        "registered-thp": lambda shape: mapped_host_empty(shape, torch.bfloat16, cuda, huge_pages=True),
+        "registered": lambda shape: mapped_host_empty(shape, torch.bfloat16, torch.device("cuda")),
         "cudaHostAlloc": lambda shape: torch.empty(shape, dtype=torch.bfloat16, pin_memory=True),
     }
     out = []
@@ -393,9 +386,6 @@ def part_span() -> list[dict]:
         ("registered", 1, 1 << 19),
         ("registered", 4, 1 << 17),
         ("cudaHostAlloc", 1, 1 << 19),
-        ("registered-thp", 1, 1 << 17),
-        ("registered-thp", 1, 1 << 19),
-        ("registered-thp", 4, 1 << 17),
     ):
         rows = makers[alloc]((B, Hkv, N, 2, D))
         rows.view(torch.int16).random_()
@@ -498,9 +488,6 @@ def main() -> None:
         "--sorts", default="1", help="the large part's lookups: 1 sorts misses, 0 not, 0,1 both"
     )
     parser.add_argument("--int8", action="store_true", help="the large part with 8-bit host rows")
-    parser.add_argument(
-        "--huge-pages", action="store_true", help="the fit and large parts' host rows on huge pages"
-    )
     parser.add_argument("--model", default="models/byte-llama-13m", help="the text part's trained model")
     parser.add_argument("--json", required=True, help="where to write the results")
     args = parser.parse_args()
@@ -510,7 +497,6 @@ def main() -> None:
         "environment": environment(torch.device("cuda")),
         "parts": {},
     }
-    host_tier.HUGE_PAGES = args.huge_pages
     for part in args.parts.split(","):
         if part == "fit":
             doc["parts"]["fit"] = part_fit(args.steps)

@@ -190,15 +190,3 @@ def test_truncate_keeps_the_rows_before_and_forgets_the_rest(device: torch.devic
         k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
         got = cache.decode_step(q, k_new, v_new).clone()
         _matches_the_gpu_step(got, cache, index, q, k_new, v_new, k_cache, v_cache)
-
-
-def test_huge_page_host_memory_is_aligned_and_outlives_its_mapping(device: torch.device) -> None:
-    """`mapped_host_empty(huge_pages=True)`: the shape and dtype asked for, contiguous, starting on
-    a huge page, and the tensor keeps its memory alive on its own."""
-    t = host.mapped_host_empty((3, 5, 7, 2, 16), torch.bfloat16, device, huge_pages=True)
-    assert t.shape == (3, 5, 7, 2, 16) and t.dtype == torch.bfloat16 and t.is_contiguous()
-    assert t.device.type == "cpu" and t.data_ptr() % host.HUGE_PAGE == 0
-    view = t[1:, 2]
-    del t
-    view.fill_(3.0)
-    assert bool((view == 3.0).all())

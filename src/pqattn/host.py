@@ -9,8 +9,6 @@ of the index plus `slots` rows per KV head. The row cache's rule and the fetch a
 
 from __future__ import annotations
 
-import math
-import mmap
 import weakref
 from typing import NamedTuple
 
@@ -105,17 +103,11 @@ def check_fits(need: Footprint, device: torch.device, what: str = "capacity") ->
             )
 
 
-def mapped_host_empty(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, huge_pages: bool | None = None
-) -> torch.Tensor:
+def mapped_host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host memory that kernels on `device` read and write directly: with CUDA, page-locked and
     mapped (cudaHostRegister of exactly its bytes; the caching host allocator would round a
-    block up to a power of two), unregistered when the tensor object goes; elsewhere plain memory.
-    `huge_pages` backs it with transparent huge pages where the kernel grants them (2 MiB-aligned
-    anonymous memory advised MADV_HUGEPAGE), fewer translations for the GPU's random reads
-    (None: `HUGE_PAGES`)."""
-    huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
-    t = _huge_page_empty(shape, dtype) if huge_pages else torch.empty(shape, dtype=dtype)
+    block up to a power of two), unregistered when the tensor object goes; elsewhere plain memory."""
+    t = torch.empty(shape, dtype=dtype)
     if device.type != "cuda" or t.numel() == 0:
         return t
     cudart = torch.cuda.cudart()
@@ -127,22 +119,6 @@ def mapped_host_empty(
         raise RuntimeError(f"cudaHostRegister of {size / 1e9:.2f} GB of host memory failed: {err}")
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
-
-
-HUGE_PAGE = 2 << 20
-HUGE_PAGES = False  # the host tier's rows on transparent huge pages
-
-
-def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor in anonymous memory starting on a 2 MiB boundary, advised for
-    transparent huge pages (the tensor keeps the mapping alive)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = torch.frombuffer(region, dtype=torch.uint8)
-    skip = -base.data_ptr() % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return base[skip : skip + nbytes].view(dtype).view(shape)
 
 
 class HostCache:

@@ -57,7 +57,7 @@ def test_row_cache_steps_match_the_reference(
     several, misses sorted or in list order, each fetch block size: the kernels' state, misses,
     slot lists, slots and host rows equal the reference's, and every listed row sits in its
     slot. int8: 8-bit host rows, dequantized by the fetch and quantized by its store of the new row
-    (bitwise the reference's), on huge pages."""
+    (bitwise the reference's)."""
     sort_block = (lookup_block(L) if block is None else block) if sort else None
     B, R, N, D = 2, 3, 4 * L + 64, 16
     rows = torch.randn(B, R, N, 2, D) * torch.rand(B, R, N, 2, 1) * 4
@@ -73,7 +73,7 @@ def test_row_cache_steps_match_the_reference(
         k_slots.cpu().clone(),
         v_slots.cpu().clone(),
     )  # the reference's, on the CPU
-    host = mapped_host_empty(rows.shape, rows.dtype, device, huge_pages=int8)  # both allocations
+    host = mapped_host_empty(rows.shape, rows.dtype, device)
     host.copy_(rows)
     lengths = torch.tensor([N - 40, N - 7], device=device)
     previous = None

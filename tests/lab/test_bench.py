@@ -112,7 +112,7 @@ def test_full_and_quick_suites_hold_the_issue_shapes() -> None:
     assert len(suites.prefill_suite("full", meta)) == 5
     gen = suites.generate_suite("quick", meta)[0]
     assert (gen.params["B"], gen.params["context"]) == (1, 32 * 1024) and all(i.no_graph for i in gen.impls)
-    names = ["pqattn", "sdpa", "dense-split-k", "pqattn-compiled", "sdpa-compiled"]
+    names = ["pqattn", "sdpa", "dense-split-k", "pqattn-compiled", "dense-split-k-compiled", "sdpa-compiled"]
     assert [i.name for i in gen.impls] == names
     assert [c.name for c in suites.generate_suite("full", meta)] == [
         "llama8L-B1-32K",

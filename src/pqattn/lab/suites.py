@@ -1038,7 +1038,14 @@ def _generate_case(
                 "pqattn-compiled",
                 sparse,
                 "the pqattn loop, its decode forward through torch.compile (StaticDecoder(compile=True))",
-                ("sdpa-compiled",),
+                ("dense-split-k-compiled", "sdpa-compiled"),
+            ),
+            loop(
+                "dense-split-k-compiled",
+                "baseline",
+                "split-compiled",
+                dense,
+                "the dense split-K loop with the decode forward through torch.compile",
             ),
             loop(
                 "sdpa-compiled",
