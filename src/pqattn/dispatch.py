@@ -22,6 +22,7 @@ from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY
 from pqattn.policy import lookup_tables, select_route
 from pqattn.reference import Selection, SelectParams
 from pqattn.runtime.launch import PlanCache, unrecorded
+from pqattn.runtime.progress import Progress
 
 __all__ = [
     "KERNEL_DEVICES",
@@ -201,6 +202,9 @@ def decode_workspace_numel(rows: int, width: int, D: int, group: int = 0) -> int
 # ---- launches (validated inputs) -------------------------------------------------------------------
 
 
+BUILD_PROGRESS_DELAY = 1.0  # seconds: the reference build takes seconds per 16K-token cache on a CPU
+
+
 def build(
     keys: torch.Tensor,
     lengths: torch.Tensor,
@@ -222,18 +226,24 @@ def build(
     encoded against those centroids (`sampled_keys`). head_offset / total_heads: the keys are
     those KV heads of a larger cache, whose build they match head for head
     (`reference.pq.group_ids`)."""
-    build_pq, encode_keys = ref.build_pq, None
-    if keys.is_cuda and keys.dtype != torch.float64:
+    reference = not keys.is_cuda or keys.dtype == torch.float64
+    if reference:
+        build_pq, encode_keys = ref.build_pq, None
+    else:
         from pqattn.kernels.kmeans import build_pq, encode_keys
     common = dict(subvectors=subvectors, bits=bits, metric=metric, iters=iters, tol=tol, seed=seed)
     common |= dict(head_offset=head_offset, total_heads=total_heads)
     C = 1 << bits
-    if sample <= 0 or keys.shape[2] - init_offset <= sample * C:
-        res = build_pq(keys, lengths, init_offset=init_offset, **common)
-        return PQCodebook(res.centroids, res.codes, res.phi)
-    points, counts = sampled_keys(keys, lengths, init_offset, sample * C)
-    res = build_pq(points, counts, init_offset=0, **common)
     B, Hkv, N, _ = keys.shape
+    what = f"pqattn: index build of {B}x{Hkv}x{N} keys, k-means"
+    with Progress(what, iters, delay=BUILD_PROGRESS_DELAY) as tick:
+        if reference:
+            common["tick"] = tick
+        if sample <= 0 or N - init_offset <= sample * C:
+            res = build_pq(keys, lengths, init_offset=init_offset, **common)
+            return PQCodebook(res.centroids, res.codes, res.phi)
+        points, counts = sampled_keys(keys, lengths, init_offset, sample * C)
+        res = build_pq(points, counts, init_offset=0, **common)
     codes = torch.zeros(B, Hkv, N, subvectors, dtype=torch.uint8, device=keys.device)
     tail = keys[:, :, init_offset:]
     # the bulk encode: point tiles against every centroid (the build's codes launch), else per key

@@ -25,7 +25,6 @@ from pqattn.lab import metrics
 from pqattn.lab.env import environment
 from pqattn.lab.needles import NeedleSpec, make_needles
 from pqattn.lab.policies import per_head
-from pqattn.lab.progress import Progress
 from pqattn.lab.timing import cache_copies, capture, sync, time_eager, time_graph
 from pqattn.lab.workload import WorkloadSpec, make_workload
 
@@ -82,9 +81,8 @@ def run_demo(
 
     sync(device)
     t0 = time.perf_counter()
-    with Progress(f"demo: indexing {N} tokens"):
-        index = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=c)
-        sync(device)
+    index = PQIndex.build(work.keys[:, :, :N], capacity=N + spec.steps, config=c)  # shows its progress
+    sync(device)
     build_ms = (time.perf_counter() - t0) * 1e3
     variants = variants or {}
     host = _host_cache(index, work.keys, work.values, N, spec.steps, H) if c.share == "group" else None

@@ -34,8 +34,8 @@ from pqattn import reference as ref
 from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
 from pqattn.lab.policies import PQ_GRID, Policy, from_family, policy_grid
-from pqattn.lab.progress import Progress
 from pqattn.lab.train import NAME_LENGTH, NAME_LETTERS, passkey_line, random_name, random_value
+from pqattn.runtime.progress import Progress
 
 NAME = "pqattn_task"
 LOG2 = math.log(2.0)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from pqattn.lab import corpus as corpus_mod
 from pqattn.lab.env import environment
-from pqattn.lab.progress import Progress
+from pqattn.runtime.progress import Progress
 
 LOG2 = math.log(2.0)
 NAME_LETTERS = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -13,6 +13,7 @@ Layout conventions (the native ones every kernel follows):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -214,12 +215,14 @@ def lloyd(
     *,
     iters: int,
     tol: float,
+    tick: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Batched Lloyd iterations with per-group early stop.
 
     x: [G, n, d] points, valid: [G, n] bool, init: [G, C, d].
     A group stops once its total squared centre shift in one iteration is below `tol`; its
-    centroids are then frozen, so batching never changes a group's result.
+    centroids are then frozen, so batching never changes a group's result. `tick(done)` is
+    called after each iteration (progress).
     Returns (centroids [G, C, d], codes [G, n] int64, objective [iterations + 1, G], iterations).
     """
     G = x.shape[0]
@@ -243,6 +246,8 @@ def lloyd(
         idx, dist = assign(x, c)
         history.append((dist * valid).sum(1))
         done += 1
+        if tick:
+            tick(done)
     return c, idx, torch.stack(history), done
 
 
@@ -274,13 +279,15 @@ def build_pq(
     init: torch.Tensor | None = None,
     head_offset: int = 0,
     total_heads: int | None = None,
+    tick: Callable[[int], None] | None = None,
 ) -> KMeansResult:
     """k-means PQ index of keys [B, Hkv, N, D] over tokens init_offset..lengths[b] (SPEC §1).
 
     Init: C distinct data points per group, one from each of C equal strata of its tokens, drawn
     by `init_positions` from `seed` (or `init` [B, Hkv, M, C, dsub(+1)] given explicitly, e.g. to compare two
     implementations from one init). head_offset / total_heads: the keys are those KV heads of a
-    larger cache (`group_ids`), whose build they then match head for head.
+    larger cache (`group_ids`), whose build they then match head for head. `tick(i)`: called
+    after each Lloyd iteration (progress).
     """
     B, Hkv, N, _ = keys.shape
     M, C = subvectors, 1 << bits
@@ -295,7 +302,7 @@ def build_pq(
         c0 = _init_centres(x, valid, n_valid, C, seed, group_ids(B, Hkv, M, head_offset, total_heads))
     else:
         c0 = init.reshape(B * Hkv * M, C, x.shape[-1]).to(x.dtype)
-    c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol)
+    c, idx, history, done = lloyd(x, valid, c0, iters=iters, tol=tol, tick=tick)
 
     codes = torch.zeros((B, Hkv, N, M), dtype=torch.uint8, device=keys.device)
     quantized = idx.masked_fill(~valid, 0).to(torch.uint8).reshape(B, Hkv, M, -1).permute(0, 1, 3, 2)

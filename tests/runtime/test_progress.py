@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import sys
 
-from pqattn.lab.progress import Progress
+import torch
+
+from pqattn import dispatch, ops
+from pqattn.runtime.progress import Progress
 
 
 class _Terminal(io.StringIO):
@@ -43,3 +48,22 @@ def test_progress_rate_limits_but_shows_the_last_count() -> None:
     assert out.getvalue().count("\r") == 1
     tick(100)
     assert "100/100" in out.getvalue()
+
+
+def test_progress_waits_out_its_delay() -> None:
+    out = _Terminal()
+    with Progress("build", 4, stream=out, every=0.0, delay=3600.0) as tick:
+        for i in range(1, 5):
+            tick(i)
+    assert out.getvalue() == "", "work shorter than the delay shows nothing"
+
+
+def test_a_reference_index_build_ticks_once_per_iteration(monkeypatch) -> None:
+    """The CPU build's progress line advances with the Lloyd iterations (the terminal faked)."""
+    out = _Terminal()
+    monkeypatch.setattr(sys, "stderr", out)
+    monkeypatch.setattr(Progress, "__init__", functools.partialmethod(Progress.__init__, every=0.0))
+    monkeypatch.setattr(dispatch, "BUILD_PROGRESS_DELAY", 0.0)
+    ops.build_index(torch.randn(1, 2, 300, 16), subvectors=2, bits=4, iters=3, tol=0.0)
+    text = out.getvalue()
+    assert "pqattn: index build of 1x2x300 keys, k-means: 3/3" in text and text.endswith("\r")
