@@ -33,6 +33,7 @@ import time
 
 import torch
 import transformers
+import triton
 
 import pqattn.integrations.hf as pq_hf
 from pqattn import PQIndex
@@ -40,7 +41,7 @@ from pqattn import reference as ref
 from pqattn.dispatch import PQCodebook
 from pqattn.host import HostCache, mapped_host_empty
 from pqattn.kernels import rows as rows_kernels
-from pqattn.kernels.rows import FETCH_BLOCK, FETCH_BLOCKS, fetch_rows, lookup_rows
+from pqattn.kernels.rows import FETCH_BLOCK, FETCH_BLOCKS, FETCH_PROGRAMS_PER_SM, fetch_rows, lookup_rows
 from pqattn.lab import baselines
 from pqattn.lab.env import environment
 from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
@@ -233,10 +234,13 @@ def _profile(decoder, steps: int = 3) -> list[dict]:
     return [*rows[:12], {"kernel": "(the rest)", "us_per_step": rest, "calls": 0}]
 
 
-def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int8: bool) -> list[dict]:
+def part_large(
+    steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int8: bool, per_sm: list[int]
+) -> list[dict]:
     rows = []
-    for (B, context), sort in ((shape, sort) for shape in shapes for sort in sorts):
+    for (B, context), sort, programs in ((x, s, p) for x in shapes for s in sorts for p in per_sm):
         rows_kernels.SORT_MISSES = sort
+        rows_kernels.FETCH_PROGRAMS_PER_SM = programs
         model = _model(32, context + 512)
         pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host", host_int8=int8))
         ids = torch.randint(0, 32000, (B, PROMPT), device="cuda")
@@ -268,6 +272,7 @@ def part_large(steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int
                 "setup_s": setup_s,
                 "fill_s": fill_s,
                 "sorted_misses": sort,
+                "fetch_programs_per_sm": programs,
                 "int8": int8,
                 "profile": _profile(decoder),
             }
@@ -373,26 +378,31 @@ def part_fetch() -> list[dict]:
 
 
 def part_span() -> list[dict]:
-    """The fetch's rate against the span of host memory it reads (random lists, no sort): B1 over
-    128K and 512K tokens, B4 over 128K; rows registered (the tier's way) and from cudaHostAlloc."""
+    """The fetch's rate against the span of host memory it reads and the persistent programs that
+    read it (random lists, no sort): B1 over 128K and 512K tokens, B4 over 128K, with 1, 2 and 4
+    programs a multiprocessor and one program a block of misses (every block at once); rows
+    registered (the tier's way) and, at the default programs, from cudaHostAlloc."""
     D, L, Hkv = 128, 4352, 8
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     makers = {
         "registered": lambda shape: mapped_host_empty(shape, torch.bfloat16, torch.device("cuda")),
         "cudaHostAlloc": lambda shape: torch.empty(shape, dtype=torch.bfloat16, pin_memory=True),
     }
+    sweep = [1 * sms, 2 * sms, 4 * sms, None]
     out = []
-    for alloc, B, N in (
-        ("registered", 1, 1 << 17),
-        ("registered", 1, 1 << 19),
-        ("registered", 4, 1 << 17),
-        ("cudaHostAlloc", 1, 1 << 19),
+    for alloc, B, N, program_counts in (
+        ("registered", 1, 1 << 17, sweep),
+        ("registered", 1, 1 << 19, sweep),
+        ("registered", 4, 1 << 17, sweep),
+        ("cudaHostAlloc", 1, 1 << 19, [FETCH_PROGRAMS_PER_SM * sms]),
     ):
         rows = makers[alloc]((B, Hkv, N, 2, D))
         rows.view(torch.int16).random_()
         counts = torch.full((B, Hkv), L, dtype=torch.int32, device="cuda")
         k_new = torch.randn(B, Hkv, 1, D, device="cuda", dtype=torch.bfloat16)
         lengths = torch.full((B,), N, device="cuda")
-        for hit in (0.0, 0.8):
+        for hit, programs in ((hit, p) for hit in (0.0, 0.8) for p in program_counts):
+            every_block = B * Hkv * triton.cdiv(L, FETCH_BLOCK)
             lists = torch.cat([_lists(24, L, N - 1, hit, Hkv) for _ in range(B)], 1)
             k_slots = torch.zeros(B, Hkv, 2 * L, D, dtype=torch.bfloat16, device="cuda")
             v_slots = torch.zeros_like(k_slots)
@@ -406,17 +416,28 @@ def part_span() -> list[dict]:
                     lookup_rows(lists[t], counts, cache, misses, slot_list, sort=False)
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
-                    fetch_rows(rows, k_new, k_new, lengths, misses, k_slots, v_slots)
+                    fetch_rows(
+                        rows,
+                        k_new,
+                        k_new,
+                        lengths,
+                        misses,
+                        k_slots,
+                        v_slots,
+                        programs=programs or every_block,
+                    )
                     b.record()
                     if rep and t:
                         timed.append((a, b, misses.count.sum()))
             torch.cuda.synchronize()
             us = statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in timed)
             missed = statistics.median(int(c) for _, _, c in timed)
+            label = f"P{programs}" if programs else "every-block"
             out.append(
                 {
-                    "case": f"span-{alloc}-B{B}-N{N // 1024}K-hit{int(hit * 100)}",
+                    "case": f"span-{alloc}-B{B}-N{N // 1024}K-hit{int(hit * 100)}-{label}",
                     "span_bytes": rows.numel() * rows.element_size(),
+                    "programs": programs or every_block,
                     "fetch_us": us,
                     "missed_bytes": missed * ROW_BYTES,
                     "fetch_gbps": missed * ROW_BYTES / us / 1e3,
@@ -488,6 +509,11 @@ def main() -> None:
         "--sorts", default="1", help="the large part's lookups: 1 sorts misses, 0 not, 0,1 both"
     )
     parser.add_argument("--int8", action="store_true", help="the large part with 8-bit host rows")
+    parser.add_argument(
+        "--per-sm",
+        default=str(FETCH_PROGRAMS_PER_SM),
+        help="the large part's persistent fetch programs per multiprocessor (comma-separated: each)",
+    )
     parser.add_argument("--model", default="models/byte-llama-13m", help="the text part's trained model")
     parser.add_argument("--json", required=True, help="where to write the results")
     args = parser.parse_args()
@@ -503,7 +529,8 @@ def main() -> None:
         elif part == "large":
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.large.split(",")]
             sorts = [s == "1" for s in args.sorts.split(",")]
-            doc["parts"]["large"] = part_large(args.steps, shapes, sorts, args.int8)
+            per_sm = [int(p) for p in args.per_sm.split(",")]
+            doc["parts"]["large"] = part_large(args.steps, shapes, sorts, args.int8, per_sm)
         elif part == "fetch":
             doc["parts"]["fetch"] = part_fetch()
         elif part == "span":

@@ -40,17 +40,24 @@ def _lists(
 
 
 @pytest.mark.parametrize(
-    "L,S,block,sort,block_rows,int8",
+    "L,S,block,sort,block_rows,int8,programs",
     [
-        (24, 40, None, True, FETCH_BLOCKS[0], False),
-        (24, 40, None, False, FETCH_BLOCKS[0], True),
-        (300, 500, 128, False, FETCH_BLOCKS[0], False),
-        (300, 500, 128, False, FETCH_BLOCKS[1], True),
-        *((300, 500, 128, True, b, False) for b in FETCH_BLOCKS),
+        (24, 40, None, True, FETCH_BLOCKS[0], False, None),
+        (24, 40, None, False, FETCH_BLOCKS[0], True, 1),
+        (300, 500, 128, False, FETCH_BLOCKS[0], False, 5),
+        (300, 500, 128, False, FETCH_BLOCKS[1], True, None),
+        *((300, 500, 128, True, b, False, 1000) for b in FETCH_BLOCKS),
     ],
 )
 def test_row_cache_steps_match_the_reference(
-    L: int, S: int, block: int | None, sort: bool, block_rows: int, int8: bool, device: torch.device
+    L: int,
+    S: int,
+    block: int | None,
+    sort: bool,
+    block_rows: int,
+    int8: bool,
+    programs: int | None,
+    device: torch.device,
 ) -> None:
     """Steps of lookup + fetch over lists that share part of their rows with the previous step's,
     with ragged counts and the newest position listed; lists and slot scans in one block and in
@@ -93,7 +100,9 @@ def test_row_cache_steps_match_the_reference(
         ref.lookup_rows(pos.cpu(), counts.cpu(), want[0], want_m, want_list, sort_block=sort_block)
         ref.fetch_rows(want[1], k_new.cpu(), v_new.cpu(), lengths.cpu(), want_m, want[2], want[3])
         lookup_rows(pos, counts, cache, got_m, got_list, sort=sort, block=block)
-        fetch_rows(host, k_new, v_new, lengths, got_m, k_slots, v_slots, block_rows=block_rows)
+        fetch_rows(
+            host, k_new, v_new, lengths, got_m, k_slots, v_slots, block_rows=block_rows, programs=programs
+        )
         for name, g, w in zip(ref.RowCache._fields, cache, want[0], strict=True):
             assert torch.equal(g.cpu(), w), (step, name)
         assert torch.equal(got_m.count.cpu(), want_m.count)

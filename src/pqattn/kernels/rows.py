@@ -29,6 +29,9 @@ SORT_MISSES = False
 # Missed rows a fetch program copies: the space the tests run, and the one launched (docs/kernels/host.md).
 FETCH_BLOCKS = (16, 32, 64)
 FETCH_BLOCK = 32
+# Persistent fetch programs a multiprocessor: they walk the rows' misses in row order, so that the
+# reads in flight span one row's host memory rather than every row's (docs/kernels/host.md).
+FETCH_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -189,6 +192,7 @@ def _fetch_kernel(
     stride_nr,
     stride_vb,
     stride_vr,
+    BR,
     R,
     L,
     S,
@@ -197,57 +201,71 @@ def _fetch_kernel(
     BLOCK_R: tl.constexpr,
     INT8: tl.constexpr,
 ):
-    """Program (row = b * R + r, block): copy misses block * BLOCK_R.. of the row from the host tier
-    into the slots [B, R, S, D] (reference.rows.fetch_rows), a position's key and value as one
-    read; block 0 also stores the step's new key and value at position lengths[b] - 1 of the host
-    tier. Host rows: [B, R, N, 2, D] of the slots' kind, or with INT8 uint8 [B, R, N, 2 * D + 8]
-    (int8 codes of the key and value, then their float32 scales), dequantized here."""
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    b = row // R
-    r = row % R
-    row64 = row.to(tl.int64)
-    newest = tl.load(len_ptr + b).to(tl.int32) - 1
+    """Persistent programs over the misses of rows (b * R + r) 0..BR in order: the rows' blocks of
+    BLOCK_R misses numbered one after another, program p copies blocks p, p + P, ... (P programs)
+    from the host tier into the slots [B, R, S, D] (reference.rows.fetch_rows), a position's key
+    and value as one read, so the programs read one row's host memory at a time, not every row's
+    at once. Program row % P also stores the step's new key and value at position lengths[b] - 1
+    of the host tier. Host rows: [B, R, N, 2, D] of the slots' kind, or with INT8 uint8
+    [B, R, N, 2 * D + 8] (int8 codes of the key and value, then their float32 scales),
+    dequantized here."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
     e = tl.arange(0, 2 * D)  # a host row: the key's D elements, then the value's
     is_key = e < D
     width = 2 * D + 8 if INT8 else 2 * D  # elements of a host row
-    host_row = rows_ptr + row64 * N * width
-    k_new = tl.load(k_new_ptr + b.to(tl.int64) * stride_nb + r * stride_nr + e, mask=is_key, other=0.0)
-    v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vb + r * stride_vr + e - D, mask=~is_key, other=0.0)
-    new_at = host_row + newest.to(tl.int64) * width
-    if INT8:
-        codes, scale, scale_k, scale_v = _quantized(
-            tl.where(is_key, k_new.to(tl.float32), v_new.to(tl.float32)), is_key, D
-        )
-        new_row = codes * scale  # what a later fetch of it gives
-        if block == 0:
-            tl.store(new_at + e, codes.to(tl.int8).to(tl.uint8, bitcast=True))
-            _store_scale(new_at + 2 * D, scale_k)
-            _store_scale(new_at + 2 * D + 4, scale_v)
-    else:
-        new_row = tl.where(is_key, k_new.to(rows_ptr.dtype.element_ty), v_new.to(rows_ptr.dtype.element_ty))
-        if block == 0:
-            tl.store(new_at + e, new_row)
-    n_miss = tl.load(miss_cnt_ptr + row64)
-    i = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = i < n_miss
-    p = tl.load(miss_pos_ptr + row64 * L + i, mask=live, other=0)
-    slot = tl.load(miss_slot_ptr + row64 * L + i, mask=live, other=0)
-    is_new = (p == newest)[:, None]
-    from_host = live & (p != newest)
-    at = host_row + p.to(tl.int64) * width
-    if INT8:
-        codes = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0)
-        codes = codes.to(tl.int8, bitcast=True).to(tl.float32)
-        scale_k = _load_scales(at + 2 * D)
-        scale_v = _load_scales(at + 2 * D + 4)
-        kv = codes * tl.where(is_key[None, :], scale_k[:, None], scale_v[:, None])
-    else:
-        kv = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0.0)
-    kv = tl.where(is_new, new_row[None, :], kv).to(k_slot_ptr.dtype.element_ty)
-    dst = (row64 * S + slot.to(tl.int64))[:, None] * D + e[None, :]
-    tl.store(k_slot_ptr + dst, kv, mask=live[:, None] & is_key[None, :])
-    tl.store(v_slot_ptr + dst - D, kv, mask=live[:, None] & ~is_key[None, :])
+    base = pid * 0  # the number of the row's first block
+    for row in range(0, BR):
+        row64 = tl.cast(row, tl.int64)
+        b = row64 // R
+        r = row64 % R
+        n_miss = tl.load(miss_cnt_ptr + row64)
+        n_blocks = tl.cdiv(n_miss, BLOCK_R)
+        first = base + (pid - base % P + P) % P  # this program's first block number >= base
+        if (row % P == pid) | (first < base + n_blocks):
+            newest = tl.load(len_ptr + b).to(tl.int32) - 1
+            host_row = rows_ptr + row64 * N * width
+            k_new = tl.load(
+                k_new_ptr + b.to(tl.int64) * stride_nb + r * stride_nr + e, mask=is_key, other=0.0
+            )
+            v_new = tl.load(v_new_ptr + b * stride_vb + r * stride_vr + e - D, mask=~is_key, other=0.0)
+            new_at = host_row + newest.to(tl.int64) * width
+            if INT8:
+                codes, scale, scale_k, scale_v = _quantized(
+                    tl.where(is_key, k_new.to(tl.float32), v_new.to(tl.float32)), is_key, D
+                )
+                new_row = codes * scale  # what a later fetch of it gives
+                if row % P == pid:
+                    tl.store(new_at + e, codes.to(tl.int8).to(tl.uint8, bitcast=True))
+                    _store_scale(new_at + 2 * D, scale_k)
+                    _store_scale(new_at + 2 * D + 4, scale_v)
+            else:
+                new_row = tl.where(
+                    is_key, k_new.to(rows_ptr.dtype.element_ty), v_new.to(rows_ptr.dtype.element_ty)
+                )
+                if row % P == pid:
+                    tl.store(new_at + e, new_row)
+            for block_no in range(first, base + n_blocks, P):
+                i = (block_no - base) * BLOCK_R + tl.arange(0, BLOCK_R)
+                live = i < n_miss
+                p = tl.load(miss_pos_ptr + row64 * L + i, mask=live, other=0)
+                slot = tl.load(miss_slot_ptr + row64 * L + i, mask=live, other=0)
+                is_new = (p == newest)[:, None]
+                from_host = live & (p != newest)
+                at = host_row + p.to(tl.int64) * width
+                if INT8:
+                    codes = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0)
+                    codes = codes.to(tl.int8, bitcast=True).to(tl.float32)
+                    scale_k = _load_scales(at + 2 * D)
+                    scale_v = _load_scales(at + 2 * D + 4)
+                    kv = codes * tl.where(is_key[None, :], scale_k[:, None], scale_v[:, None])
+                else:
+                    kv = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0.0)
+                kv = tl.where(is_new, new_row[None, :], kv).to(k_slot_ptr.dtype.element_ty)
+                dst = (row64 * S + slot.to(tl.int64))[:, None] * D + e[None, :]
+                tl.store(k_slot_ptr + dst, kv, mask=live[:, None] & is_key[None, :])
+                tl.store(v_slot_ptr + dst - D, kv, mask=live[:, None] & ~is_key[None, :])
+        base += n_blocks
 
 
 def lookup_block(L: int) -> int:
@@ -297,17 +315,29 @@ def fetch_rows(
     v_slots: torch.Tensor,
     *,
     block_rows: int = FETCH_BLOCK,
+    programs: int | None = None,
 ) -> None:
     """Store the new rows k_new / v_new [B, R, 1, D] (last dim contiguous) into the host tier rows
     (contiguous; mapped host memory on a GPU): [B, R, N, 2, D], or uint8 [B, R, N, 2 * D + 8]
     for 8-bit rows (reference.rows.encode_rows); copy the missed rows into the slots k_slots /
-    v_slots [B, R, S, D] (contiguous); block_rows: one of FETCH_BLOCKS."""
+    v_slots [B, R, S, D] (contiguous); block_rows: one of FETCH_BLOCKS; programs: the persistent
+    programs (default FETCH_PROGRAMS_PER_SM a multiprocessor, at most one per block of misses)."""
     B, R, N = rows.shape[:3]
     D = k_slots.shape[-1]
     L, S = misses[0].shape[-1], k_slots.shape[2]
+    if programs is None:
+        programs = FETCH_PROGRAMS_PER_SM * _multiprocessors(k_slots.device)
+    programs = max(1, min(programs, B * R * triton.cdiv(L, block_rows)))
     _fetch_launch(
-        (B * R, triton.cdiv(L, block_rows)),
+        (programs,),
         (rows, k_new, v_new, lengths, *misses, k_slots, v_slots),
-        (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), R, L, S, N),
+        (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), B * R, R, L, S, N),
         dict(D=D, BLOCK_R=block_rows, INT8=rows.dtype == torch.uint8, num_warps=4),
     )
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (a few on a CPU, where the interpreter runs the programs)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
