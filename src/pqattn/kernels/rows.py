@@ -31,7 +31,7 @@ FETCH_BLOCKS = (16, 32, 64)
 FETCH_BLOCK = 32
 # Persistent fetch programs a multiprocessor: they walk the rows' misses in row order, so that the
 # reads in flight span one row's host memory rather than every row's (docs/kernels/host.md).
-FETCH_PROGRAMS_PER_SM = 2
+FETCH_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -254,11 +254,11 @@ def _fetch_kernel(
                 from_host = live & (p != newest)
                 at = host_row + p.to(tl.int64) * width
                 if INT8:
-                    codes = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0)
-                    codes = codes.to(tl.int8, bitcast=True).to(tl.float32)
-                    scale_k = _load_scales(at + 2 * D)
-                    scale_v = _load_scales(at + 2 * D + 4)
-                    kv = codes * tl.where(is_key[None, :], scale_k[:, None], scale_v[:, None])
+                    got = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0)
+                    got = got.to(tl.int8, bitcast=True).to(tl.float32)
+                    got_k = _load_scales(at + 2 * D)
+                    got_v = _load_scales(at + 2 * D + 4)
+                    kv = got * tl.where(is_key[None, :], got_k[:, None], got_v[:, None])
                 else:
                     kv = tl.load(at[:, None] + e[None, :], mask=from_host[:, None], other=0.0)
                 kv = tl.where(is_new, new_row[None, :], kv).to(k_slot_ptr.dtype.element_ty)
