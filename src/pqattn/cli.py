@@ -282,10 +282,12 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
         formatter_class=_HELP,
-        help="regenerate the README's headline, docs/results.md and the model cards from the results JSON",
+        help="regenerate the README's headline, docs/results.md, the model cards and the notes' figures "
+        "from the results JSON",
         description="Rewrite the generated sections (between their markers) of the README's headline table, "
-        "the full results page and every model card under --models from the committed JSON; --check exits "
-        "1 when one is out of date.",
+        "the full results page and every model card under --models, and every figure of the notes tied to "
+        "its JSON, from the committed JSON; --check exits 1 when one is out of date. A note citing a file "
+        "that does not exist is an error either way.",
     )
     p.add_argument("--results", default="bench/results", help="directory of results JSON")
     p.add_argument("--readme", default="README.md", help="the file whose headline table is rewritten")
@@ -295,21 +297,34 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--models", default="models", help="folder of model folders whose README.md (model card) has markers"
     )
+    p.add_argument(
+        "--root",
+        default=".",
+        help="the checkout whose notes (README.md, docs/**/*.md) have their tied figures rewritten and "
+        "their citations checked (pqattn.lab.notes)",
+    )
     p.add_argument("--check", action="store_true", help="do not write; exit 1 when a file is stale")
     p.set_defaults(func=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    from pqattn.lab.notes import update_notes
     from pqattn.lab.report import update_model_cards, update_readme, update_results_page
 
+    notes_current, problems = update_notes(args.root, check=args.check)
     current = {
         args.readme: update_readme(args.readme, args.results, check=args.check),
         args.page: update_results_page(args.page, args.results, check=args.check),
         f"{args.models}/*/README.md": update_model_cards(args.models, args.results, check=args.check),
+        "the notes' tied figures": notes_current,
     }
+    for line in problems:
+        print(line, file=sys.stderr)
     stale = [name for name, ok in current.items() if not ok]
     if args.check and stale:
         print(f"{', '.join(stale)} out of date: run `pqattn report`", file=sys.stderr)
+        return 1
+    if problems:
         return 1
     if stale:
         print(f"rewrote the generated sections of {', '.join(stale)} from {args.results}")

@@ -54,7 +54,7 @@ def test_render_and_rewrite(tmp_path, capsys) -> None:
     readme.write_text(f"intro\n{HEAD_BEGIN}\nold\n{HEAD_END}\noutro\n")
     page.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
     argv = ["report", "--readme", str(readme), "--page", str(page), "--results", str(results)]
-    argv += ["--models", str(tmp_path / "no-models")]
+    argv += ["--models", str(tmp_path / "no-models"), "--root", str(tmp_path)]
     assert main([*argv, "--check"]) == 1
     capsys.readouterr()
     assert main(argv) == 0
