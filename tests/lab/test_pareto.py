@@ -18,11 +18,18 @@ def _tasks_doc() -> dict:
     env = {"device_name": "cpu", "torch": torch.__version__, "triton": "x", "git_sha": "abc"}
     tail = [
         {"context": 512, "policy": "dense", "gap": 0.0, "mass": 1.0},
-        {"context": 512, "policy": "pq-M2-b4@0.1", "gap": 0.25, "mass": 0.7},
+        {"context": 512, "policy": "pq-M2-b4@0.1", "gap": 0.25, "gap_se": 0.01, "mass": 0.7},
     ]
     passkey = [
         {"policy": "dense", "depth_lo": 0.0, "depth_hi": 1.0, "context": 512, "accuracy": 1.0},
-        {"policy": "pq-M2-b4@0.1", "depth_lo": 0.0, "depth_hi": 1.0, "context": 512, "accuracy": 0.5},
+        {
+            "policy": "pq-M2-b4@0.1",
+            "depth_lo": 0.0,
+            "depth_hi": 1.0,
+            "context": 512,
+            "accuracy": 0.5,
+            "se": 0.35,
+        },
     ]
     positions = [{"context": 512, "lo": 0, "hi": 512, "bpb": 1.5, "bytes": 511}]
     return {"model": "m", "settings": settings, "corpus": {"digest": "d" * 64}, "environment": env} | {
@@ -49,6 +56,7 @@ def test_times_quality_rows_plot_and_report(tmp_path) -> None:
     rows = pareto.combine(policies, times, generators, _tasks_doc())
     pq = next(r for r in rows if r["policy"] == "pq-M2-b4@0.1")
     assert pq["bpb_gap_512"] == 0.25 and pq["passkey_512"] == 0.5 and 0 < pq["mass_needles"] <= 1
+    assert pq["se_bpb_gap_512"] == 0.01 and pq["se_passkey_512"] == 0.35, "the errors travel with them"
     oracle = next(r for r in rows if r["policy"] == "oracle@0.1")
     assert oracle["step_us"] is None and oracle["mass_workload"] >= pq["mass_workload"] - 1e-6
     png = tmp_path / "p.png"
@@ -65,7 +73,7 @@ def test_times_quality_rows_plot_and_report(tmp_path) -> None:
     assert (
         "`pqattn tasks`" in text
         and "| 512 | 1.500 |" in text
-        and "| pq-M2-b4@0.1 | +0.2500 | 0.700 | 0.500 |" in text
+        and "| pq-M2-b4@0.1 | +0.2500 ± 0.0100 | 0.700 | 0.500 ± 0.350 |" in text
     )
 
 

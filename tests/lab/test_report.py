@@ -40,6 +40,8 @@ def test_the_headline_shows_tokens_per_head_and_the_equal_bytes_yardsticks() -> 
     default = next(line for line in text.splitlines() if "the default (M=16" in line and "| 2% |" in line)
     tokens = int(default.split("|")[3])
     assert tokens == 64 + 64 + 4 * round(0.02 * 32768)  # sink + window + G per-head heavies
+    passkey, gap = default.split("|")[6:8]
+    assert " ± " in passkey and " ± " in gap, "every bits/byte and passkey figure with its error"
     assert "At equal bytes" in text and "per-head exact top-k at its tokens per head" in text
 
 

@@ -198,9 +198,13 @@ def combine(
                 if r["policy"] == p.name:
                     row[f"bpb_gap_{r['context']}"] = r["gap"]
                     row[f"model_mass_{r['context']}"] = r["mass"]
+                    if "gap_se" in r:
+                        row[f"se_bpb_gap_{r['context']}"] = r["gap_se"]
             for r in tasks_doc.get("passkey", []):
                 if r["policy"] == p.name and r["depth_lo"] == 0.0 and r["depth_hi"] == 1.0:
                     row[f"passkey_{r['context']}"] = r["accuracy"]
+                    if "se" in r:
+                        row[f"se_passkey_{r['context']}"] = r["se"]
         out.append(row)
     return out
 

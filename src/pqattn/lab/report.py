@@ -497,7 +497,9 @@ def render_headline(results_dir: str | Path) -> str:
             "synthetic caches "
             f"(`{path.name}`, git {str(env.get('git_sha'))[:10]}"
             + ("" if t.get("autotune", True) else "; autotuning off: each kernel's first config")
-            + "):",
+            + ")"
+            + _tasks_form(doc.get("tasks"), Path(results_dir))
+            + ":",
             "",
             "| policy | density | tokens / head | step us | vs SDPA | passkey"
             + (f" @{_ctx(key)}" if key else "")
@@ -512,8 +514,8 @@ def render_headline(results_dir: str | Path) -> str:
                 continue
             us = "-" if r["step_us"] is None else _fmt(r["step_us"])
             x = "-" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
-            pk = "" if key is None or r.get(key) is None else f"{r[key]:.2f}"
-            g = "" if gap is None or r.get(gap) is None else f"{r[gap]:+.4f}"
+            pk = "" if key is None or r.get(key) is None else f"{r[key]:.2f}" + _se(r, key, ".2f")
+            g = "" if gap is None or r.get(gap) is None else f"{r[gap]:+.4f}" + _se(r, gap, ".4f")
             masses = [r.get(mass) if mass else None, r.get("mass_workload"), r.get("mass_needles")]
             if r["kind"] == "dense":
                 masses[0] = 1.0
@@ -524,6 +526,25 @@ def render_headline(results_dir: str | Path) -> str:
         out += ["", *_yardstick_lines(Path(results_dir), env.get("device_name")), ""]
     out.append(HEAD_END)
     return "\n".join(out)
+
+
+def _tasks_form(tasks_path: str | None, results_dir: Path) -> str:
+    """The passkey's form and the noise shown, from the tasks document a pareto run joined (its
+    path as given to the run: from the checkout holding `results_dir`)."""
+    if not tasks_path:
+        return ""
+    path = Path(results_dir).resolve().parents[1] / tasks_path
+    if not path.is_file():
+        return ""
+    doc = json.loads(path.read_text())
+    form = _passkey_form(doc["settings"]).removeprefix(", ")
+    return (f"; passkey: {form}" if form else "") + (", ± one standard error" if _has_errors(doc) else "")
+
+
+def _se(row: dict, key: str, fmt: str) -> str:
+    """' ± SE' of a headline figure where the row carries its standard error (se_<key>)."""
+    se = row.get(f"se_{key}")
+    return "" if not se else f" ± {format(se, fmt)}"  # dense's gap has none
 
 
 def _tokens_per_head(row: dict, n_tokens: int, sink: int, window: int) -> int:
