@@ -7,10 +7,10 @@ Two launches per decode step of a layer:
     rewritten and the list of slots written. Each pass is one dependent chain of a few global
     reads for the whole list, so a step costs a few memory latencies. Barriers order a
     program's own global writes before its later reads.
-  * `fetch_rows`: a grid over (row, block of misses) reads each missed row straight from host
-    memory (page-locked and mapped: the kernel's loads cross PCIe, a position's key and value as
-    one 2 x D read) into its slot; the step's new key and value come from the GPU, and the first
-    block of each row also stores them into the host tier.
+  * `fetch_rows`: persistent programs walk the rows' blocks of misses in row order and read each
+    missed row straight from host memory (page-locked and mapped: the kernel's loads cross PCIe,
+    a position's key and value as one 2 x D read) into its slot; the step's new key and value
+    come from the GPU, and one program of each row also stores them into the host tier.
 """
 
 from __future__ import annotations
