@@ -225,9 +225,7 @@ def _fetch_kernel(
         if (row % P == pid) | (first < base + n_blocks):
             newest = tl.load(len_ptr + b).to(tl.int32) - 1
             host_row = rows_ptr + row64 * N * width
-            k_new = tl.load(
-                k_new_ptr + b.to(tl.int64) * stride_nb + r * stride_nr + e, mask=is_key, other=0.0
-            )
+            k_new = tl.load(k_new_ptr + b * stride_nb + r * stride_nr + e, mask=is_key, other=0.0)
             v_new = tl.load(v_new_ptr + b * stride_vb + r * stride_vr + e - D, mask=~is_key, other=0.0)
             new_at = host_row + newest.to(tl.int64) * width
             if INT8:
