@@ -42,11 +42,11 @@ def _lists(
 @pytest.mark.parametrize(
     "L,S,block,sort,block_rows,int8,programs",
     [
-        (24, 40, None, True, FETCH_BLOCKS[0], False, None),
+        (24, 40, None, True, FETCH_BLOCKS[0], False, 1000),  # one program a block
         (24, 40, None, False, FETCH_BLOCKS[0], True, 1),
         (300, 500, 128, False, FETCH_BLOCKS[0], False, 5),
         (300, 500, 128, False, FETCH_BLOCKS[1], True, None),
-        *((300, 500, 128, True, b, False, 1000) for b in FETCH_BLOCKS),
+        *((300, 500, 128, True, b, False, None) for b in FETCH_BLOCKS),
     ],
 )
 def test_row_cache_steps_match_the_reference(
