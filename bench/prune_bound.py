@@ -9,6 +9,8 @@ with the default policy (M=16, 8 bits, group max over G=4 heads, 2% per head, si
 64), the share of candidates still alive after k sub-quantizers (in index order and with the
 sub-quantizers sorted by the spread of their tables) and the lookups a token that this bound
 leaves: the upper limit of the gain, before any cost of the per-step compaction a kernel needs.
+It also measures the approximate form: the top f x need candidates by the partial score of the
+first k sub-quantizers, finished with the others, against the full score's selection (recall).
 
     PYTHONPATH=src python bench/prune_bound.py --tokens 32768 --json OUT.json
 """
@@ -65,7 +67,34 @@ def measure(work, heavy_fraction: float, sink: int, window: int) -> dict:
     for name, order in orders.items():
         alive = _alive(lut, cand, threshold, order)
         rows[name] = {"alive_after_k": alive, "lookups_per_token": sum(alive[:-1]), "of": M}
-    return {"N": N, "need": need, "candidates": cand.shape[1], "orders": rows}
+    return {
+        "N": N,
+        "need": need,
+        "candidates": cand.shape[1],
+        "orders": rows,
+        "shortlists": _shortlists(lut, cand, scores, need, orders["spread"]),
+    }
+
+
+def _shortlists(lut: torch.Tensor, codes: torch.Tensor, scores: torch.Tensor, need: int, order) -> list:
+    """An approximate two-pass score: the first k sub-quantizers (in `order`) for every candidate,
+    the top f x need by that partial group score finished with the others. Recall of the full
+    score's top need, and the lookups a candidate takes (k + (M - k) x f x need / candidates)."""
+    Hkv, G, M, _ = lut.shape
+    n = codes.shape[1]
+    per_m = lut.gather(-1, codes.long().permute(0, 2, 1)[:, None].expand(Hkv, G, M, -1))  # [Hkv,G,M,n]
+    want = scores.topk(need, dim=-1).indices  # [Hkv, need]
+    out = []
+    for k in (4, 8):
+        partial = per_m[:, :, order[:k]].sum(2).amax(1)  # [Hkv, n]
+        for f in (2, 3, 4):
+            short = partial.topk(min(n, f * need), dim=-1).indices
+            kept = scores.gather(1, short).topk(need, dim=-1).indices
+            got = short.gather(1, kept)
+            recall = sum(len(set(got[h].tolist()) & set(want[h].tolist())) for h in range(Hkv)) / (Hkv * need)
+            lookups = k + (M - k) * min(n, f * need) / n
+            out.append({"k": k, "factor": f, "recall": recall, "lookups_per_token": lookups})
+    return out
 
 
 def main() -> None:
@@ -82,6 +111,11 @@ def main() -> None:
         for order, r in doc["generators"][name]["orders"].items():
             alive = " ".join(f"{a:.2f}" for a in r["alive_after_k"][::2])
             print(f"{name:8} {order:6} lookups {r['lookups_per_token']:.2f} of {r['of']}; alive: {alive}")
+        for r in doc["generators"][name]["shortlists"]:
+            print(
+                f"{name:8} shortlist k={r['k']} x{r['factor']}: recall {r['recall']:.3f}, "
+                f"lookups {r['lookups_per_token']:.2f}"
+            )
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
 
