@@ -37,6 +37,15 @@ def _pair(
     return cache, index, keys.clone(), values.clone(), lengths
 
 
+def _take_routes(routes: str, device: torch.device, request) -> None:
+    """`routes`: "kernels" runs the Triton kernels (under the interpreter on a CPU); "reference"
+    the PyTorch rules, which a CUDA machine does not take for the host tier (skipped there)."""
+    if routes == "kernels":
+        request.getfixturevalue("kernel_routes")
+    elif device.type == "cuda":
+        pytest.skip("the host tier takes its kernels on CUDA")
+
+
 def _matches_the_gpu_step(got, cache, index, q, k_new, v_new, k_cache, v_cache) -> None:
     """Run the on-GPU path's step on the same inputs: the same lengths, the same tokens selected
     (as sets: the kernels' list order is not fixed), and `got` equal to the on-GPU attention over
@@ -59,10 +68,7 @@ def test_host_tier_decodes_as_the_gpu_cache_does(
     tokens (sets: the kernels' list order is not fixed), its output equals the on-GPU attention
     over its own lists, rows missed are fetched (the hit rate is neither 0 nor 1), and the host
     rows hold each step's new key and value."""
-    if routes == "kernels":
-        request.getfixturevalue("kernel_routes")
-    elif device.type == "cuda":
-        pytest.skip("the host tier takes its kernels on CUDA")
+    _take_routes(routes, device, request)
     B, H, Hkv, D, steps = 2, 8, 2, 32, 6
     cache, index, k_cache, v_cache, lengths = _pair(device, steps=steps, metric=metric)
     for t in range(steps):
@@ -82,10 +88,7 @@ def test_the_8_bit_host_tier_attends_over_the_dequantized_rows(
 ) -> None:
     """int8 rows: each step's output is the on-GPU attention, over the same lists, of the caches
     as they come back from 8 bits (the new rows too), and close to the unquantized output."""
-    if routes == "kernels":
-        request.getfixturevalue("kernel_routes")
-    elif device.type == "cuda":
-        pytest.skip("the host tier takes its kernels on CUDA")
+    _take_routes(routes, device, request)
     B, H, Hkv, D, steps = 2, 8, 2, 32, 4
     cache, index, k_cache, v_cache, _ = _pair(device, steps=steps, int8=True)
     assert cache.rows.dtype == torch.uint8 and cache.rows.shape[-1] == 2 * D + 8
