@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pqattn.kernels import encode
 from pqattn.kernels.select import buckets as select_buckets
+from pqattn.kernels.select import fine as select_fine
 from pqattn.kernels.select import hist as select_hist
 
 def compile_ptx(fn, types, constexprs, num_warps):
@@ -84,7 +85,10 @@ bucket_types = dict(q_ptr="*fp32", cent_ptr="*fp32", codes_ptr="*i64", len_ptr="
                     cnt_ptr="*i64", w_ptr="*fp32", x_ptr="*fp32", phi_ptr="*fp32")
 encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="*i64", out_ptr="*i64",
                     hist_ptr=i32, kc_ptr="*fp32", vc_ptr="*fp32", vn_ptr="*fp32", arrive_ptr=i32)
+lut_types = dict(q_ptr="*fp32", cent_ptr="*fp32", ws_ptr=i32)
 kernels = {
+    "lut": (select_fine._lut_kernel, lut_types,
+            dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4), 4),
     "cut": (select_hist._pq_cut_kernel, cut_types, dict(M=2, C=16, P=256, DSUB=16, BLOCK_D=16), 4),
     "scan": (select_hist._pq_scan_kernel, scan_types,
              dict(M=2, C=16, P=256, GP=4, HAS_W=True, CONSUME_HIST=True, TILE=256), 2),
@@ -148,6 +152,17 @@ def test_the_encode_releases_the_bucket_selection_behind_it(compiled: dict) -> N
     assert compiled["bucket:False"]["waits"] == 0
     # the scan's loads ahead of its wait: the codes and the lengths (params 0 and 1)
     assert compiled["scan:True"]["load_params_ahead"] == [0, 1]
+
+
+def test_the_fine_lut_reads_only_its_operands_before_the_wait(compiled: dict) -> None:
+    """The fine route's LUT launch may start behind the encode (or any releasing launch): ahead of
+    its one wait it reads only the query and the centroids (params 0 and 1), which no releasing
+    launch writes, and writes nothing; it releases nothing."""
+    lut = compiled["lut:True"]
+    assert (lut["waits"], lut["releases"]) == (1, 0)
+    assert lut["loads_ahead"] >= 2 and lut["load_params_ahead"] == [0, 1]
+    assert lut["writes_ahead"] == 0
+    assert compiled["lut:False"]["waits"] == 0
 
 
 def test_pdl_meta_asks_for_pdl_only_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,3 +231,37 @@ def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: p
     assert (enc_kw["PDL"], enc_kw["launch_pdl"]) == (True, False)
     assert (early_kw["PDL"], early_kw["launch_pdl"]) == (True, True)
     assert plain_kw["PDL"] is False and "launch_pdl" not in plain_kw
+
+
+def test_only_the_fine_lut_is_launched_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of the fine route's launches the LUT asks to start early (behind the encode of a decode
+    step); the score and collect launches start as any launch does. Launches recorded, not run."""
+    from pqattn.kernels.select import fine
+    from pqattn.reference import SelectParams
+    from pqattn.runtime import launch
+
+    monkeypatch.setattr(pdl, "interpreted", lambda: False)
+    monkeypatch.setattr(pdl, "_supported", lambda device: True)
+    launched: list[tuple[str, dict]] = []
+    monkeypatch.setattr(
+        launch.Launcher, "__call__", lambda self, *a: launched.append((self.fn.__name__, a[3]))
+    )
+    B, H, Hkv, N, M, C = 1, 4, 2, 256, 4, 16
+    params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
+    fine.pq_select_fine(
+        torch.randn(B, H, 32),
+        torch.randn(B, Hkv, M, C, 8),
+        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
+        torch.full((B,), N, dtype=torch.int64),
+        params,
+        positions=torch.empty(B, Hkv, params.width, dtype=torch.int32),
+        counts=torch.empty(B, Hkv, dtype=torch.int32),
+        workspace=torch.zeros(fine.workspace_numel(B * Hkv, 2, M, C, N), dtype=torch.int32),
+        share="group",
+        group_rule="max",
+        tables=2,
+    )
+    kinds = {name: kw for name, kw in launched}
+    assert set(kinds) == {"_lut_kernel", "_score_kernel", "_collect_kernel"}
+    assert (kinds["_lut_kernel"]["PDL"], kinds["_lut_kernel"]["launch_pdl"]) == (True, True)
+    assert "launch_pdl" not in kinds["_score_kernel"] and "launch_pdl" not in kinds["_collect_kernel"]

@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL): the selection's second launch behind its first, and the
-bucket selection behind the encode launch.
+bucket selection and the fine route's LUT launch behind the encode launch.
 
 The selection is two launches of a few microseconds each, the cut (one program per query row)
 and the scan (many programs over the tokens), so the gap between them (the scan's launch and
@@ -12,7 +12,7 @@ visible. A launch whose predecessor never releases (any kernel but the cut, the 
 encode) starts when that one completes, as without the attribute.
 
 The contract of a kernel compiled with the `PDL` constexpr:
-- a kernel that is launched early (the scan, the bucket selection) has every program call
+- a kernel that is launched early (the scan, the bucket selection, the fine LUT) has every program call
   `wait_prior` unconditionally, before reading anything the launch ahead of it may write; a
   kernel with a launch behind it that may start early (the cut, the scan, the encode) has every
   program call `release_next` (the scan after its wait, the others at once: they are never
@@ -25,8 +25,9 @@ The contract of a kernel compiled with the `PDL` constexpr:
   the encode (the original's entry point, `pq_select_buckets(after_encode=True)`) writes its
   row's LUT and the zeros of its dense weights before it waits, while the encode runs.
 
-The scan is launched early behind the cut, and the bucket selection behind the encode; the cut,
-the attention and the encoding are not (measured: docs/kernels/launch.md).
+The scan is launched early behind the cut, the bucket selection and the fine LUT (which reads
+the query and centroids and writes its own workspace rows after its wait) behind the encode; the
+cut, the attention and the encoding are not (measured: docs/kernels/launch.md).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from pqattn.kernels import paged
+from pqattn.kernels.pdl import pdl_meta, wait_prior
 from pqattn.kernels.select.common import order_key, sm_count
 from pqattn.reference import SelectParams
 from pqattn.runtime.launch import Launcher
@@ -75,10 +76,11 @@ def collect_steps(blocks: int, sms: int) -> int:
 
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
 # (tokens x M, for at most 4 tables; more spills registers) a step, each row split evenly into
-# about SMs / rows programs, so that an SM's L1 holds one row's tables (a ragged last program
-# per row measured slower); register-LUT programs take REG_LUT_ELEMENTS.
+# about SCORE_PROGRAMS_PER_SM x SMs / rows programs (two an SM keep more gathers in flight; a
+# ragged last program per row measured slower); register-LUT programs take REG_LUT_ELEMENTS.
 SCORE_ELEMENTS = 4096
 SCORE_WARPS = 8
+SCORE_PROGRAMS_PER_SM = 2
 REG_LUT_ELEMENTS = 2048
 INTERPRETER_SMS = 16  # the SM count assumed off the GPU (small test rows still split and loop)
 # The max rule's G tables of at most this many centroids are gathered from registers (faster
@@ -178,10 +180,13 @@ def _lut_kernel(
     DSUB: tl.constexpr,
     CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
+    PDL: tl.constexpr,
 ):
     """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
     chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
-    min_c and max_c LUT), which `_pq_bins` combines."""
+    min_c and max_c LUT), which `_pq_bins` combines. Launched early behind the encode launch
+    (pqattn.kernels.pdl): the query and centroids are read and the products made while it runs;
+    the workspace is written after it."""
     row = tl.program_id(0)
     t = tl.program_id(1) // CHUNKS
     chunk = tl.program_id(1) % CHUNKS
@@ -204,6 +209,7 @@ def _lut_kernel(
         cent + m[:, None, None] * stride_cm + c_idx[None, :, None] * stride_cc + d_idx[None, None, :]
     ).to(tl.float32)
     lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
+    wait_prior(PDL)
     tl.store(lut_row + (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t, lut)
     part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
     tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
@@ -862,6 +868,7 @@ def pq_select_fine(
             CHUNKS=lut_progs,
             TABLES_P2=tables_p2,
             num_warps=4,
+            **pdl_meta(q.device),
         ),
     )
     reg_lut = C <= REG_LUT_MAX_C and tables > 1
@@ -874,9 +881,9 @@ def pq_select_fine(
         score_warps = 4
     else:
         score_block = gather_block
-        # each row in the same number of programs, about one program per SM in all
+        # each row in the same number of programs, about SCORE_PROGRAMS_PER_SM an SM in all
         sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
-        per_row = max(sms // rows, 1)
+        per_row = max(SCORE_PROGRAMS_PER_SM * sms // rows, 1)
         span = max(-(-N // (per_row * score_block)), 1) * score_block
         score_warps = SCORE_WARPS
     _score_launch(
