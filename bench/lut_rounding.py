@@ -1,8 +1,8 @@
 """The default policy's attention mass with its PQ lookup tables rounded, before building it:
 float32 (SPEC §2's score) against bfloat16 and float16 entries, on both synthetic generators.
 
-The selection runs the reference path (a CPU), whose `pq_scores` is swapped for one that rounds
-each LUT entry <q_m, centroid> to the given dtype before the sum over sub-quantizers: what a score
+The selection runs the reference path (a CPU), its `pq_scores` called with `lut_dtype` (each LUT
+entry <q_m, centroid> rounded to that dtype before the sum over sub-quantizers): what a score
 launch reading half-width tables would select under the max rule (one table per query head).
 
 Usage: PYTHONPATH=src python3 bench/lut_rounding.py [--tokens 8192,32768,131072] [--json PATH]
@@ -11,6 +11,7 @@ Usage: PYTHONPATH=src python3 bench/lut_rounding.py [--tokens 8192,32768,131072]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -23,24 +24,6 @@ from pqattn.reference import selection as ref_selection
 POLICY = "pq-M16-b8-group-max-x4-s16"
 
 
-def rounded_pq_scores(dtype: torch.dtype | None):
-    """reference.pq_scores with each LUT entry rounded to `dtype` (None: as it is)."""
-
-    def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        B, H, D = q.shape
-        Hkv, M = centroids.shape[1], centroids.shape[2]
-        N = codes.shape[2]
-        g, dsub = H // Hkv, D // M
-        qm = q.to(centroids.dtype).reshape(B, Hkv, g, M, dsub)
-        lut = torch.einsum("bkgmd,bkmcd->bkgmc", qm, centroids[..., :dsub])
-        if dtype is not None:
-            lut = lut.to(dtype).to(centroids.dtype)
-        idx = codes.long().permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, M, N)
-        return lut.gather(-1, idx).sum(3).reshape(B, H, N)
-
-    return pq_scores
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="8192,32768,131072")
@@ -49,7 +32,7 @@ def main() -> None:
     rows = []
     for tokens in (int(t) for t in a.tokens.split(",")):
         for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-            ref_selection.pq_scores = rounded_pq_scores(dtype)
+            ref_selection.pq_scores = functools.partial(ref.pq_scores, lut_dtype=dtype)
             policies = fidelity.named_policies(POLICY, 0.02)
             cpu = torch.device("cpu")
             got = fidelity.quality_rows(policies, tokens=tokens, sink=64, window=64, device=cpu)

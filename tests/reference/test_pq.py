@@ -217,6 +217,25 @@ def test_pq_scores_brute_force(H: int, Hkv: int, M: int, aug: int) -> None:
                 assert abs(float(got[b, h, j]) - s) < 1e-10
 
 
+def test_pq_scores_rounds_each_lut_entry_to_lut_dtype() -> None:
+    """lut_dtype rounds every entry <q_m, centroid> before the sum over sub-quantizers: the score
+    is the sum of the rounded entries, not the rounded sum."""
+    B, H, Hkv, N, M, C, dsub = 1, 4, 2, 40, 4, 8, 2
+    q = torch.randn(B, H, M * dsub, dtype=torch.float64) * 3
+    cents = torch.randn(B, Hkv, M, C, dsub, dtype=torch.float64)
+    codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8)
+    got = ref.pq_scores(q, cents, codes, lut_dtype=torch.bfloat16)
+    for h in range(H):
+        for j in range(N):
+            entries = [
+                float(q[0, h, m * dsub : (m + 1) * dsub] @ cents[0, h // 2, m, int(codes[0, h // 2, j, m])])
+                for m in range(M)
+            ]
+            want = sum(float(torch.tensor(e, dtype=torch.float64).to(torch.bfloat16)) for e in entries)
+            assert float(got[0, h, j]) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert not torch.equal(got, ref.pq_scores(q, cents, codes))
+
+
 def test_exact_scores_brute_force() -> None:
     q = torch.randn(1, 4, 5, dtype=torch.float64)
     k = torch.randn(1, 2, 7, 5, dtype=torch.float64)

@@ -333,11 +333,15 @@ def encode(
     return idx.to(torch.uint8).reshape(B, Hkv, M, T).permute(0, 1, 3, 2).contiguous()
 
 
-def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+def pq_scores(
+    q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, *, lut_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Approximate scores s[b, h, j] = sum_m <q_m, centroid[b, kvh, m, codes[b, kvh, j, m]][:dsub]>.
 
     q: [B, H, D], centroids: [B, Hkv, M, C, dsub(+1)], codes: [B, Hkv, N, M] -> [B, H, N] in the
-    centroids' dtype. Built from a per-(b, h) lookup table of <q_m, centroid> (the "LUT").
+    centroids' dtype. Built from a per-(b, h) lookup table of <q_m, centroid> (the "LUT");
+    `lut_dtype` rounds each entry to that dtype before the sum (a lab measurement: SPEC §2's
+    score takes None).
     """
     B, H, D = q.shape
     Hkv, M = centroids.shape[1], centroids.shape[2]
@@ -345,6 +349,8 @@ def pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> 
     g, dsub = H // Hkv, D // M
     qm = q.to(centroids.dtype).reshape(B, Hkv, g, M, dsub)
     lut = torch.einsum("bkgmd,bkmcd->bkgmc", qm, centroids[..., :dsub])  # [B, Hkv, g, M, C]
+    if lut_dtype is not None:
+        lut = lut.to(lut_dtype).to(centroids.dtype)
     idx = codes.long().permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, M, N)
     return lut.gather(-1, idx).sum(3).reshape(B, H, N)
 
