@@ -189,6 +189,32 @@ def test_sparse_attention_replays_its_launch_and_checks_every_call(
     assert replays[0] == replayed
 
 
+def test_sparse_attention_trusts_only_indexer_nexts_unchanged_lists(
+    kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """The lists indexer_next returned skip the value check (no launch, no host read); a copy, a
+    cache of fewer tokens than they were selected over, or an in-place change brings it back."""
+    checks = []
+    validate = sah.ops.validate_selection
+    monkeypatch.setattr(sah.ops, "validate_selection", lambda *a: (checks.append(a[2]), validate(*a))[1])
+    args, keys, _ = make_call(device, N=500)
+    sparse_list, sparse_len, weight_list, *_ = indexer_next(*args)
+    query, values = args[0][:, :, -1], torch.randn_like(keys)
+    got = sparse_attention(query, keys, values, sparse_list, sparse_len, weight_list)
+    want = ref.sparse_decode(query.double(), keys.double(), values.double(), sparse_list, sparse_len)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert checks == []
+    sparse_attention(query, keys, values, sparse_list.clone(), sparse_len, weight_list)
+    assert checks == [500]
+    with pytest.raises(ValueError, match=r"positions.*\[0, 499\)"):  # the window lists token 499
+        sparse_attention(query, keys[:, :, :499], values[:, :, :499], sparse_list, sparse_len, weight_list)
+    assert checks == [500, 499]
+    sparse_list[0, 0, 0] = 500  # an in-place torch op: the version counter moves
+    with pytest.raises(ValueError, match=r"positions.*\[0, 500\).*got 500"):
+        sparse_attention(query, keys, values, sparse_list, sparse_len, weight_list)
+    assert checks == [500, 499, 500]
+
+
 def test_workspace_follows_the_layout() -> None:
     """The cached workspace is reused while the tree's layout stays (N grows inside a leaf) and
     replaced by a zeroed one when it changes (N crosses a leaf boundary): the kernel's counters

@@ -47,6 +47,12 @@ _MAX_CHECKED = 256
 
 
 _WORKSPACES: dict[torch.device, tuple[tuple[int, ...], torch.Tensor]] = {}
+# The lists indexer_next returned, by id of the positions: weak references to (sparse_list,
+# sparse_len), their version counters then, and the N they were selected over. Valid by
+# construction, so sparse_attention skips its value check (a launch and a host read) for them
+# while neither has been changed in place by a torch op.
+_OWN_LISTS: dict[int, tuple[weakref.ref, weakref.ref, int, int, int]] = {}
+_MAX_OWN_LISTS = 16
 
 
 def _workspace(device: torch.device, rows: int, M: int, C: int, N: int, heavy: int) -> torch.Tensor:
@@ -302,7 +308,7 @@ def indexer_next(
     except (AttributeError, TypeError):  # not tensors: the checks below say which
         repeated = None
     if repeated is not None:
-        return repeated
+        return _returned_lists(repeated, key.shape[2])
     try:
         sig = (
             query.shape,
@@ -409,7 +415,7 @@ def indexer_next(
                 code_base=init_offset,
                 n_tokens=N,
             )
-        return out.positions, out.counts, weights, pq_centroids, codebook, pq_ip2l2_phi
+        return _returned_lists((out.positions, out.counts, weights, pq_centroids, codebook, pq_ip2l2_phi), N)
     codes = codebook.transpose(1, 2)  # [B, Hkv, rows, M] view: code of token init_offset + r
     if new_keys.shape[2]:
         codes[:, :, n_quantized:] = ref.encode(new_keys, pq_centroids, phi, metric).long()
@@ -626,6 +632,31 @@ def _bucket_select(
     return False
 
 
+def _returned_lists(outputs: tuple, n_tokens: int) -> tuple:
+    """indexer_next's outputs, its (sparse_list, sparse_len) recorded as its own over n_tokens."""
+    positions, counts = outputs[0], outputs[1]
+    if len(_OWN_LISTS) >= _MAX_OWN_LISTS:
+        _OWN_LISTS.clear()
+    _OWN_LISTS[id(positions)] = (
+        weakref.ref(positions), weakref.ref(counts), positions._version, counts._version, n_tokens
+    )  # fmt: skip
+    return outputs
+
+
+def _own_lists(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> bool:
+    """True when (positions, counts) are lists indexer_next returned over at most n_tokens tokens,
+    not changed in place since."""
+    own = _OWN_LISTS.get(id(positions))
+    return (
+        own is not None
+        and own[0]() is positions
+        and own[1]() is counts
+        and own[2] == positions._version
+        and own[3] == counts._version
+        and own[4] <= n_tokens
+    )
+
+
 def sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -641,9 +672,11 @@ def sparse_attention(
     Returns [B, H, D] in query's dtype. The lists are checked (sparse_len in [0, L], the listed
     positions in [0, N)) with one host read, as the original read the longest list on the host
     (on a GPU one launch flags the bad rows and the host reads a byte a row); none under CUDA
-    graph capture. On the kernel path the decode launch is kept as a plan per signature of the
-    arguments (ops.sparse_decode given its buffers), with a workspace kept per device and list
-    shape: calls on one device must not run concurrently on different streams.
+    graph capture, and none for the lists indexer_next returned (valid by construction) over at
+    most N tokens while no torch op has changed them in place. On the kernel path the decode
+    launch is kept as a plan per signature of the arguments (ops.sparse_decode given its
+    buffers), with a workspace kept per device and list shape: calls on one device must not run
+    concurrently on different streams.
     """
     kernel = (
         isinstance(query, torch.Tensor)
@@ -657,7 +690,8 @@ def sparse_attention(
     )
     if not kernel:  # the reference path, or arguments whose checks say what is wrong
         return ops.sparse_decode(query, key, value, sparse_list, sparse_len, weight_list, dense_weights=True)
-    ops.validate_selection(sparse_list, sparse_len, key.shape[2])
+    if not _own_lists(sparse_list, sparse_len, key.shape[2]):
+        ops.validate_selection(sparse_list, sparse_len, key.shape[2])
     B, H, D = query.shape
     out = torch.empty(B, H, D, dtype=query.dtype, device=query.device)
     workspace = _decode_workspace(query.device, B * H, sparse_list.shape[2], D)
