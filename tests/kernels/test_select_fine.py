@@ -97,17 +97,18 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
 
 
 @pytest.mark.parametrize(
-    "score_elements,kth_chunk,rank_chunk,block_n,steps",
-    [(256, 256, 8, 256, 2), (1 << 14, 4096, 256, 1024, 3)],  # (the defaults run in every other test)
+    "score_elements,kth_chunk,rank_chunk,block_n,steps,per_sm",
+    [(256, 256, 8, 256, 2, 3), (1 << 14, 4096, 256, 1024, 3, 1)],  # (the defaults run in every other test)
     ids=["small-programs", "whole-tiles"],
 )
 @pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
 def test_fine_launch_tilings(
-    device, monkeypatch, score_elements, kth_chunk, rank_chunk, block_n, steps, share, rule
+    device, monkeypatch, score_elements, kth_chunk, rank_chunk, block_n, steps, per_sm, share, rule
 ):
-    """The score launch's codes per step and program, the boundary-bin search's count tiles, the
-    all-pairs rank's column tiles and the collect's blocks per program (the last program's
-    partly past the row) change how the work is cut, never the selection."""
+    """The score launch's codes per step and programs a row, the boundary-bin search's count
+    tiles, the all-pairs rank's column tiles and the collect's blocks per program (the last
+    program's partly past the row) change how the work is cut, never the selection."""
+    monkeypatch.setattr(fine, "SCORE_PROGRAMS_PER_SM", per_sm)
     monkeypatch.setattr(fine, "SCORE_ELEMENTS", score_elements)
     monkeypatch.setattr(fine, "REG_LUT_ELEMENTS", score_elements)
     monkeypatch.setattr(fine, "KTH_CHUNK", kth_chunk)
