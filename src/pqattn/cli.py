@@ -526,7 +526,7 @@ def _add_policy_args(p: argparse.ArgumentParser, density_help: str) -> None:
 
 
 def _add_tasks(sub: argparse._SubParsersAction) -> None:
-    from pqattn.lab.tasks import TaskSettings
+    from pqattn.lab.tasks import LUT_DTYPES, TaskSettings
 
     t = TaskSettings()
     p = sub.add_parser(
@@ -565,6 +565,12 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
         "--batch-tokens", type=int, default=t.batch_tokens, help="tokens per forward (documents batched)"
     )
     p.add_argument("--seed", type=int, default=t.seed, help="seeds the passkey trials and the PQ builds")
+    p.add_argument(
+        "--lut-dtype",
+        default=t.lut_dtype,
+        choices=LUT_DTYPES,
+        help="the dtype PQ scores round each LUT entry to (float32: SPEC's sums)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", metavar="PATH", help="write the results document here")
     p.set_defaults(func=_run_tasks)
@@ -602,6 +608,7 @@ def _run_tasks(args: argparse.Namespace) -> int:
         iters=args.iters,
         seed=args.seed,
         batch_tokens=args.batch_tokens,
+        lut_dtype=args.lut_dtype,
     )
     parts = [x for x in args.parts.split(",") if x]
     unknown = set(parts) - {"positions", "tail", "passkey"}

@@ -234,6 +234,28 @@ def test_pq_keys_score_as_pq_scores() -> None:
     assert_close(ref.exact_scores(q, approx), ref.pq_scores(q, book.centroids, codes), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_rounded_lut_scores_as_pq_scores_with_that_lut(dtype: str) -> None:
+    """lut_dtype: the pq policies' scores of every query row are reference.pq_scores with each LUT
+    entry rounded to that dtype (and differ from the float32 sums)."""
+    ev = _tiny_evaluator(tasks.TaskSettings(sink=2, window=16, iters=2, lut_dtype=dtype))
+    k = torch.randn(1, 2, 200, 16) * 4
+    q = torch.randn(1, 4, 3, 16) * 4
+    policy = Policy("pq", 0.1, subvectors=4, bits=4)
+    ev.policy, ev.prefilled = policy, tasks._Prefilled()
+    got = ev.row_scores(0, k, 180)(q)
+    book = ev.prefilled.books[(0, 4, 4, 0)]
+    codes = torch.cat([book.codes, ops.encode_keys(k[:, :, 180:], book.centroids)], dim=2)
+    # an entry may round the other way where the two float32 products differ in their last bit
+    ulp = 2.0 ** -(8 if dtype == "bfloat16" else 11) * float(q.abs().max() * book.centroids.abs().max() * 4)
+    for r in range(3):
+        want = ref.pq_scores(q[:, :, r], book.centroids, codes, lut_dtype=getattr(torch, dtype))
+        assert_close(got[:, :, r], want, atol=2 * ulp, rtol=0, what=f"row {r}")
+        assert not torch.equal(got[:, :, r], ref.pq_scores(q[:, :, r], book.centroids, codes))
+    with pytest.raises(ValueError, match="lut_dtype: expected one of"):
+        tasks.TaskSettings(lut_dtype="int8")
+
+
 class _Uniform:
     """An evaluator stand-in whose logits are all equal: 8 bits per byte everywhere."""
 

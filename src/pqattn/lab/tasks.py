@@ -40,6 +40,7 @@ from pqattn.runtime.progress import Progress
 NAME = "pqattn_task"
 LOG2 = math.log(2.0)
 POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
+LUT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +69,17 @@ class TaskSettings:
     iters: int = 10
     seed: int = 0
     batch_tokens: int = 131072  # documents per forward: batch_tokens // context (at least 1)
+    # PQ scores from the LUT with each entry rounded to this dtype ("bfloat16", "float16": a lab
+    # measurement of a half-width LUT); "float32" scores SPEC §2's sums
+    lut_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.passkey_keys < 1:
             raise ValueError(f"passkey_keys: expected >= 1, got {self.passkey_keys}")
         if not 0 <= self.passkey_near <= NAME_LENGTH:
             raise ValueError(f"passkey_near: expected 0..{NAME_LENGTH}, got {self.passkey_near}")
+        if self.lut_dtype not in LUT_DTYPES:
+            raise ValueError(f"lut_dtype: expected one of {LUT_DTYPES}, got {self.lut_dtype!r}")
         if self.window < self.page:
             # page bounds are taken over whole pages of the cache: a page holding a token past a
             # query row must lie in that row's window (see PolicyEvaluator)
@@ -183,12 +189,17 @@ class PolicyEvaluator:
             self.prefilled.books[key] = book
         return book
 
-    def pq_keys(self, layer: int, keys: torch.Tensor, prefill: int, policy: Policy) -> torch.Tensor:
-        """The keys as their PQ reconstruction [B, Hkv, T, D] (float32): <q, k_hat_j> is SPEC §2's
-        score s_j. Prefill keys carry the build's codes, later keys are encoded (appended)."""
+    def pq_codes(self, layer: int, keys: torch.Tensor, prefill: int, policy: Policy) -> tuple:
+        """(the prefill's codebook, the codes of every key [B, Hkv, T, M]): prefill keys carry the
+        build's codes, later keys are encoded (appended)."""
         book = self._codebook(layer, keys, prefill, policy)
         new = ops.encode_keys(keys[:, :, prefill:], book.centroids, book.phi, metric=self.settings.metric)
-        codes = torch.cat([book.codes, new], dim=2)  # [B, Hkv, T, M]
+        return book, torch.cat([book.codes, new], dim=2)
+
+    def pq_keys(self, layer: int, keys: torch.Tensor, prefill: int, policy: Policy) -> torch.Tensor:
+        """The keys as their PQ reconstruction [B, Hkv, T, D] (float32): <q, k_hat_j> is SPEC §2's
+        score s_j."""
+        book, codes = self.pq_codes(layer, keys, prefill, policy)
         B, Hkv, T, M = codes.shape
         dsub = keys.shape[-1] // M
         cents = book.centroids[..., :dsub].float()  # [B, Hkv, M, C, dsub]
@@ -202,6 +213,9 @@ class PolicyEvaluator:
         B, Hkv, T, D = k.shape
         if pol.kind in ("oracle", "streaming"):
             keys = k.float()
+        elif pol.kind == "pq" and self.settings.lut_dtype != "float32":
+            book, codes = self.pq_codes(layer, k, prefill, pol)
+            return rounded_lut_scores(book.centroids, codes, getattr(torch, self.settings.lut_dtype))
         elif pol.kind == "pq":
             keys = self.pq_keys(layer, k, prefill, pol)
         else:
@@ -287,6 +301,28 @@ class PolicyEvaluator:
             o = torch.einsum("bkgrt,bktd->bkgrd", p, vf).reshape(B, H, R, D)
             out[:, r0 : r0 + R] = o.transpose(1, 2).to(q.dtype)
         return out
+
+
+def rounded_lut_scores(
+    centroids: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """PQ scores from LUTs whose entries <q_m, centroid> are rounded to `dtype` before the sum
+    over sub-quantizers (`reference.pq_scores(lut_dtype=)` for many query rows): centroids [B,
+    Hkv, M, C, dsub(+1)], codes [B, Hkv, T, M]; q [B, H, R, D] -> [B, H, R, T] float32."""
+    B, Hkv, T, M = codes.shape
+    cents = centroids.float()
+
+    def scores(q: torch.Tensor) -> torch.Tensor:
+        H, R, D = q.shape[1], q.shape[2], q.shape[3]
+        qm = q.float().reshape(B, Hkv, H // Hkv, R, M, D // M)
+        lut = torch.einsum("bkgrmd,bkmcd->bkgrmc", qm, cents[..., : D // M]).to(dtype).float()
+        out = torch.zeros(B, Hkv, H // Hkv, R, T, device=q.device)
+        for m in range(M):
+            idx = codes[:, :, None, None, :, m].long().expand(B, Hkv, H // Hkv, R, T)
+            out += lut[..., m, :].gather(-1, idx)
+        return out.reshape(B, H, R, T)
+
+    return scores
 
 
 def eight_bit(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
