@@ -58,6 +58,17 @@ def test_ragged_gqa_splits(config: triton.Config, dtype: torch.dtype, device: to
     _check(_case(device, B=2, H=4, Hkv=1, N=L + 40, L=L, D=32, dtype=dtype, counts=counts), config)
 
 
+def test_the_bfloat16_tolerance_grows_with_the_output() -> None:
+    """A bfloat16 output may differ by atol + rtol * |expected| (its rounding is relative), and
+    no more: the check still flags an error past it."""
+    case = {"q": torch.zeros(1, 1, 4, dtype=torch.bfloat16)}
+    exp, lse = torch.tensor([[[0.1, 3.0, -3.0, 0.0]]], dtype=torch.float64), torch.zeros(1, 1)
+    near = exp + torch.tensor([0.019, 0.06, -0.06, 0.0], dtype=torch.float64)
+    assert compare_decode(case, (near.to(torch.bfloat16), lse), (exp, lse)) is None
+    far = exp + torch.tensor([0.0, 0.1, 0.0, 0.03], dtype=torch.float64)
+    assert "output differs" in compare_decode(case, (far.to(torch.bfloat16), lse), (exp, lse))
+
+
 @pytest.mark.parametrize("config", DECODE_CONFIGS, ids=CONFIG_IDS)
 def test_weights_entry_and_dense(config: triton.Config, device: torch.device) -> None:
     B, H, L = 1, 2, 2 * config.kwargs["BLOCK_L"] + 3
