@@ -188,13 +188,8 @@ def test_only_the_scan_is_launched_early(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (scan["PDL"], scan["launch_pdl"]) == (True, True)
 
 
-def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The encode launch releases but starts as any launch does; the bucket selection asks to start
-    early when its caller launched the encode right before it (the original's entry point), and
-    not otherwise (PQIndex.select may follow anything). Launches recorded, not run."""
-    from pqattn.kernels.encode import pq_encode
-    from pqattn.kernels.select.buckets import pq_select_buckets, workspace_numel
-    from pqattn.reference import SelectParams
+def _launches_on_hopper(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
+    """PDL as on a Hopper GPU, and the launches recorded (kernel name, launch options), not run."""
     from pqattn.runtime import launch
 
     monkeypatch.setattr(pdl, "interpreted", lambda: False)
@@ -203,6 +198,18 @@ def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: p
     monkeypatch.setattr(
         launch.Launcher, "__call__", lambda self, *a: launched.append((self.fn.__name__, a[3]))
     )
+    return launched
+
+
+def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encode launch releases but starts as any launch does; the bucket selection asks to start
+    early when its caller launched the encode right before it (the original's entry point), and
+    not otherwise (PQIndex.select may follow anything). Launches recorded, not run."""
+    from pqattn.kernels.encode import pq_encode
+    from pqattn.kernels.select.buckets import pq_select_buckets, workspace_numel
+    from pqattn.reference import SelectParams
+
+    launched = _launches_on_hopper(monkeypatch)
     B, H, Hkv, N, M, C = 1, 4, 2, 64, 2, 4
     cent = torch.randn(B, Hkv, M, C, 8)
     codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8)
@@ -238,14 +245,8 @@ def test_only_the_fine_lut_is_launched_early(monkeypatch: pytest.MonkeyPatch) ->
     step); the score and collect launches start as any launch does. Launches recorded, not run."""
     from pqattn.kernels.select import fine
     from pqattn.reference import SelectParams
-    from pqattn.runtime import launch
 
-    monkeypatch.setattr(pdl, "interpreted", lambda: False)
-    monkeypatch.setattr(pdl, "_supported", lambda device: True)
-    launched: list[tuple[str, dict]] = []
-    monkeypatch.setattr(
-        launch.Launcher, "__call__", lambda self, *a: launched.append((self.fn.__name__, a[3]))
-    )
+    launched = _launches_on_hopper(monkeypatch)
     B, H, Hkv, N, M, C = 1, 4, 2, 256, 4, 16
     params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
     fine.pq_select_fine(
