@@ -67,6 +67,7 @@ def score_config(M: int, C: int, tables: int, block: int) -> dict:
         REG_LUT=reg,
         SUB=max(fine.REG_LUT_SUB, C),
         SAMPLE=0 if reg else fine.sample_size(M, tables),
+        LUT_BF16=tables > 1,
     )
 
 

@@ -12,7 +12,7 @@ samples of `steps` steps each (median reported).
 
 Usage:
     torchrun --nproc-per-node N bench/tp_generate.py --model PATH [--prompt 32768 --batch 8
-        --new 64 --heavy 1024 --samples 5 --steps 16 --json PATH]
+        --new 64 --samples 5 --steps 16 --json PATH]   # the default policy at 2% per head
     torchrun --nproc-per-node N bench/tp_generate.py --save-random PATH   # a Llama-3-8B-shaped
         8-layer checkpoint with random weights (once, on one process: plain python works too)
 CPUs run it with the gloo backend (the tests do, on a tiny model); GPUs with NCCL (keep
@@ -88,13 +88,15 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32768, help="prompt tokens per sequence")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new", type=int, default=64, help="generated tokens per sequence")
-    p.add_argument("--heavy", type=int, default=1024)
-    p.add_argument("--sink", type=int, default=128)
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--bits", type=int, default=6)
-    p.add_argument("--subvectors", type=int, default=2)
-    p.add_argument("--share", choices=["head", "group"], default="head", help="per-head or group selection")
-    p.add_argument("--group-rule", choices=["sum", "max"], default="sum")
+    # the selection policy: HFConfig's defaults where not given, heavy 2% of the prompt per head
+    p.add_argument("--heavy", type=int, help="heavy tokens per query head (default: --heavy-fraction)")
+    p.add_argument("--heavy-fraction", type=float, default=0.02)
+    p.add_argument("--sink", type=int)
+    p.add_argument("--window", type=int)
+    p.add_argument("--bits", type=int)
+    p.add_argument("--subvectors", type=int)
+    p.add_argument("--share", choices=["head", "group"], help="per-head or group selection")
+    p.add_argument("--group-rule", choices=["sum", "max"])
     p.add_argument(
         "--group-budget", type=float, help="a group's rows in per-head heavies (default: G, PQConfig's)"
     )
@@ -141,25 +143,20 @@ def main() -> None:
     else:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=gen).to(model.device)
-    config = pq_hf.HFConfig(
-        heavy=args.heavy,
-        sink=args.sink,
-        window=args.window,
-        subvectors=args.subvectors,
-        bits=args.bits,
-        share=args.share,
-        group_rule=args.group_rule,
-        group_budget=args.group_budget,
-        rerank=args.rerank,
-        capacity=args.new + 8,
-    )
+    given = {
+        name: getattr(args, name)
+        for name in ("sink", "window", "subvectors", "bits", "share", "group_rule", "group_budget")
+        if getattr(args, name) is not None
+    }
+    size = {"heavy": args.heavy} if args.heavy is not None else {"heavy_fraction": args.heavy_fraction}
+    config = pq_hf.HFConfig(**given, **size, rerank=args.rerank, capacity=args.new + 8)
     doc: dict = {"world_size": world, "prompt": args.prompt, "batch": args.batch, "new": args.new}
-    doc |= {"model": args.model, "corpus_prompts": args.corpus, "heavy": args.heavy, "sink": args.sink}
-    doc |= {"window": args.window, "subvectors": args.subvectors, "bits": args.bits, "share": args.share}
+    doc |= {"model": args.model, "corpus_prompts": args.corpus, "heavy": config.heavy_for(args.prompt)}
+    doc |= {name: getattr(config, name) for name in ("sink", "window", "subvectors", "bits", "share")}
     doc |= {
-        "group_rule": args.group_rule,
-        "group_budget": args.group_budget,
-        "rerank": args.rerank,
+        "group_rule": config.group_rule,
+        "group_budget": config.group_budget,
+        "rerank": config.rerank,
         "dtype": str(dtype).removeprefix("torch."),
     }
     doc["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -569,7 +569,8 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
         "--lut-dtype",
         default=t.lut_dtype,
         choices=LUT_DTYPES,
-        help="the dtype PQ scores round each LUT entry to (float32: SPEC's sums)",
+        help="the dtype PQ scores round each LUT entry to (kernel: as the kernels do, bfloat16 for a "
+        "group and float32 per head; float32: SPEC §2's sums everywhere)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", metavar="PATH", help="write the results document here")

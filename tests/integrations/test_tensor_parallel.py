@@ -58,6 +58,7 @@ def test_ranks_generate_the_single_process_tokens(
     cmd += ["--master-port", str(_free_port())]
     cmd += [str(ROOT / "bench" / "tp_generate.py"), "--model", str(tmp_path / "model"), "--prompt", "70"]
     cmd += ["--batch", "2", "--new", "8", "--heavy", "500", "--sink", "4", "--window", "4", "--bits", "3"]
+    cmd += ["--subvectors", "2"]
     cmd += ["--dtype", "float32", "--samples", "2", "--steps", "2"]
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     if backend == "gloo":

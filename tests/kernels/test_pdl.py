@@ -88,7 +88,7 @@ encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="
 lut_types = dict(q_ptr="*fp32", cent_ptr="*fp32", ws_ptr=i32)
 kernels = {
     "lut": (select_fine._lut_kernel, lut_types,
-            dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4), 4),
+            dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4, LUT_BF16=True), 4),
     "cut": (select_hist._pq_cut_kernel, cut_types, dict(M=2, C=16, P=256, DSUB=16, BLOCK_D=16), 4),
     "scan": (select_hist._pq_scan_kernel, scan_types,
              dict(M=2, C=16, P=256, GP=4, HAS_W=True, CONSUME_HIST=True, TILE=256), 2),

@@ -184,9 +184,13 @@ def test_chunk_rows_are_decode_steps(kind: str, share: str, rerank: int) -> None
         elif kind == "pq":
             keys = dict(rerank=rerank, keys=kn) if rerank else {}
             want = ops.select_topk(qr, book.centroids, codes[:, :, :n], lengths, **common, **shared, **keys)
-            scores = (
-                ref.exact_scores(qr, kn) if rerank else ref.pq_scores(qr, book.centroids, codes[:, :, :n])
-            )
+            if rerank:
+                scores = ref.exact_scores(qr, kn)
+            elif share == "group":  # a group's scores, each head's copy (the max over them below keeps them)
+                scores = ref.group_pq_scores(qr, book.centroids, codes[:, :, :n], "max")
+                scores = scores.repeat_interleave(H // Hkv, 1)
+            else:
+                scores = ref.pq_scores(qr, book.centroids, codes[:, :, :n])
         else:
             want = ops.select_pages(qr, kn, lengths, page=s.page, **(common | {"heavy": heavy}))
             scores = ref.page_scores(qr, *ref.page_bounds(kn, lengths, s.page), s.page, n)
@@ -200,8 +204,11 @@ def test_chunk_rows_are_decode_steps(kind: str, share: str, rerank: int) -> None
         if rerank:
             # PQ scores tie often (few codes), and the re-rank of a shortlist that ends on a tie
             # may keep either side's tokens (ties any): check that the kept set is a valid one
-            pq = ref.pq_scores(qr, book.centroids, codes[:, :, :n])
-            pq = ref.group_scores(pq, Hkv, "max").repeat_interleave(H // Hkv, 1) if share == "group" else pq
+            if share == "group":
+                pq = ref.group_pq_scores(qr, book.centroids, codes[:, :, :n], "max")
+                pq = pq.repeat_interleave(H // Hkv, 1)
+            else:
+                pq = ref.pq_scores(qr, book.centroids, codes[:, :, :n])
             cand = ~kept
             cand[: s.sink] = False
             for b in range(B):

@@ -40,7 +40,7 @@ from pqattn.runtime.progress import Progress
 NAME = "pqattn_task"
 LOG2 = math.log(2.0)
 POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
-LUT_DTYPES = ("float32", "bfloat16", "float16")
+LUT_DTYPES = ("kernel", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +69,10 @@ class TaskSettings:
     iters: int = 10
     seed: int = 0
     batch_tokens: int = 131072  # documents per forward: batch_tokens // context (at least 1)
-    # PQ scores from the LUT with each entry rounded to this dtype ("bfloat16", "float16": a lab
-    # measurement of a half-width LUT); "float32" scores SPEC §2's sums
-    lut_dtype: str = "float32"
+    # PQ scores as the kernels take them ("kernel": a group's LUT entries rounded to
+    # reference.GROUP_LUT_DTYPE, a head's exact, SPEC §2, §7), or every PQ policy's LUT entries
+    # rounded to one dtype (a lab measurement; "float32": SPEC §2's sums for groups too)
+    lut_dtype: str = "kernel"
 
     def __post_init__(self) -> None:
         if self.passkey_keys < 1:
@@ -208,12 +209,16 @@ class PolicyEvaluator:
 
     def row_scores(self, layer: int, k: torch.Tensor, prefill: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """The current policy's token scores for query rows: q [B, H, R, D] -> [B, H, R, T] over the
-        keys k [B, Hkv, T, D] (the first `prefill` indexed by PQ, the rest appended)."""
+        keys k [B, Hkv, T, D] (the first `prefill` indexed by PQ, the rest appended); a group PQ
+        policy's group scores [B, Hkv, R, T] under lut_dtype="kernel"."""
         pol = self.policy
         B, Hkv, T, D = k.shape
         if pol.kind in ("oracle", "streaming"):
             keys = k.float()
-        elif pol.kind == "pq" and self.settings.lut_dtype != "float32":
+        elif pol.kind == "pq" and self.settings.lut_dtype == "kernel" and pol.share == "group":
+            book, codes = self.pq_codes(layer, k, prefill, pol)
+            return rounded_lut_scores(book.centroids, codes, ref.GROUP_LUT_DTYPE, group_rule=pol.group_rule)
+        elif pol.kind == "pq" and self.settings.lut_dtype not in ("kernel", "float32"):
             book, codes = self.pq_codes(layer, k, prefill, pol)
             return rounded_lut_scores(book.centroids, codes, getattr(torch, self.settings.lut_dtype))
         elif pol.kind == "pq":
@@ -244,11 +249,13 @@ class PolicyEvaluator:
         kv_heads: int | None = None,
     ) -> torch.Tensor:
         """What the current policy keeps for query rows that see lengths [R] tokens, given their
-        scores [B, H, R, T] (and, for a re-rank, the exact scores <q, k> alike; for a group
-        selection, the cache's kv_heads): a mask [B, H, R, T] (heavy = round(density * prefill),
-        times the budget for a group; SPEC §7)."""
+        scores [B, H, R, T] or a group's [B, Hkv, R, T] (`row_scores`; then with exact), the
+        exact scores <q, k> [B, H, R, T] (read by a re-rank), and for a group selection the
+        cache's kv_heads: a mask [B, H, R, T] (heavy = round(density * prefill), times the budget
+        for a group; SPEC §7)."""
         s, pol = self.settings, self.policy
-        B, H, R, T = scores.shape
+        B, R, T = scores.shape[0], scores.shape[2], scores.shape[3]
+        H = exact.shape[1] if exact is not None else scores.shape[1]
         heavy = pol.selection_heavy(prefill)
         flat_lengths = lengths.repeat(B)  # rows flattened as (b, r)
         if pol.kind == "streaming":
@@ -257,10 +264,13 @@ class PolicyEvaluator:
         if pol.share == "group" and kv_heads is None:
             raise ValueError(f"kv_heads: the {pol.family} policy selects per KV head, got None")
         hkv = kv_heads if pol.share == "group" else H
+        if scores.shape[1] not in (H, hkv):
+            raise ValueError(f"scores: expected {H} heads or {hkv} groups, got {scores.shape[1]}")
 
         def rows(x: torch.Tensor) -> torch.Tensor:  # [B * R, H or Hkv, T], reduced over groups
-            flat = x.permute(0, 2, 1, 3).reshape(B * R, H, T)
-            return ref.group_scores(flat, hkv, pol.group_rule) if pol.share == "group" else flat
+            flat = x.permute(0, 2, 1, 3).reshape(B * R, x.shape[1], T)
+            reduce = pol.share == "group" and x.shape[1] != hkv
+            return ref.group_scores(flat, hkv, pol.group_rule) if reduce else flat
 
         sizes = dict(sink=s.sink, window=s.window, init_offset=s.sink)
         sel = ref.select_from_scores(rows(scores), flat_lengths, heavy=max(pol.rerank, 1) * heavy, **sizes)
@@ -304,23 +314,30 @@ class PolicyEvaluator:
 
 
 def rounded_lut_scores(
-    centroids: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype
+    centroids: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype, group_rule: str | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """PQ scores from LUTs whose entries <q_m, centroid> are rounded to `dtype` before the sum
     over sub-quantizers (`reference.pq_scores(lut_dtype=)` for many query rows): centroids [B,
-    Hkv, M, C, dsub(+1)], codes [B, Hkv, T, M]; q [B, H, R, D] -> [B, H, R, T] float32."""
+    Hkv, M, C, dsub(+1)], codes [B, Hkv, T, M]; q [B, H, R, D] -> [B, H, R, T] float32, or with
+    a group_rule the group scores [B, Hkv, R, T] as `reference.group_pq_scores` takes them (the
+    summed query's LUT for "sum", the max of the heads' scores for "max")."""
     B, Hkv, T, M = codes.shape
     cents = centroids.float()
 
     def scores(q: torch.Tensor) -> torch.Tensor:
         H, R, D = q.shape[1], q.shape[2], q.shape[3]
         qm = q.float().reshape(B, Hkv, H // Hkv, R, M, D // M)
+        if group_rule == "sum":
+            qm = qm.sum(2, keepdim=True)
+        g = qm.shape[2]
         lut = torch.einsum("bkgrmd,bkmcd->bkgrmc", qm, cents[..., : D // M]).to(dtype).float()
-        out = torch.zeros(B, Hkv, H // Hkv, R, T, device=q.device)
+        out = torch.zeros(B, Hkv, g, R, T, device=q.device)
         for m in range(M):
-            idx = codes[:, :, None, None, :, m].long().expand(B, Hkv, H // Hkv, R, T)
+            idx = codes[:, :, None, None, :, m].long().expand(B, Hkv, g, R, T)
             out += lut[..., m, :].gather(-1, idx)
-        return out.reshape(B, H, R, T)
+        if group_rule is None:
+            return out.reshape(B, H, R, T)
+        return out.amax(2) if group_rule == "max" else out[:, :, 0]
 
     return scores
 

@@ -5,7 +5,15 @@ exists for a case.
 """
 
 from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, to_pages, unpage
-from pqattn.reference.pq import KMeansResult, build_pq, encode, exact_scores, pq_scores
+from pqattn.reference.pq import (
+    GROUP_LUT_DTYPE,
+    KMeansResult,
+    build_pq,
+    encode,
+    exact_scores,
+    group_pq_scores,
+    pq_scores,
+)
 from pqattn.reference.rows import (
     Misses,
     RowCache,
@@ -37,6 +45,7 @@ from pqattn.reference.selection import (
 )
 
 __all__ = [
+    "GROUP_LUT_DTYPE",
     "GROUP_RULES",
     "SHARES",
     "KMeansResult",
@@ -55,6 +64,7 @@ __all__ = [
     "encode_rows",
     "exact_scores",
     "fetch_rows",
+    "group_pq_scores",
     "group_scores",
     "lookup_rows",
     "new_row_cache",

@@ -340,8 +340,8 @@ def pq_scores(
 
     q: [B, H, D], centroids: [B, Hkv, M, C, dsub(+1)], codes: [B, Hkv, N, M] -> [B, H, N] in the
     centroids' dtype. Built from a per-(b, h) lookup table of <q_m, centroid> (the "LUT");
-    `lut_dtype` rounds each entry to that dtype before the sum (a lab measurement: SPEC §2's
-    score takes None).
+    `lut_dtype` rounds each entry to that dtype before the sum (SPEC §2's per-head score takes
+    None; a group's takes GROUP_LUT_DTYPE, `group_pq_scores`).
     """
     B, H, D = q.shape
     Hkv, M = centroids.shape[1], centroids.shape[2]
@@ -353,6 +353,28 @@ def pq_scores(
         lut = lut.to(lut_dtype).to(centroids.dtype)
     idx = codes.long().permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, M, N)
     return lut.gather(-1, idx).sum(3).reshape(B, H, N)
+
+
+# SPEC §7: a group selection's LUT entries are rounded to this dtype before the sum over
+# sub-quantizers (half the bytes a lookup reads; the trained model's bits/byte unchanged,
+# docs/kernels/select.md).
+GROUP_LUT_DTYPE = torch.bfloat16
+
+
+def group_pq_scores(q: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, rule: str) -> torch.Tensor:
+    """A KV head's group PQ scores [B, Hkv, N] (SPEC §7) from q [B, H, D], centroids [B, Hkv,
+    M, C, dsub(+1)] and codes [B, Hkv, N, M], with LUT entries rounded to GROUP_LUT_DTYPE:
+    "sum" scores the G heads' summed query with one LUT, "max" takes the max of the G heads'
+    scores, each from its own LUT."""
+    B, H, D = q.shape
+    Hkv = centroids.shape[1]
+    if rule == "sum":
+        summed = q.to(centroids.dtype).reshape(B, Hkv, H // Hkv, D).sum(2)
+        return pq_scores(summed, centroids, codes, lut_dtype=GROUP_LUT_DTYPE)
+    if rule == "max":
+        per_head = pq_scores(q, centroids, codes, lut_dtype=GROUP_LUT_DTYPE)
+        return per_head.reshape(B, Hkv, H // Hkv, -1).amax(2)
+    raise ValueError(f"group_rule: expected one of ('sum', 'max'), got {rule!r}")
 
 
 def exact_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from pqattn.reference.pq import exact_scores, pq_scores
+from pqattn.reference.pq import exact_scores, group_pq_scores, pq_scores
 
 
 class Selection(NamedTuple):
@@ -114,7 +114,8 @@ GROUP_RULES = ("sum", "max")
 
 def group_scores(scores: torch.Tensor, num_kv_heads: int, rule: str) -> torch.Tensor:
     """A group's token scores [B, Hkv, N] from its G = H / Hkv heads' scores [B, H, N] (SPEC §7):
-    their sum ("sum"; for PQ scores the score of the heads' summed query) or their max ("max")."""
+    their sum ("sum") or their max ("max"). The group's PQ scores, whose LUT entries are rounded,
+    are `group_pq_scores`."""
     B, H, N = scores.shape
     per_group = scores.reshape(B, num_kv_heads, H // num_kv_heads, N)
     if rule == "sum":
@@ -154,7 +155,10 @@ def select_pq(
     R * heavy candidates by PQ score, then the top `heavy` of those by the exact score <q, k> from
     keys [B, Hkv, N, D] (reduced over the group alike)."""
     Hkv = codes.shape[1]
-    scores = _shared(pq_scores(q, centroids, codes), Hkv, share, group_rule)
+    if share == "group":
+        scores = group_pq_scores(q, centroids, codes, group_rule)
+    else:
+        scores = _shared(pq_scores(q, centroids, codes), Hkv, share, group_rule)
     sizes = dict(sink=sink, window=window, init_offset=init_offset, short_threshold=short_threshold)
     if rerank == 0:
         return select_from_scores(scores, lengths, heavy=heavy, **sizes)

@@ -6,9 +6,9 @@ heads (share="group"). Three launches, none of which waits on one program's chai
 1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[m, c, t] =
    <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
-   max rule), a code's entries of every table side by side, and each chunk's share of the bounds
-   of any score, lo = sum_m min_c LUT and hi = sum_m max_c LUT (maxed over the tables for the
-   max rule).
+   max rule), a code's entries of every table side by side (rounded to bfloat16 for a group,
+   SPEC §7: half the bytes a lookup reads), and each chunk's share of the bounds of any score,
+   lo = sum_m min_c LUT and hi = sum_m max_c LUT (maxed over the tables for the max rule).
 2. `_score_kernel`, grid (spans of tokens, rows): each program first scores a strided sample of
    the row's candidates and takes from it the bins (`_pq_bins`; the program of the first
    candidate stores them for the collect): NBINS equal bins of [t0, hi], with t0 a sample score
@@ -96,7 +96,8 @@ class RowLayout(NamedTuple):
     """int32 offsets inside a row's workspace. The counters and bins must be zero before a call
     and are zero after it; the rest is written before it is read."""
 
-    lut: int  # the tables, float32 [M, C, tables_p2] (a code's entries of every table side by side)
+    lut: int  # the tables [M, C, tables_p2] (a code's entries of every table side by side): float32,
+    # or bfloat16 for a group (SPEC §7; the region keeps float32's size)
     bounds: int  # partial bounds of the PQ scores, float32 [tables, M-chunks <= M, 2]
     pq_bins: int  # the PQ scores' bins: their start t0 and bins per unit score, float32
     list_bounds: int  # min and max of the re-rank's exact scores
@@ -158,6 +159,16 @@ def lut_chunks(M: int, C: int, dsub: int) -> int:
 
 
 @triton.jit
+def _round_bf16(x):
+    """x (float32) rounded to the nearest bfloat16, ties to even, by its bits (Triton's
+    interpreter truncates a float32 -> bfloat16 cast; the rounded value then casts exactly)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    up = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = (up & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x).to(tl.bfloat16)
+
+
+@triton.jit
 def _lut_kernel(
     q_ptr,
     cent_ptr,
@@ -180,6 +191,7 @@ def _lut_kernel(
     DSUB: tl.constexpr,
     CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
+    LUT_BF16: tl.constexpr,  # entries rounded to bfloat16 (a group's tables, SPEC §7)
     PDL: tl.constexpr,
 ):
     """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
@@ -199,7 +211,8 @@ def _lut_kernel(
     m = chunk * MB + tl.arange(0, MB)
     c_idx = tl.arange(0, C)
     d_idx = tl.arange(0, DSUB)
-    lut_row = (ws_ptr + row.to(tl.int64) * ROW_WS).to(tl.pointer_type(tl.float32), bitcast=True)
+    ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
+    lut_row = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
     cent = cent_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
     q_b = q_ptr + b.to(tl.int64) * stride_qb
     qv = tl.zeros([MB, DSUB], tl.float32)
@@ -209,8 +222,14 @@ def _lut_kernel(
         cent + m[:, None, None] * stride_cm + c_idx[None, :, None] * stride_cc + d_idx[None, None, :]
     ).to(tl.float32)
     lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
+    at = (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t
     wait_prior(PDL)
-    tl.store(lut_row + (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t, lut)
+    if LUT_BF16:
+        rounded = _round_bf16(lut)
+        tl.store(ws_row.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, rounded)
+        lut = rounded.to(tl.float32)  # the bounds hold the rounded entries' scores
+    else:
+        tl.store(lut_row + at, lut)
     part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
     tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
     tl.store(part + 1, tl.sum(tl.max(lut, axis=1), axis=0))
@@ -223,6 +242,7 @@ def _lut_kernel(
 @triton.jit
 def _pq_bins(
     wsf,
+    lutp,
     codes_row,
     stride_kn,
     stride_km,
@@ -258,7 +278,7 @@ def _pq_bins(
         i = tl.arange(0, SAMPLE)
         tok = cand_lo + (i.to(tl.int64) * tl.maximum(n_cand, 1) // SAMPLE).to(tl.int32)
         s = _pq_scores(
-            wsf, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
+            lutp, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
         )
         expect = SAMPLE * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
         k = expect + SAMPLE_SIGMAS * tl.sqrt(expect) + SAMPLE_SLACK
@@ -276,7 +296,7 @@ def _pq_bins(
 
 @triton.jit
 def _pq_scores(
-    wsf,
+    lutp,
     codes_row,
     tok,
     cand,
@@ -289,7 +309,8 @@ def _pq_scores(
     TABLES_P2: tl.constexpr,
     MAX_RULE: tl.constexpr,
 ):
-    """The PQ scores of tokens [BLOCK] (candidates where cand) from the row's LUT in memory."""
+    """The PQ scores of tokens [BLOCK] (candidates where cand) from the row's LUT in memory at
+    lutp (float32 or bfloat16 entries; float32 sums)."""
     m = tl.arange(0, M)
     at = (tok - code_base).to(tl.int64)
     code = tl.load(
@@ -299,14 +320,14 @@ def _pq_scores(
     if MAX_RULE:
         # a code's entries of every table side by side: one vector load serves them all
         tt = tl.arange(0, TABLES_P2)[None, None, :]
-        lut_at = wsf + entry[:, :, None] + tt
+        lut_at = lutp + entry[:, :, None] + tt
         if TABLES == TABLES_P2:
             vals = tl.load(lut_at)
         else:
             vals = tl.load(lut_at, mask=tt < TABLES, other=float("-inf"))
-        return tl.max(tl.sum(vals, axis=1), axis=1)
+        return tl.max(tl.sum(vals.to(tl.float32), axis=1), axis=1)
     else:
-        return tl.sum(tl.load(wsf + entry), axis=1)
+        return tl.sum(tl.load(lutp + entry).to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -380,6 +401,7 @@ def _score_kernel(
     REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
     SAMPLE: tl.constexpr,  # candidates scored for the bins' start (0: the bins span [lo, hi])
+    LUT_BF16: tl.constexpr,  # the LUT's entries are bfloat16 (else float32)
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -393,10 +415,11 @@ def _score_kernel(
     if (first + span > cand_lo) & (first < cand_end):
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
+        lutp = ws_row.to(tl.pointer_type(tl.bfloat16 if LUT_BF16 else tl.float32), bitcast=True)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
         lo, inv = _pq_bins(
-            wsf, codes_row, stride_kn, stride_km, code_base, cand_lo, cand_hi - cand_lo, need, BOUNDS_AT,
-            TABLES, TABLES_P2, CHUNKS, M, C, MAX_RULE, SAMPLE, NBINS_,
+            wsf, lutp, codes_row, stride_kn, stride_km, code_base, cand_lo, cand_hi - cand_lo, need,
+            BOUNDS_AT, TABLES, TABLES_P2, CHUNKS, M, C, MAX_RULE, SAMPLE, NBINS_,
         )  # fmt: skip
         if (cand_lo >= first) & (cand_lo < first + span):  # the first candidate's program
             tl.store(wsf + PQ_BINS_AT, lo)
@@ -407,7 +430,8 @@ def _score_kernel(
             m3 = tl.arange(0, M)[:, None, None]
             j3 = tl.arange(0, C)[None, None, :]
             t3 = tl.arange(0, SUB // C)[None, :, None]
-            table = tl.broadcast_to(tl.load(wsf + (m3 * C + j3) * TABLES_P2), [M, SUB // C, C])
+            table = tl.load(lutp + (m3 * C + j3) * TABLES_P2).to(tl.float32)
+            table = tl.broadcast_to(table, [M, SUB // C, C])
             tok2 = tl.arange(0, SUB // C)[:, None] * C + tl.arange(0, C)[None, :]
             for step in range(0, span, SUB):
                 base = first + step
@@ -417,7 +441,8 @@ def _score_kernel(
                 code = tl.load(codes_row + at3 * stride_kn + m3 * stride_km, mask=cand3, other=0).to(tl.int32)
                 s = tl.sum(tl.gather(table, code, axis=2), axis=0)
                 for t in range(1, TABLES):  # (the register route serves the max rule only)
-                    other = tl.broadcast_to(tl.load(wsf + (m3 * C + j3) * TABLES_P2 + t), [M, SUB // C, C])
+                    other = tl.load(lutp + (m3 * C + j3) * TABLES_P2 + t).to(tl.float32)
+                    other = tl.broadcast_to(other, [M, SUB // C, C])
                     s = tl.maximum(s, tl.sum(tl.gather(other, code, axis=2), axis=0))
                 tok = base + tok2
                 cand = (tok >= cand_lo) & (tok < cand_end)
@@ -427,7 +452,7 @@ def _score_kernel(
                 tok = first + step + tl.arange(0, BLOCK)
                 cand = (tok >= cand_lo) & (tok < cand_end)
                 s = _pq_scores(
-                    wsf,
+                    lutp,
                     codes_row,
                     tok,
                     cand,
@@ -867,6 +892,7 @@ def pq_select_fine(
             DSUB=D // M,
             CHUNKS=lut_progs,
             TABLES_P2=tables_p2,
+            LUT_BF16=group,
             num_warps=4,
             **pdl_meta(q.device),
         ),
@@ -920,6 +946,7 @@ def pq_select_fine(
             REG_LUT=reg_lut,
             SUB=sub,
             SAMPLE=0 if reg_lut else gather_block,
+            LUT_BF16=group,
             num_warps=score_warps,
         ),
     )
