@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import pqattn.integrations.hf as pq_hf
+from pqattn.lab.env import environment
 from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
 
 
@@ -160,6 +161,7 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
     }
     doc["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc["env"] = environment(model.device)
     for kind in ("dense", "pqattn"):
         if kind == "pqattn":
             pq_hf.enable(model, config)
