@@ -8,7 +8,11 @@ Parts (one JSON, each part a key):
          token, host and GPU memory.
   large: 32 layers, B1 512K and B4 128K, where dense decoding does not fit on one GPU: the host
          tier's caches filled directly (random codes and rows at the context length; a
-         2048-token prompt prefilled for real), then ms per token as above.
+         2048-token prompt prefilled for real), then ms per token as above. `--overlaps`: the
+         same loop again with each layer's heavy rows replaced, after its selection ran, by lists
+         that keep that share of the previous step's (the rest fresh, ascending as the
+         selection writes them): the step at set hit rates, which random weights (whose
+         selections change almost entirely) cannot give.
   fetch: kernel figures of one layer (B1, 8 KV heads, 512K tokens, D 128, bf16): the row lookup
          and the fetch at set hit rates, GB/s of the missed rows, beside a pinned contiguous
          host-to-device copy of the same bytes.
@@ -234,55 +238,110 @@ def _profile(decoder, steps: int = 3) -> list[dict]:
     return [*rows[:12], {"kernel": "(the rest)", "us_per_step": rest, "calls": 0}]
 
 
+class _ForcedLists:
+    """Each layer's heavy rows, after its selection ran, replaced by step t's row of `lists`
+    [T, B, Hkv, heavy] while `on` (a device flag; the graph captures the copy either way): the
+    step at a set overlap between consecutive lists."""
+
+    def __init__(self, model, context: int, steps: int, B: int) -> None:
+        states = _states(model)
+        c = states[0].config
+        self.sink, self.window, self.context, self.T = c.sink, c.window, context, steps
+        self.heavy = states[0].host.list_width - c.sink - c.window
+        self.lists = torch.zeros(steps, B, 8, self.heavy, dtype=torch.int32, device="cuda")
+        self.on = torch.zeros((), dtype=torch.bool, device="cuda")
+        for state in states:
+            index = state.index
+            index.select = self._forced(index, index.select)
+
+    def _forced(self, index, select):
+        def forced(q: torch.Tensor):
+            sel = select(q)
+            step = (index.lengths[:1] - self.context - 1).remainder(self.T)
+            heavy = sel.positions[:, :, self.sink : self.sink + self.heavy]
+            heavy.copy_(torch.where(self.on, self.lists.index_select(0, step)[0], heavy))
+            return sel
+
+        return forced
+
+    def set(self, overlap: float | None) -> None:
+        """Lists that keep `overlap` of the previous step's positions (None: the selection's own)."""
+        self.on.fill_(overlap is not None)
+        if overlap is None:
+            return
+        T, B, Hkv, L = self.lists.shape
+        span = self.context - self.window - self.sink  # candidates of every step: never in a window
+        for b in range(B):
+            self.lists[:, b] = _lists(T, L, span, overlap, Hkv)[:, 0].sort(-1).values + self.sink
+
+
 def part_large(
-    steps: int, shapes: list[tuple[int, int]], sorts: list[bool], int8: bool, per_sm: list[int]
+    steps: int,
+    shapes: list[tuple[int, int]],
+    sorts: list[bool],
+    int8: bool,
+    per_sm: list[int],
+    overlaps: list[float | None],
 ) -> list[dict]:
     rows = []
+    per_overlap = steps + 24  # settling, warm-up, timed and profiled steps
     for (B, context), sort, programs in ((x, s, p) for x in shapes for s in sorts for p in per_sm):
         rows_kernels.SORT_MISSES = sort
         rows_kernels.FETCH_PROGRAMS_PER_SM = programs
         model = _model(32, context + 512)
         pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement="host", host_int8=int8))
         ids = torch.randint(0, 32000, (B, PROMPT), device="cuda")
-        decoder, setup_s = _seconds(pq_hf.StaticDecoder, model, ids, context - PROMPT + steps + 16)
+        new = context - PROMPT + per_overlap * len(overlaps) + 16
+        decoder, setup_s = _seconds(pq_hf.StaticDecoder, model, ids, new)
         _, fill_s = _seconds(_fill_directly, model, decoder, context)
-        times, lookups, misses = _steps_and_rows(model, decoder, steps)
-        ms = statistics.median(times)
-        row_bytes = 2 * 128 + 8 if int8 else ROW_BYTES
-        states = _states(model)
-        kv_dense = B * 32 * 8 * context * ROW_BYTES
-        rows.append(
-            {
-                "case": f"llama32L-B{B}-{context // 1024}K" + ("-int8" if int8 else ""),
-                "B": B,
-                "context": context,
-                "layers": 32,
-                "placement": "host",
-                "ms_per_token": ms,
-                "ms_iqr": _iqr(times),
-                "tokens_per_s": B * 1000 / ms,
-                "hit_rate": 1 - misses / lookups,
-                "pcie_bytes_per_token": (misses / steps + B * 32 * 8) * row_bytes,
-                "host_bytes": sum(s.host.footprint.host for s in states),
-                "tier_gpu_bytes": sum(s.host.footprint.gpu for s in states),
-                "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
-                "dense_kv_bytes": kv_dense,
-                "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory,
-                "setup_s": setup_s,
-                "fill_s": fill_s,
-                "sorted_misses": sort,
-                "fetch_programs_per_sm": programs,
-                "int8": int8,
-                "profile": _profile(decoder),
-            }
-        )
-        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
-        for k in rows[-1]["profile"]:
-            print(f"   {k['us_per_step']:9.1f} us  {k['calls']:5d}  {k['kernel']}", flush=True)
-        del decoder, model, states
+        forced = _ForcedLists(model, context, per_overlap * len(overlaps) + 16, B)
+        for overlap in overlaps:
+            forced.set(overlap)
+            rows.append(
+                _large_row(model, decoder, B, context, steps, int8, sort, programs, setup_s, fill_s, overlap)
+            )
+        del decoder, model, forced
         _free()
     return rows
+
+
+def _large_row(model, decoder, B, context, steps, int8, sort, programs, setup_s, fill_s, overlap) -> dict:
+    for _ in range(8):  # the row caches settle to the lists' overlap
+        decoder.step()
+    times, lookups, misses = _steps_and_rows(model, decoder, steps)
+    ms = statistics.median(times)
+    row_bytes = 2 * 128 + 8 if int8 else ROW_BYTES
+    states = _states(model)
+    kv_dense = B * 32 * 8 * context * ROW_BYTES
+    row = {
+        "case": f"llama32L-B{B}-{context // 1024}K" + ("-int8" if int8 else ""),
+        "B": B,
+        "context": context,
+        "layers": 32,
+        "placement": "host",
+        "ms_per_token": ms,
+        "ms_iqr": _iqr(times),
+        "tokens_per_s": B * 1000 / ms,
+        "hit_rate": 1 - misses / lookups,
+        "pcie_bytes_per_token": (misses / steps + B * 32 * 8) * row_bytes,
+        "host_bytes": sum(s.host.footprint.host for s in states),
+        "tier_gpu_bytes": sum(s.host.footprint.gpu for s in states),
+        "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
+        "dense_kv_bytes": kv_dense,
+        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+        "setup_s": setup_s,
+        "fill_s": fill_s,
+        "sorted_misses": sort,
+        "fetch_programs_per_sm": programs,
+        "int8": int8,
+        "heavy_overlap": overlap,  # None: the selection's own lists
+        "profile": _profile(decoder),
+    }
+    print({k: v for k, v in row.items() if k != "profile"}, flush=True)
+    for k in row["profile"]:
+        print(f"   {k['us_per_step']:9.1f} us  {k['calls']:5d}  {k['kernel']}", flush=True)
+    return row
 
 
 def _lists(T: int, L: int, N: int, hit: float, Hkv: int) -> torch.Tensor:
@@ -510,6 +569,12 @@ def main() -> None:
     )
     parser.add_argument("--int8", action="store_true", help="the large part with 8-bit host rows")
     parser.add_argument(
+        "--overlaps",
+        default="own",
+        help="the large part's heavy lists: own (the selection's), or a share kept from the previous "
+        "step's (comma-separated: each, e.g. own,0.5,0.8,0.95)",
+    )
+    parser.add_argument(
         "--per-sm",
         default=str(FETCH_PROGRAMS_PER_SM),
         help="the large part's persistent fetch programs per multiprocessor (comma-separated: each)",
@@ -530,7 +595,8 @@ def main() -> None:
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.large.split(",")]
             sorts = [s == "1" for s in args.sorts.split(",")]
             per_sm = [int(p) for p in args.per_sm.split(",")]
-            doc["parts"]["large"] = part_large(args.steps, shapes, sorts, args.int8, per_sm)
+            overlaps = [None if x == "own" else float(x) for x in args.overlaps.split(",")]
+            doc["parts"]["large"] = part_large(args.steps, shapes, sorts, args.int8, per_sm, overlaps)
         elif part == "fetch":
             doc["parts"]["fetch"] = part_fetch()
         elif part == "span":
