@@ -1,0 +1,216 @@
+"""Random row reads from host memory by a GPU kernel: registered pages (cudaHostRegister, the host
+tier's memory today) against a CUDA virtual-memory host allocation (cuMemCreate with a host
+location, mapped at the driver's recommended granularity). The question: does the GPU's
+translation of host addresses, which limits random reads spread over gigabytes, reach further
+with the larger mappings?
+
+Each case reads `rows` random 512-byte rows (sorted, as the fetch reads a list's misses) out of
+each of 8 spans of `span` bytes (a layer's 8 KV heads at B1), one kernel program per 32 rows,
+CUDA events, median of 20.
+
+Usage (on a GPU): PYTHONPATH=src python bench/host_vmm.py --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+from pqattn.lab.env import environment
+
+ROW = 256  # bf16 elements a row: a KV head's key and value of one position
+BLOCK_R = 32
+HEADS = 8
+
+
+class _Prop(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("handle_types", ctypes.c_int),
+        ("loc_type", ctypes.c_int),
+        ("loc_id", ctypes.c_int),
+        ("win32", ctypes.c_void_p),
+        ("flags", ctypes.c_uint8 * 8),
+    ]
+
+
+class _Access(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+class _Pointer:
+    """An address a Triton launch takes as a bf16 pointer (it reads `data_ptr()` and `dtype`)."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _check(what: str, err: int) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what} failed: CUresult {err}")
+
+
+class VmmHost:
+    """`size` bytes of host memory from cuMemCreate (location: host), mapped for the current
+    device; `cpu_access` says whether the CPU may also touch it through the same address."""
+
+    def __init__(self, size: int, device: int) -> None:
+        cu = ctypes.CDLL("libcuda.so.1")
+        self.cu = cu
+        prop = _Prop(type=1, handle_types=0, loc_type=2, loc_id=0)  # PINNED, HOST
+        gran = ctypes.c_size_t()
+        _check(
+            "cuMemGetAllocationGranularity",
+            cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 1),
+        )
+        self.granularity = gran.value
+        self.size = -(-size // gran.value) * gran.value
+        handle = ctypes.c_uint64()
+        _check(
+            "cuMemCreate",
+            cu.cuMemCreate(
+                ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(prop), ctypes.c_uint64(0)
+            ),
+        )
+        self.handle = handle
+        ptr = ctypes.c_uint64()
+        _check(
+            "cuMemAddressReserve",
+            cu.cuMemAddressReserve(
+                ctypes.byref(ptr),
+                ctypes.c_size_t(self.size),
+                ctypes.c_size_t(gran.value),
+                ctypes.c_uint64(0),
+                ctypes.c_uint64(0),
+            ),
+        )
+        self.ptr = ptr.value
+        _check(
+            "cuMemMap",
+            cu.cuMemMap(
+                ctypes.c_uint64(self.ptr),
+                ctypes.c_size_t(self.size),
+                ctypes.c_size_t(0),
+                handle,
+                ctypes.c_uint64(0),
+            ),
+        )
+        dev = _Access(loc_type=1, loc_id=device, flags=3)  # DEVICE, READWRITE
+        _check(
+            "cuMemSetAccess(device)",
+            cu.cuMemSetAccess(
+                ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size), ctypes.byref(dev), ctypes.c_size_t(1)
+            ),
+        )
+        host = _Access(loc_type=2, loc_id=0, flags=3)
+        self.cpu_access = cu.cuMemSetAccess(
+            ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size), ctypes.byref(host), ctypes.c_size_t(1)
+        )
+
+    def pointer(self) -> _Pointer:
+        return _Pointer(self.ptr)
+
+    def free(self) -> None:
+        self.cu.cuMemUnmap(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size))
+        self.cu.cuMemRelease(self.handle)
+        self.cu.cuMemAddressFree(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size))
+
+
+@triton.jit
+def _fill_kernel(dst_ptr, n, BLOCK: tl.constexpr):
+    """dst[j] = a hash of j (as bf16 bits; `_expected` gives the same)."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    bits = ((j * 40503) & 0x3FFF).to(tl.int16)
+    tl.store(dst_ptr + j, bits.to(tl.bfloat16, bitcast=True), mask=j < n)
+
+
+def _expected(pos: torch.Tensor) -> torch.Tensor:
+    j = pos.long()[:, None] * ROW + torch.arange(ROW, device=pos.device)
+    return ((j * 40503) & 0x3FFF).to(torch.int16).view(torch.bfloat16)
+
+
+@triton.jit
+def _gather_kernel(src_ptr, pos_ptr, dst_ptr, n, ROW_: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    p = tl.load(pos_ptr + i, mask=live, other=0)
+    e = tl.arange(0, ROW_)
+    v = tl.load(src_ptr + p[:, None] * ROW_ + e[None, :], mask=live[:, None], other=0.0)
+    tl.store(dst_ptr + i[:, None] * ROW_ + e[None, :], v, mask=live[:, None])
+
+
+def _positions(span_rows: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """HEADS lists of `rows` sorted random rows, each in its own span (global row numbers)."""
+    out = [
+        h * span_rows + torch.randperm(span_rows, generator=gen)[:rows].sort().values for h in range(HEADS)
+    ]
+    return torch.cat(out).cuda()
+
+
+def _time(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor) -> float:
+    grid = (triton.cdiv(pos.numel(), BLOCK_R),)
+    marks = []
+    for _ in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _gather_kernel[grid](src, pos, dst, pos.numel(), ROW_=ROW, BLOCK=BLOCK_R, num_warps=4)
+        b.record()
+        marks.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in marks[5:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spans", default="67108864,268435456", help="bytes per KV head's span")
+    p.add_argument("--rows", default="4352,870,218", help="rows read from each span (no hits, 0.8, 0.95)")
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    spans = [int(x) for x in args.spans.split(",")]
+    total = HEADS * max(spans)
+    gen = torch.Generator().manual_seed(0)
+    vmm = VmmHost(total, torch.cuda.current_device())
+    reg = torch.empty(total // 2, dtype=torch.int16)
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(reg.data_ptr(), total, 1 | 2)) == 0  # portable, mapped
+    sources = {"registered": _Pointer(reg.data_ptr()), "vmm-host": vmm.pointer()}
+    for src in sources.values():
+        _fill_kernel[(triton.cdiv(total // 2, 4096),)](src, total // 2, BLOCK=4096)
+    torch.cuda.synchronize()
+    doc = {
+        "env": environment(torch.device("cuda")),
+        "granularity": vmm.granularity,
+        "vmm_cpu_access_result": vmm.cpu_access,
+        "rows": [],
+    }
+    for span in spans:
+        for rows in (int(x) for x in args.rows.split(",")):
+            pos = _positions(span // (2 * ROW), rows, gen)
+            dst = torch.empty(pos.numel(), ROW, dtype=torch.bfloat16, device="cuda")
+            for name, src in sources.items():
+                dst.zero_()
+                us = _time(src, pos, dst)
+                row = {"memory": name, "span_bytes": span, "rows_per_span": rows, "us": us}
+                row["gbps"] = pos.numel() * ROW * 2 / us / 1e3
+                row["checked"] = torch.equal(dst.view(torch.int16), _expected(pos).view(torch.int16))
+                doc["rows"].append(row)
+                print(row, flush=True)
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    cudart.cudaHostUnregister(reg.data_ptr())
+    vmm.free()
+
+
+if __name__ == "__main__":
+    main()
