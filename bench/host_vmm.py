@@ -4,6 +4,10 @@ location, mapped at the driver's recommended granularity). The question: does th
 translation of host addresses, which limits random reads spread over gigabytes, reach further
 with the larger mappings?
 
+Beside them, the host tier's own fetch (`kernels.rows.fetch_rows`: persistent programs, one a
+multiprocessor by default, or one a block of misses) on the same lists of the registered memory,
+writing the slots as a step does.
+
 Each case reads `rows` random 512-byte rows (sorted, as the fetch reads a list's misses) out of
 each of 8 spans of `span` bytes (a layer's 8 KV heads at B1), one kernel program per 32 rows,
 CUDA events, median of 20.
@@ -22,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pqattn.kernels.rows import fetch_rows
 from pqattn.lab.env import environment
 
 ROW = 256  # bf16 elements a row: a KV head's key and value of one position
@@ -171,6 +176,29 @@ def _time(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor) -> float:
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in marks[5:])
 
 
+def _time_fetch(host: torch.Tensor, span_rows: int, pos: torch.Tensor, programs: int | None) -> float:
+    """fetch_rows of the misses pos [HEADS, rows] (global row numbers, each head's in its span)
+    from the registered memory seen as host rows [1, HEADS, span_rows, 2, D / 2]."""
+    rows = host[: HEADS * span_rows * ROW].view(torch.bfloat16).view(1, HEADS, span_rows, 2, ROW // 2)
+    n = pos.shape[1]
+    local = (pos - torch.arange(HEADS, device=pos.device)[:, None] * span_rows).int()[None]
+    slots = torch.arange(n, dtype=torch.int32, device=pos.device).expand(1, HEADS, n).contiguous()
+    misses = (local.contiguous(), slots, torch.full((1, HEADS), n, dtype=torch.int32, device=pos.device))
+    k_slots = torch.empty(1, HEADS, n, ROW // 2, dtype=torch.bfloat16, device="cuda")
+    v_slots = torch.empty_like(k_slots)
+    k_new = torch.zeros(1, HEADS, 1, ROW // 2, dtype=torch.bfloat16, device="cuda")
+    lengths = torch.tensor([span_rows], device="cuda")  # (the new row lands past every listed one)
+    marks = []
+    for _ in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fetch_rows(rows, k_new, k_new, lengths, misses, k_slots, v_slots, programs=programs)
+        b.record()
+        marks.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in marks[5:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--spans", default="67108864,268435456", help="bytes per KV head's span")
@@ -198,10 +226,22 @@ def main() -> None:
         for rows in (int(x) for x in args.rows.split(",")):
             pos = _positions(span // (2 * ROW), rows, gen)
             dst = torch.empty(pos.numel(), ROW, dtype=torch.bfloat16, device="cuda")
+            for name, programs in (("fetch-per-sm", None), ("fetch-per-block", 1 << 20)):
+                us = _time_fetch(reg, span // (2 * ROW), pos.view(HEADS, rows), programs)
+                row = {"memory": "registered", "kernel": name, "span_bytes": span, "rows_per_span": rows}
+                row |= {"us": us, "gbps": pos.numel() * ROW * 2 / us / 1e3}
+                doc["rows"].append(row)
+                print(row, flush=True)
             for name, src in sources.items():
                 dst.zero_()
                 us = _time(src, pos, dst)
-                row = {"memory": name, "span_bytes": span, "rows_per_span": rows, "us": us}
+                row = {
+                    "memory": name,
+                    "kernel": "gather",
+                    "span_bytes": span,
+                    "rows_per_span": rows,
+                    "us": us,
+                }
                 row["gbps"] = pos.numel() * ROW * 2 / us / 1e3
                 row["checked"] = torch.equal(dst.view(torch.int16), _expected(pos).view(torch.int16))
                 doc["rows"].append(row)
