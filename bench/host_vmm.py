@@ -10,7 +10,8 @@ writing the slots as a step does.
 
 Each case reads `rows` random 512-byte rows (sorted, as the fetch reads a list's misses) out of
 each of 8 spans of `span` bytes (a layer's 8 KV heads at B1), one kernel program per 32 rows,
-CUDA events, median of 20.
+CUDA events, median of 20 repetitions, each with lists of its own (a repeated list would find its
+translations cached).
 
 Usage (on a GPU): PYTHONPATH=src python bench/host_vmm.py --json OUT.json
 """
@@ -163,10 +164,13 @@ def _positions(span_rows: int, rows: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat(out).cuda()
 
 
-def _time(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor) -> float:
-    grid = (triton.cdiv(pos.numel(), BLOCK_R),)
+REPEATS = 25
+
+
+def _time(src: torch.Tensor, pos_sets: list[torch.Tensor], dst: torch.Tensor) -> float:
+    grid = (triton.cdiv(pos_sets[0].numel(), BLOCK_R),)
     marks = []
-    for _ in range(25):
+    for pos in pos_sets:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         _gather_kernel[grid](src, pos, dst, pos.numel(), ROW_=ROW, BLOCK=BLOCK_R, num_warps=4)
@@ -176,20 +180,24 @@ def _time(src: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor) -> float:
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in marks[5:])
 
 
-def _time_fetch(host: torch.Tensor, span_rows: int, pos: torch.Tensor, programs: int | None) -> float:
-    """fetch_rows of the misses pos [HEADS, rows] (global row numbers, each head's in its span)
-    from the registered memory seen as host rows [1, HEADS, span_rows, 2, D / 2]."""
+def _time_fetch(
+    host: torch.Tensor, span_rows: int, pos_sets: list[torch.Tensor], programs: int | None
+) -> float:
+    """fetch_rows of each set of misses [HEADS * rows] (global row numbers, each head's in its
+    span) from the registered memory seen as host rows [1, HEADS, span_rows, 2, D / 2]."""
     rows = host[: HEADS * span_rows * ROW].view(torch.bfloat16).view(1, HEADS, span_rows, 2, ROW // 2)
-    n = pos.shape[1]
-    local = (pos - torch.arange(HEADS, device=pos.device)[:, None] * span_rows).int()[None]
-    slots = torch.arange(n, dtype=torch.int32, device=pos.device).expand(1, HEADS, n).contiguous()
-    misses = (local.contiguous(), slots, torch.full((1, HEADS), n, dtype=torch.int32, device=pos.device))
+    n = pos_sets[0].numel() // HEADS
+    dev = pos_sets[0].device
+    slots = torch.arange(n, dtype=torch.int32, device=dev).expand(1, HEADS, n).contiguous()
+    count = torch.full((1, HEADS), n, dtype=torch.int32, device=dev)
+    heads = torch.arange(HEADS, device=dev)[:, None] * span_rows
+    sets = [((pos.view(HEADS, n) - heads).int()[None].contiguous(), slots, count) for pos in pos_sets]
     k_slots = torch.empty(1, HEADS, n, ROW // 2, dtype=torch.bfloat16, device="cuda")
     v_slots = torch.empty_like(k_slots)
     k_new = torch.zeros(1, HEADS, 1, ROW // 2, dtype=torch.bfloat16, device="cuda")
     lengths = torch.tensor([span_rows], device="cuda")  # (the new row lands past every listed one)
     marks = []
-    for _ in range(25):
+    for misses in sets:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fetch_rows(rows, k_new, k_new, lengths, misses, k_slots, v_slots, programs=programs)
@@ -224,17 +232,18 @@ def main() -> None:
     }
     for span in spans:
         for rows in (int(x) for x in args.rows.split(",")):
-            pos = _positions(span // (2 * ROW), rows, gen)
+            pos_sets = [_positions(span // (2 * ROW), rows, gen) for _ in range(REPEATS)]
+            pos = pos_sets[-1]
             dst = torch.empty(pos.numel(), ROW, dtype=torch.bfloat16, device="cuda")
             for name, programs in (("fetch-per-sm", None), ("fetch-per-block", 1 << 20)):
-                us = _time_fetch(reg, span // (2 * ROW), pos.view(HEADS, rows), programs)
+                us = _time_fetch(reg, span // (2 * ROW), pos_sets, programs)
                 row = {"memory": "registered", "kernel": name, "span_bytes": span, "rows_per_span": rows}
                 row |= {"us": us, "gbps": pos.numel() * ROW * 2 / us / 1e3}
                 doc["rows"].append(row)
                 print(row, flush=True)
             for name, src in sources.items():
                 dst.zero_()
-                us = _time(src, pos, dst)
+                us = _time(src, pos_sets, dst)
                 row = {
                     "memory": name,
                     "kernel": "gather",
