@@ -156,10 +156,13 @@ def _gather_kernel(src_ptr, pos_ptr, dst_ptr, n, ROW_: tl.constexpr, BLOCK: tl.c
     tl.store(dst_ptr + i[:, None] * ROW_ + e[None, :], v, mask=live[:, None])
 
 
-def _positions(span_rows: int, rows: int, gen: torch.Generator) -> torch.Tensor:
-    """HEADS lists of `rows` sorted random rows, each in its own span (global row numbers)."""
+def _positions(span_rows: int, rows: int, gen: torch.Generator, layer: int = 0) -> torch.Tensor:
+    """HEADS lists of `rows` sorted random rows, each in its own span of the layer's HEADS spans
+    (global row numbers)."""
+    first = layer * HEADS * span_rows
     out = [
-        h * span_rows + torch.randperm(span_rows, generator=gen)[:rows].sort().values for h in range(HEADS)
+        first + h * span_rows + torch.randperm(span_rows, generator=gen)[:rows].sort().values
+        for h in range(HEADS)
     ]
     return torch.cat(out).cuda()
 
@@ -207,58 +210,77 @@ def _time_fetch(
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in marks[5:])
 
 
+def _allocate(kind: str, total: int) -> tuple[_Pointer, object]:
+    """Host memory of `kind` ("registered" or "vmm-host") and what frees it, filled by `_fill_kernel`."""
+    if kind == "registered":
+        host = torch.empty(total // 2, dtype=torch.int16)
+        cudart = torch.cuda.cudart()
+        assert int(cudart.cudaHostRegister(host.data_ptr(), total, 1 | 2)) == 0  # portable, mapped
+        src, keep = _Pointer(host.data_ptr()), host
+    else:
+        vmm = VmmHost(total, torch.cuda.current_device())
+        src, keep = vmm.pointer(), vmm
+    _fill_kernel[(triton.cdiv(total // 2, 4096),)](src, total // 2, BLOCK=4096)
+    torch.cuda.synchronize()
+    return src, keep
+
+
+def _release(kind: str, keep) -> None:
+    if kind == "registered":
+        torch.cuda.cudart().cudaHostUnregister(keep.data_ptr())
+    else:
+        keep.free()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--spans", default="67108864,268435456", help="bytes per KV head's span")
     p.add_argument("--rows", default="4352,870,218", help="rows read from each span (no hits, 0.8, 0.95)")
+    p.add_argument(
+        "--total",
+        type=int,
+        default=0,
+        help="bytes of host memory allocated (default: one layer's HEADS spans); repetition i reads "
+        "layer i's spans (modulo), as the model's layers read theirs one after the other",
+    )
+    p.add_argument("--fetch", action="store_true", help="also time fetch_rows (registered memory)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     spans = [int(x) for x in args.spans.split(",")]
-    total = HEADS * max(spans)
+    total = max(args.total, HEADS * max(spans))
     gen = torch.Generator().manual_seed(0)
-    vmm = VmmHost(total, torch.cuda.current_device())
-    reg = torch.empty(total // 2, dtype=torch.int16)
-    cudart = torch.cuda.cudart()
-    assert int(cudart.cudaHostRegister(reg.data_ptr(), total, 1 | 2)) == 0  # portable, mapped
-    sources = {"registered": _Pointer(reg.data_ptr()), "vmm-host": vmm.pointer()}
-    for src in sources.values():
-        _fill_kernel[(triton.cdiv(total // 2, 4096),)](src, total // 2, BLOCK=4096)
-    torch.cuda.synchronize()
-    doc = {
-        "env": environment(torch.device("cuda")),
-        "granularity": vmm.granularity,
-        "vmm_cpu_access_result": vmm.cpu_access,
-        "rows": [],
-    }
-    for span in spans:
-        for rows in (int(x) for x in args.rows.split(",")):
-            pos_sets = [_positions(span // (2 * ROW), rows, gen) for _ in range(REPEATS)]
-            pos = pos_sets[-1]
-            dst = torch.empty(pos.numel(), ROW, dtype=torch.bfloat16, device="cuda")
-            for name, programs in (("fetch-per-sm", None), ("fetch-per-block", 1 << 20)):
-                us = _time_fetch(reg, span // (2 * ROW), pos_sets, programs)
-                row = {"memory": "registered", "kernel": name, "span_bytes": span, "rows_per_span": rows}
-                row |= {"us": us, "gbps": pos.numel() * ROW * 2 / us / 1e3}
-                doc["rows"].append(row)
-                print(row, flush=True)
-            for name, src in sources.items():
-                dst.zero_()
-                us = _time(src, pos_sets, dst)
-                row = {
-                    "memory": name,
-                    "kernel": "gather",
-                    "span_bytes": span,
-                    "rows_per_span": rows,
-                    "us": us,
-                }
-                row["gbps"] = pos.numel() * ROW * 2 / us / 1e3
-                row["checked"] = torch.equal(dst.view(torch.int16), _expected(pos).view(torch.int16))
-                doc["rows"].append(row)
-                print(row, flush=True)
+    doc = {"env": environment(torch.device("cuda")), "total_bytes": total, "rows": []}
+    for kind in ("registered", "vmm-host"):
+        src, keep = _allocate(kind, total)
+        if kind == "vmm-host":
+            doc["granularity"] = keep.granularity
+            doc["vmm_cpu_access_result"] = keep.cpu_access
+        for span in spans:
+            layers = total // (HEADS * span)
+            for rows in (int(x) for x in args.rows.split(",")):
+                span_rows = span // (2 * ROW)
+                pos_sets = [_positions(span_rows, rows, gen, i % layers) for i in range(REPEATS)]
+                dst = torch.empty(pos_sets[0].numel(), ROW, dtype=torch.bfloat16, device="cuda")
+                cases = [("gather", None)]
+                if args.fetch and kind == "registered" and layers == 1:
+                    cases += [("fetch-per-sm", None), ("fetch-per-block", 1 << 20)]
+                for name, programs in cases:
+                    if name == "gather":
+                        us = _time(src, pos_sets, dst)
+                    else:
+                        us = _time_fetch(keep, span_rows, pos_sets, programs)
+                    row = {"memory": kind, "kernel": name, "span_bytes": span, "rows_per_span": rows}
+                    row |= {"layers": layers, "us": us, "gbps": pos_sets[0].numel() * ROW * 2 / us / 1e3}
+                    if name == "gather":
+                        row["checked"] = torch.equal(
+                            dst.view(torch.int16), _expected(pos_sets[-1]).view(torch.int16)
+                        )
+                    doc["rows"].append(row)
+                    print(row, flush=True)
+        _release(kind, keep)
+        del keep
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
-    cudart.cudaHostUnregister(reg.data_ptr())
-    vmm.free()
 
 
 if __name__ == "__main__":
