@@ -76,3 +76,12 @@ def test_missing_markers_and_foreign_json(tmp_path) -> None:
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(ValueError, match="neither"):
         render(tmp_path)
+
+
+def test_host_tier_rows_name_their_lists() -> None:
+    """A large-part row of `bench/host_tier.py --overlaps` says which heavy lists it ran (the
+    selection's, or lists keeping a share of the previous step's)."""
+    text = render(ROOT / "bench/results").split("(host-tier-overlaps-NVIDIA_H100.json)")[1]
+    text = text.split("\n### ")[0]
+    rows = [line for line in text.splitlines() if line.startswith("| llama32L-B1-512K |")]
+    assert [r.split(" | ")[1] for r in rows] == ["selected", "keep 0.5", "keep 0.8", "keep 0.95"]

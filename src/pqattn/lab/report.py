@@ -363,14 +363,16 @@ def _host_tier_section(name: str, doc: dict) -> list[str]:
             "Where dense decoding does not fit one GPU (32 layers; caches filled directly): the "
             "loop with the cache in host memory, and its fetch kernel's share of the step.",
             "",
-            "| case | sorted misses | ms/token | tokens/s | hit rate | PCIe MB/token | fetch ms | fetch GB/s "
-            "| host GB | GPU peak GB | dense KV + weights GB | GPU GB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| case | lists | sorted misses | ms/token | tokens/s | hit rate | PCIe MB/token | fetch ms "
+            "| fetch GB/s | host GB | GPU peak GB | dense KV + weights GB | GPU GB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in parts["large"]:
             fetch = next(k["us_per_step"] for k in r["profile"] if k["kernel"] == "_fetch_kernel")
+            overlap = r.get("heavy_overlap")  # (--overlaps: heavy lists that keep this share)
+            lists = "selected" if overlap is None else f"keep {overlap:g}"
             out.append(
-                f"| {r['case']} | {r['sorted_misses']} | {_fmt(r['ms_per_token'])} "
+                f"| {r['case']} | {lists} | {r['sorted_misses']} | {_fmt(r['ms_per_token'])} "
                 f"| {_fmt(r['tokens_per_s'])} "
                 f"| {_fmt3(r['hit_rate'])} | {_fmt(r['pcie_bytes_per_token'] / 1e6)} | {_fmt(fetch / 1e3)} "
                 f"| {_fmt(r['pcie_bytes_per_token'] / fetch / 1e3)} | {_gb(r['host_bytes'])} "
@@ -380,7 +382,10 @@ def _host_tier_section(name: str, doc: dict) -> list[str]:
         out.append("")
         for r in parts["large"]:
             top = ", ".join(f"{k['kernel'][:28]} {_fmt(k['us_per_step'] / 1e3)}" for k in r["profile"][:6])
-            out.append(f"- {r['case']} (sorted misses: {r['sorted_misses']}), ms per step by kernel: {top}")
+            lists = "" if r.get("heavy_overlap") is None else f", heavy lists keeping {r['heavy_overlap']:g}"
+            out.append(
+                f"- {r['case']} (sorted misses: {r['sorted_misses']}{lists}), ms per step by kernel: {top}"
+            )
         out.append("")
     if "fetch" in parts:
         out += [
