@@ -235,6 +235,82 @@ def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
     return problem
 
 
+def _draw_select_fine(gen: torch.Generator, device: torch.device, large: bool) -> dict:
+    """A selection case (`_draw_select`) for the fine route, whose configs pick the share and rule."""
+    case = _draw_select(gen, device, large)
+    case["weights_dtype"] = None  # (the dispatch layer fills dense weights from the lists)
+    return case
+
+
+def _fine_rows(case: dict, config: dict) -> int:
+    H, Hkv = case["q"].shape[1], case["centroids"].shape[1]
+    return Hkv if config["share"] == "group" else H
+
+
+def _run_select_fine(case: dict, config: dict) -> tuple:
+    from pqattn.kernels.select import fine
+    from pqattn.policy import lookup_tables
+
+    q, cent = case["q"], case["centroids"]
+    B, H, _ = q.shape
+    Hkv, M, C, N = cent.shape[1], cent.shape[2], cent.shape[3], case["codes"].shape[2]
+    R = _fine_rows(case, config)
+    tables = lookup_tables(config["share"], config["rule"], H // Hkv)
+    positions = torch.empty(B, R, case["width"], dtype=torch.int32, device=q.device)
+    counts = torch.empty(B, R, dtype=torch.int32, device=q.device)
+    workspace = torch.zeros(fine.workspace_numel(B * R, tables, M, C, N), dtype=torch.int32, device=q.device)
+    fine.pq_select_fine(
+        q,
+        cent,
+        case["kernel_codes"],
+        case["lengths"],
+        _params(case),
+        positions=positions,
+        counts=counts,
+        workspace=workspace,
+        share=config["share"],
+        group_rule=config["rule"],
+        tables=tables,
+        n_tokens=N,
+        code_base=case["code_base"],
+    )
+    return positions, counts, config
+
+
+def _reference_select_fine(case: dict) -> dict:
+    """The reference scores and selection of every share and rule (the config picks one)."""
+    o = case["opts"]
+    sizes = dict(
+        sink=o["sink"],
+        window=o["window"],
+        heavy=o["heavy"],
+        init_offset=o["cand_lo"],
+        short_threshold=case["short_threshold"],
+    )
+    head, sel = _reference_select(case)
+    out = {("head", "sum"): (head, 0.0, sel)}
+    for rule in ref.GROUP_RULES:
+        scores, slack = group_selection_scores(case["q"], case["centroids"], case["codes"], rule)
+        out[("group", rule)] = (scores, slack, ref.select_from_scores(scores, case["lengths"], **sizes))
+    return out
+
+
+def _compare_select_fine(case: dict, out: tuple, want: dict) -> str | None:
+    positions, counts, config = out
+    scores, slack, sel = want[(config["share"], config["rule"])]
+    return selection_problem(
+        positions,
+        counts,
+        scores,
+        case["lengths"],
+        cand_lo=case["opts"]["cand_lo"],
+        window=case["opts"]["window"],
+        short_threshold=case["short_threshold"],
+        ref_sel=sel,
+        slack=slack,
+    )
+
+
 def _select_fits(case: dict, config: dict) -> bool:
     from pqattn.kernels.select.tree import configs_for
 
@@ -720,6 +796,18 @@ CHECKS: list[KernelCheck] = [
         _reference_select,
         _compare_select,
         _select_fits,
+    ),
+    KernelCheck(
+        "pq_select_fine",
+        lambda: [
+            {"share": "head", "rule": "sum"},
+            {"share": "group", "rule": "sum"},
+            {"share": "group", "rule": "max"},
+        ],
+        _draw_select_fine,
+        _run_select_fine,
+        _reference_select_fine,
+        _compare_select_fine,
     ),
     KernelCheck(
         "pq_select_hist",
