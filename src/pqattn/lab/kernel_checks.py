@@ -198,10 +198,9 @@ def _run_select(case: dict, config: dict) -> tuple:
     return positions, counts, w
 
 
-def _reference_select(case: dict) -> tuple:
+def _reference_from_scores(case: dict, scores: torch.Tensor) -> ref.Selection:
     o = case["opts"]
-    scores = ref.pq_scores(case["q"].double(), case["centroids"].double(), case["codes"])
-    sel = ref.select_from_scores(
+    return ref.select_from_scores(
         scores,
         case["lengths"],
         sink=o["sink"],
@@ -210,13 +209,16 @@ def _reference_select(case: dict) -> tuple:
         init_offset=o["cand_lo"],
         short_threshold=case["short_threshold"],
     )
-    return scores, sel
 
 
-def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
-    positions, counts, w = out
-    scores, sel = want
-    problem = selection_problem(
+def _reference_select(case: dict) -> tuple:
+    scores = ref.pq_scores(case["q"].double(), case["centroids"].double(), case["codes"])
+    return scores, _reference_from_scores(case, scores)
+
+
+def _case_problem(case: dict, positions, counts, scores, sel, slack: float = 0.0) -> str | None:
+    """`selection_problem` of a drawn selection case's output."""
+    return selection_problem(
         positions,
         counts,
         scores,
@@ -225,7 +227,14 @@ def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
         window=case["opts"]["window"],
         short_threshold=case["short_threshold"],
         ref_sel=sel,
+        slack=slack,
     )
+
+
+def _compare_select(case: dict, out: tuple, want: tuple) -> str | None:
+    positions, counts, w = out
+    scores, sel = want
+    problem = _case_problem(case, positions, counts, scores, sel)
     if problem is None and w is not None:
         dense = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         ok = torch.arange(positions.shape[-1], device=w.device) < counts[..., None].long()
@@ -279,36 +288,18 @@ def _run_select_fine(case: dict, config: dict) -> tuple:
 
 def _reference_select_fine(case: dict) -> dict:
     """The reference scores and selection of every share and rule (the config picks one)."""
-    o = case["opts"]
-    sizes = dict(
-        sink=o["sink"],
-        window=o["window"],
-        heavy=o["heavy"],
-        init_offset=o["cand_lo"],
-        short_threshold=case["short_threshold"],
-    )
     head, sel = _reference_select(case)
     out = {("head", "sum"): (head, 0.0, sel)}
     for rule in ref.GROUP_RULES:
         scores, slack = group_selection_scores(case["q"], case["centroids"], case["codes"], rule)
-        out[("group", rule)] = (scores, slack, ref.select_from_scores(scores, case["lengths"], **sizes))
+        out[("group", rule)] = (scores, slack, _reference_from_scores(case, scores))
     return out
 
 
 def _compare_select_fine(case: dict, out: tuple, want: dict) -> str | None:
     positions, counts, config = out
     scores, slack, sel = want[(config["share"], config["rule"])]
-    return selection_problem(
-        positions,
-        counts,
-        scores,
-        case["lengths"],
-        cand_lo=case["opts"]["cand_lo"],
-        window=case["opts"]["window"],
-        short_threshold=case["short_threshold"],
-        ref_sel=sel,
-        slack=slack,
-    )
+    return _case_problem(case, positions, counts, scores, sel, slack)
 
 
 def _select_fits(case: dict, config: dict) -> bool:
