@@ -113,3 +113,22 @@ def test_the_build_check_catches_an_objective_off_by_more_than_rounding() -> Non
                 * torch.tensor([1.0] * (len(want.objective) - 1) + [1.01]).view(-1, 1, 1, 1)
             )
             assert "last objective" in (kc._compare_build(case, wrong, want) or ""), case["desc"]
+
+
+@pytest.mark.parametrize("rule", ["sum", "max"])
+def test_group_selection_slack_is_the_rounding_a_kernel_may_take(rule: str) -> None:
+    """The slack of a group selection's check: zero where every LUT entry is a bfloat16 value
+    (small integers), and a midpoint entry's two roundings' gap where one lies exactly between
+    two bfloat16 values (257, between 256 and 258) on a token's code."""
+    q = torch.zeros(1, 2, 2)  # two heads of one KV head
+    q[..., 0] = 1.0 if rule == "max" else 0.5  # the sum rule's summed query is [1, 0]
+    cents = torch.zeros(1, 1, 1, 4, 2)  # M = 1, C = 4
+    cents[..., :, 0] = torch.tensor([3.0, -5.0, 7.0, 11.0])
+    codes = torch.tensor([0, 1, 2, 3, 2], dtype=torch.uint8).view(1, 1, 5, 1)
+    scores, slack = kernel_checks.group_selection_scores(q, cents, codes, rule)
+    assert slack == 0.0
+    assert scores.flatten().tolist() == [3.0, -5.0, 7.0, 11.0, 7.0]
+    cents[0, 0, 0, 2, 0] = 257.0
+    scores, slack = kernel_checks.group_selection_scores(q, cents, codes, rule)
+    assert slack == 2.0
+    assert float(scores[0, 0, 2]) == 256.0  # (ties to even)

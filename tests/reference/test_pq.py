@@ -236,6 +236,33 @@ def test_pq_scores_rounds_each_lut_entry_to_lut_dtype() -> None:
     assert not torch.equal(got, ref.pq_scores(q, cents, codes))
 
 
+@pytest.mark.parametrize("rule", ["sum", "max"])
+def test_group_pq_scores_round_each_lut_entry(rule: str) -> None:
+    """SPEC §7: a group's PQ score sums LUT entries rounded to bfloat16; the sum rule's LUT is the
+    summed query's (one table), the max rule's the max over the heads' own tables."""
+    B, H, Hkv, N, M, C, dsub = 2, 8, 2, 50, 4, 16, 4
+    q = torch.randn(B, H, M * dsub, dtype=torch.float64) * 3
+    cents = torch.randn(B, Hkv, M, C, dsub, dtype=torch.float64)
+    codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8)
+    got = ref.group_pq_scores(q, cents, codes, rule)
+    assert got.shape == (B, Hkv, N)
+    bf16 = ref.GROUP_LUT_DTYPE
+    if rule == "sum":
+        want = ref.pq_scores(q.reshape(B, Hkv, H // Hkv, -1).sum(2), cents, codes, lut_dtype=bf16)
+        per_head_rounding = ref.pq_scores(q, cents, codes, lut_dtype=bf16).reshape(B, Hkv, 4, N).sum(2)
+        assert not torch.equal(got, per_head_rounding)  # one rounding of the summed entries
+    else:
+        want = ref.pq_scores(q, cents, codes, lut_dtype=bf16).reshape(B, Hkv, 4, N).amax(2)
+    assert torch.equal(got, want)
+    exact = ref.group_scores(ref.pq_scores(q, cents, codes), Hkv, rule)
+    assert not torch.equal(got, exact)
+    # each of the M entries lies within half a bfloat16 ulp (2^-8 relative) of its exact value
+    bound = M * 2.0**-8 * torch.einsum("bkgmd,bkmcd->bkmc", q.reshape(B, Hkv, 4, M, dsub).abs(), cents.abs())
+    assert ((got - exact).abs() <= bound.amax((-1, -2))[..., None]).all()
+    with pytest.raises(ValueError, match="group_rule"):
+        ref.group_pq_scores(q, cents, codes, "mean")
+
+
 def test_exact_scores_brute_force() -> None:
     q = torch.randn(1, 4, 5, dtype=torch.float64)
     k = torch.randn(1, 2, 7, 5, dtype=torch.float64)
