@@ -2,7 +2,9 @@
 tier's memory today) against a CUDA virtual-memory host allocation (cuMemCreate with a host
 location, mapped at the driver's recommended granularity). The question: does the GPU's
 translation of host addresses, which limits random reads spread over gigabytes, reach further
-with the larger mappings?
+with the larger mappings? And `registered-thp`: registered pages on 2 MiB transparent huge pages
+(advised before the first touch; `anon_huge_bytes_*` in the JSON says what the kernel granted),
+for the translation on the host's side.
 
 Beside them, the host tier's own fetch (`kernels.rows.fetch_rows`: persistent programs, one a
 multiprocessor by default, or one a block of misses) on the same lists of the registered memory,
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import statistics
+from pathlib import Path
 
 import torch
 import triton
@@ -210,10 +214,36 @@ def _time_fetch(
     return statistics.median(a.elapsed_time(b) * 1e3 for a, b in marks[5:])
 
 
+HUGE_PAGE = 2 << 20
+KINDS = ("registered", "registered-thp", "vmm-host")
+
+
+def _huge_page_empty(nbytes: int) -> torch.Tensor:
+    """int16 anonymous memory on a 2 MiB boundary advised for transparent huge pages before its
+    first touch (the tensor keeps the mapping alive)."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -base.data_ptr() % HUGE_PAGE
+    return base[skip : skip + nbytes].view(torch.int16)
+
+
+def _anon_huge_bytes() -> int:
+    """AnonHugePages of /proc/meminfo: the bytes the kernel backs with transparent huge pages."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _allocate(kind: str, total: int) -> tuple[_Pointer, object]:
-    """Host memory of `kind` ("registered" or "vmm-host") and what frees it, filled by `_fill_kernel`."""
-    if kind == "registered":
-        host = torch.empty(total // 2, dtype=torch.int16)
+    """Host memory of `kind` (one of KINDS) and what frees it, filled by `_fill_kernel`."""
+    if kind.startswith("registered"):
+        host = (
+            _huge_page_empty(total)
+            if kind == "registered-thp"
+            else torch.empty(total // 2, dtype=torch.int16)
+        )
         cudart = torch.cuda.cudart()
         assert int(cudart.cudaHostRegister(host.data_ptr(), total, 1 | 2)) == 0  # portable, mapped
         src, keep = _Pointer(host.data_ptr()), host
@@ -226,7 +256,7 @@ def _allocate(kind: str, total: int) -> tuple[_Pointer, object]:
 
 
 def _release(kind: str, keep) -> None:
-    if kind == "registered":
+    if kind.startswith("registered"):
         torch.cuda.cudart().cudaHostUnregister(keep.data_ptr())
     else:
         keep.free()
@@ -244,14 +274,18 @@ def main() -> None:
         "layer i's spans (modulo), as the model's layers read theirs one after the other",
     )
     p.add_argument("--fetch", action="store_true", help="also time fetch_rows (registered memory)")
+    p.add_argument("--kinds", default="registered,vmm-host", help=f"host memory kinds, some of {KINDS}")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     spans = [int(x) for x in args.spans.split(",")]
     total = max(args.total, HEADS * max(spans))
     gen = torch.Generator().manual_seed(0)
     doc = {"env": environment(torch.device("cuda")), "total_bytes": total, "rows": []}
-    for kind in ("registered", "vmm-host"):
+    for kind in args.kinds.split(","):
+        if kind not in KINDS:
+            raise SystemExit(f"--kinds: expected some of {KINDS}, got {kind!r}")
         src, keep = _allocate(kind, total)
+        doc[f"anon_huge_bytes_{kind}"] = _anon_huge_bytes()
         if kind == "vmm-host":
             doc["granularity"] = keep.granularity
             doc["vmm_cpu_access_result"] = keep.cpu_access
@@ -262,7 +296,7 @@ def main() -> None:
                 pos_sets = [_positions(span_rows, rows, gen, i % layers) for i in range(REPEATS)]
                 dst = torch.empty(pos_sets[0].numel(), ROW, dtype=torch.bfloat16, device="cuda")
                 cases = [("gather", None)]
-                if args.fetch and kind == "registered" and layers == 1:
+                if args.fetch and kind.startswith("registered") and layers == 1:
                     cases += [("fetch-per-sm", None), ("fetch-per-block", 1 << 20)]
                 for name, programs in cases:
                     if name == "gather":
