@@ -8,6 +8,7 @@ part as a multiset of float64 reference scores, ties broken any way), codes by d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -251,11 +252,6 @@ def _draw_select_fine(gen: torch.Generator, device: torch.device, large: bool) -
     return case
 
 
-def _fine_rows(case: dict, config: dict) -> int:
-    H, Hkv = case["q"].shape[1], case["centroids"].shape[1]
-    return Hkv if config["share"] == "group" else H
-
-
 def _run_select_fine(case: dict, config: dict) -> tuple:
     from pqattn.kernels.select import fine
     from pqattn.policy import lookup_tables
@@ -263,7 +259,7 @@ def _run_select_fine(case: dict, config: dict) -> tuple:
     q, cent = case["q"], case["centroids"]
     B, H, _ = q.shape
     Hkv, M, C, N = cent.shape[1], cent.shape[2], cent.shape[3], case["codes"].shape[2]
-    R = _fine_rows(case, config)
+    R = Hkv if config["share"] == "group" else H
     tables = lookup_tables(config["share"], config["rule"], H // Hkv)
     positions = torch.empty(B, R, case["width"], dtype=torch.int32, device=q.device)
     counts = torch.empty(B, R, dtype=torch.int32, device=q.device)
@@ -286,19 +282,22 @@ def _run_select_fine(case: dict, config: dict) -> tuple:
     return positions, counts, config
 
 
-def _reference_select_fine(case: dict) -> dict:
-    """The reference scores and selection of every share and rule (the config picks one)."""
-    head, sel = _reference_select(case)
-    out = {("head", "sum"): (head, 0.0, sel)}
-    for rule in ref.GROUP_RULES:
+def _reference_select_fine(case: dict) -> Callable[[str, str], tuple]:
+    """(share, rule) -> the reference scores, their slack and selection: the compare asks for the
+    one its output's config ran."""
+
+    def reference(share: str, rule: str) -> tuple:
+        if share == "head":
+            return *_reference_select(case), 0.0
         scores, slack = group_selection_scores(case["q"], case["centroids"], case["codes"], rule)
-        out[("group", rule)] = (scores, slack, _reference_from_scores(case, scores))
-    return out
+        return scores, _reference_from_scores(case, scores), slack
+
+    return reference
 
 
-def _compare_select_fine(case: dict, out: tuple, want: dict) -> str | None:
+def _compare_select_fine(case: dict, out: tuple, want: Callable[[str, str], tuple]) -> str | None:
     positions, counts, config = out
-    scores, slack, sel = want[(config["share"], config["rule"])]
+    scores, sel, slack = want(config["share"], config["rule"])
     return _case_problem(case, positions, counts, scores, sel, slack)
 
 
