@@ -10,7 +10,7 @@ import torch
 from pqattn.cli import main
 from pqattn.index import PQConfig
 from pqattn.lab import baselines, roofline, suites, timing
-from pqattn.lab.bench import Settings, format_table, plot, run_bench, run_impl
+from pqattn.lab.bench import Settings, format_table, idle_before, plot, run_bench, run_impl
 from pqattn.lab.schema import validate
 
 
@@ -298,3 +298,10 @@ def test_step_suite_times_every_sample_at_n() -> None:
             assert all(N < n <= N + suites.STEP_ROOM // 4 for n in x["index"].lengths.tolist())
             impl.rewind(x)
             assert x["index"].lengths.tolist() == [N] * B
+
+
+def test_idle_before_charges_each_gap_to_the_kernel_after_it() -> None:
+    # b waits 2 after a; c overlaps b (another stream) and waits for nothing; a again waits 3 after c
+    spans = [("c", 4.0, 9.0), ("a", 0.0, 1.0), ("b", 3.0, 6.0), ("a", 12.0, 13.0)]
+    assert idle_before(spans) == {"b": 2.0, "a": 3.0}
+    assert idle_before([]) == {}

@@ -4,7 +4,8 @@ Per case and implementation: GPU time from CUDA-graph replay (when the calls mak
 and can be captured), eager wall-clock per call with a sync, pipelined wall-clock per call; the
 achieved GB/s and TFLOP/s as a share of the copy bandwidth and matmul rate measured at the start of
 the run; the speed-up of each pqattn implementation over each baseline of the case. `--profile`
-adds a torch.profiler breakdown (kernels, launches per call, CPU overhead = wall - GPU).
+adds a torch.profiler breakdown (kernels, launches per call, CPU overhead = wall - GPU, the GPU
+idle before each kernel).
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ def primary_mode(timings: dict) -> str:
     return "graph" if timings.get("graph") else "pipelined"
 
 
+def idle_before(spans: Sequence[tuple[str, float, float]]) -> dict[str, float]:
+    """Per kernel name, the time the GPU sat idle before its launches began.
+
+    `spans` are (name, start, end) of every kernel in a window, in any order and possibly
+    overlapping (streams); a gap is the time from the latest end so far to the next start.
+    """
+    idle: dict[str, float] = {}
+    busy_until = None
+    for name, start, end in sorted(spans, key=lambda s: s[1]):
+        if busy_until is not None and start > busy_until:
+            idle[name] = idle.get(name, 0.0) + start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return idle
+
+
 def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -69,12 +85,23 @@ def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
             fns[i % len(fns)]()
         timing.sync(device)
     kernels: dict[str, list[float]] = {}
+    idle: dict[str, float] = {}
     if device.type == "cuda":
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                kernels.setdefault(e.name, []).append(e.time_range.elapsed_us())
+        spans = [
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        for name, start, end in spans:
+            kernels.setdefault(name, []).append(end - start)
+        idle = idle_before(spans)
         rows = [
-            {"name": n, "launches_per_call": len(t) / calls, "gpu_us_per_call": sum(t) / calls}
+            {
+                "name": n,
+                "launches_per_call": len(t) / calls,
+                "gpu_us_per_call": sum(t) / calls,
+                "idle_before_us_per_call": idle.get(n, 0.0) / calls,
+            }
             for n, t in kernels.items()
         ]
     else:
@@ -88,11 +115,15 @@ def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
         ]
     key = "gpu_us_per_call" if device.type == "cuda" else "cpu_us_per_call"
     rows.sort(key=lambda r: -r[key])
+    cuda = device.type == "cuda"
     return {
         "calls": calls,
         "kernels": rows[:12],
-        "launches_per_call": sum(r["launches_per_call"] for r in rows) if device.type == "cuda" else None,
-        "gpu_us_per_call": sum(r[key] for r in rows) if device.type == "cuda" else None,
+        "idle_before": sorted(rows, key=lambda r: -r.get("idle_before_us_per_call", 0.0))[:12] if cuda else None,
+        "launches_per_call": sum(r["launches_per_call"] for r in rows) if cuda else None,
+        "gpu_us_per_call": sum(r[key] for r in rows) if cuda else None,
+        # the GPU idle between the window's first and last kernel (launch gaps and the waits between calls)
+        "idle_us_per_call": sum(idle.values()) / calls if cuda else None,
     }
 
 
@@ -346,10 +377,14 @@ def format_table(doc: dict) -> str:
                 f" {p['launches_per_call']:.0f} launches/call, GPU {p['gpu_us_per_call']:.1f} us/call, "
                 f"CPU overhead {p['cpu_overhead_us']:.1f} us/call"
             )
+            if p.get("idle_us_per_call") is not None:
+                head += f", GPU idle {p['idle_us_per_call']:.1f} us/call"
         lines.append(head)
         key = "gpu_us_per_call" if p["gpu_us_per_call"] is not None else "cpu_us_per_call"
         for k in p["kernels"][:6]:
             lines.append(f"  {k[key]:9.1f} us  x{k['launches_per_call']:.0f}  {k['name'][:90]}")
+        for k in (p.get("idle_before") or [])[:4]:
+            lines.append(f"  idle {k['idle_before_us_per_call']:6.1f} us before  {k['name'][:80]}")
     return "\n".join(lines)
 
 
