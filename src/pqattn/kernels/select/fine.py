@@ -194,14 +194,17 @@ def _lut_kernel(
     LUT_BF16: tl.constexpr,  # entries rounded to bfloat16 (a group's tables, SPEC §7)
     PDL: tl.constexpr,
 ):
-    """Program (row, table * CHUNKS + chunk): LUT[m, c, t] = <q_t,m, centroid[m, c]> for the
-    chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
-    min_c and max_c LUT), which `_pq_bins` combines. Launched early behind the encode launch
+    """Program (row * CHUNKS + chunk) * tables + table: LUT[m, c, t] = <q_t,m, centroid[m, c]>
+    for the chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
+    min_c and max_c LUT), which `_pq_bins` combines. A chunk's tables run in consecutive programs,
+    so its centroids come from HBM once. Launched early behind the encode launch
     (pqattn.kernels.pdl): the query and centroids are read and the products made while it runs;
     the workspace is written after it."""
-    row = tl.program_id(0)
-    t = tl.program_id(1) // CHUNKS
-    chunk = tl.program_id(1) % CHUNKS
+    tables = G if (GROUP and not SUM_RULE) else 1  # pqattn.policy.lookup_tables
+    pid = tl.program_id(0)
+    t = pid % tables
+    chunk = (pid // tables) % CHUNKS
+    row = pid // (tables * CHUNKS)
     b = row // ROWS_PER_B
     r = row % ROWS_PER_B
     kvh = r if GROUP else r // G
@@ -881,7 +884,7 @@ def pq_select_fine(
     chunks = max(-(-N // BLOCK_N), 1)
     lut_progs = lut_chunks(M, C, D // M)
     _lut_launch(
-        (rows, tables * lut_progs),
+        (rows * lut_progs * tables,),
         (q, centroids, workspace),
         (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
         dict(
