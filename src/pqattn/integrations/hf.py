@@ -501,7 +501,7 @@ class StaticDecoder:
         if self.capture and dev.type != "cuda":
             raise ValueError(f"capture: CUDA graphs need a CUDA device, got input_ids on {dev}")
         self.model, self.input_ids, self.max_new_tokens = model, input_ids, max_new_tokens
-        self._forward = torch.compile(model, dynamic=False) if compile else model
+        self._forward = _compiled_forward(model) if compile else model
         self.position = torch.tensor(lengths, dtype=torch.int64, device=dev)[:, None]  # [B, 1]
         self.cache = StaticCache(config=model.config, max_cache_len=P + max_new_tokens)
         by_layer = {
@@ -607,6 +607,25 @@ class StaticDecoder:
             self.step()
         self.sync_lengths()
         return torch.cat([self.input_ids, self.tokens], dim=1)
+
+
+def _compiled_forward(model: torch.nn.Module):
+    """The model's forward through torch.compile, with room for every layer in dynamo's cache.
+
+    Dynamo specialises the attention forward on the module's `layer_idx` (the cache update indexes
+    a layer by it), so it keeps one compiled entry per layer; past `recompile_limit` entries (8 by
+    default) the remaining layers would run eagerly. Another compiled decoder in the same process
+    (another model, attention implementation or batch shape) adds as many entries again:
+    `torch._dynamo.reset()` between them keeps each one compiled whole.
+    """
+    compiled = torch.compile(model, dynamic=False)
+    limit = max(torch._dynamo.config.recompile_limit, 2 * model.config.num_hidden_layers)
+
+    def forward(**kwargs):
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return compiled(**kwargs)
+
+    return forward
 
 
 def _prompt_lengths(prompt_lengths: Sequence[int] | torch.Tensor | None, B: int, P: int) -> list[int]:

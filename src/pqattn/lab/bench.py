@@ -119,7 +119,7 @@ def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
     return {
         "calls": calls,
         "kernels": rows[:12],
-        "idle_before": sorted(rows, key=lambda r: -r.get("idle_before_us_per_call", 0.0))[:12] if cuda else None,
+        "idle_before": sorted(rows, key=lambda r: -r["idle_before_us_per_call"])[:12] if cuda else None,
         "launches_per_call": sum(r["launches_per_call"] for r in rows) if cuda else None,
         "gpu_us_per_call": sum(r[key] for r in rows) if cuda else None,
         # the GPU idle between the window's first and last kernel (launch gaps and the waits between calls)

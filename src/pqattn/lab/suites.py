@@ -906,6 +906,7 @@ class _OneDecoder:
         if kind != self.kind:
             self.decoder = None
             gc.collect()  # the model, its cache and its graph hold each other
+            torch._dynamo.reset()  # a compiled loop's cache entries would crowd out the next one's
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.decoder, self.kind = self.build(kind), kind
