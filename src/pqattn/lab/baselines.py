@@ -44,11 +44,12 @@ def dense_decode_attention(
 
 
 def register_dense_decode() -> str:
-    """Register `dense_decode_attention` with transformers (SDPA's masks); returns its name."""
+    """Register `dense_decode_attention` with transformers (SDPA's masks); returns its name. Under
+    torch.compile it runs eagerly between the compiled graphs, as pqattn's attention does."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(DENSE_DECODE, dense_decode_attention)
+    AttentionInterface.register(DENSE_DECODE, torch.compiler.disable(dense_decode_attention))
     ALL_MASK_ATTENTION_FUNCTIONS.register(DENSE_DECODE, sdpa_mask)
     return DENSE_DECODE
 
