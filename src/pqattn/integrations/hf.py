@@ -461,7 +461,9 @@ class StaticDecoder:
         capture: replay a CUDA graph of the decode step (default: on a CUDA device).
         prefill_tokens: the most tokens (batch x chunk length) one prefill forward takes.
         compile: compile the decode step's forward with `torch.compile` (the first step compiles;
-            the prefill stays eager).
+            the prefill stays eager). Dynamo keeps an entry per layer, and its recompile limit is
+            raised to hold them; decoders of other models, attention implementations or batch
+            shapes in the same process add as many: call `torch._dynamo.reset()` between them.
 
     Example:
         >>> import transformers
