@@ -207,6 +207,29 @@ def test_fine_code_base_and_init_offset(device, C):
     assert problem is None, problem
 
 
+@pytest.mark.parametrize("share,rule,tables", [("group", "max", 1), ("group", "sum", 4), ("head", "sum", 4)])
+def test_fine_launch_refuses_tables_its_rule_does_not_use(share, rule, tables):
+    """The LUT launch's grid holds lookup_tables(share, rule, G) tables a row: another count is
+    refused before anything is launched."""
+    B, H, Hkv, N, M, C = 1, 8, 2, 64, 4, 16
+    R = Hkv if share == "group" else H
+    params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
+    with pytest.raises(ValueError, match="tables: expected"):
+        fine.pq_select_fine(
+            torch.randn(B, H, 32),
+            torch.randn(B, Hkv, M, C, 8),
+            torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
+            torch.full((B,), N, dtype=torch.int64),
+            params,
+            positions=torch.empty(B, R, params.width, dtype=torch.int32),
+            counts=torch.empty(B, R, dtype=torch.int32),
+            workspace=torch.zeros(fine.workspace_numel(B * R, 4, M, C, N), dtype=torch.int32),
+            share=share,
+            group_rule=rule,
+            tables=tables,
+        )
+
+
 def test_fine_collect_steps() -> None:
     """One collect program a block while they fit COLLECT_PROGRAMS_PER_SM a SM, then as many
     blocks a program as keeps them within it."""

@@ -877,6 +877,11 @@ def pq_select_fine(
     sum_rule = group_rule == "sum"
     rows_per_b = Hkv if group else H
     rows = B * rows_per_b
+    if tables != (G if group and not sum_rule else 1):  # the LUT launch's grid assumes it
+        raise ValueError(
+            f"tables: expected {G if group and not sum_rule else 1} for share={share!r}, "
+            f"group_rule={group_rule!r}, G={G}, got {tables}"
+        )
     list_heavy = rerank * params.heavy
     tables_p2 = triton.next_power_of_2(tables)
     lay = row_layout(tables, M, C, N, list_heavy)
