@@ -1,4 +1,5 @@
-"""One builder of selection cases for the three selection kernels' tests (tree, hist, buckets)."""
+"""One builder of selection cases for the three selection kernels' tests (tree, hist, buckets), and
+a toy launch of the fine route for tests of its launches and arguments."""
 
 from __future__ import annotations
 
@@ -103,3 +104,25 @@ class SelectionCase:
             cand_lo=p.cand_lo,
             short_threshold=p.short_threshold,
         )
+
+
+def launch_fine_on_toy_inputs(share: str, group_rule: str, tables: int, *, H: int = 4, Hkv: int = 2) -> None:
+    """`fine.pq_select_fine` on random CPU inputs (B=1, N=256, M=4, C=16, D=32)."""
+    from pqattn.kernels.select import fine
+
+    B, N, M, C = 1, 256, 4, 16
+    R = Hkv if share == "group" else H
+    params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
+    fine.pq_select_fine(
+        torch.randn(B, H, 32),
+        torch.randn(B, Hkv, M, C, 8),
+        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
+        torch.full((B,), N, dtype=torch.int64),
+        params,
+        positions=torch.empty(B, R, params.width, dtype=torch.int32),
+        counts=torch.empty(B, R, dtype=torch.int32),
+        workspace=torch.zeros(fine.workspace_numel(B * R, max(tables, 1), M, C, N), dtype=torch.int32),
+        share=share,
+        group_rule=group_rule,
+        tables=tables,
+    )

@@ -19,6 +19,7 @@ import torch
 
 from pqattn.kernels import pdl
 from tests.helpers import select_hist_launches
+from tests.kernels.selection_case import launch_fine_on_toy_inputs
 
 # Compiles the cut and scan kernels with PDL=True (and False) for sm_90 and reports, per kernel,
 # the griddepcontrol instructions and the global memory instructions ahead of the wait.
@@ -243,25 +244,8 @@ def test_the_bucket_selection_starts_early_only_behind_the_encode(monkeypatch: p
 def test_only_the_fine_lut_is_launched_early(monkeypatch: pytest.MonkeyPatch) -> None:
     """Of the fine route's launches the LUT asks to start early (behind the encode of a decode
     step); the score and collect launches start as any launch does. Launches recorded, not run."""
-    from pqattn.kernels.select import fine
-    from pqattn.reference import SelectParams
-
     launched = _launches_on_hopper(monkeypatch)
-    B, H, Hkv, N, M, C = 1, 4, 2, 256, 4, 16
-    params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
-    fine.pq_select_fine(
-        torch.randn(B, H, 32),
-        torch.randn(B, Hkv, M, C, 8),
-        torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
-        torch.full((B,), N, dtype=torch.int64),
-        params,
-        positions=torch.empty(B, Hkv, params.width, dtype=torch.int32),
-        counts=torch.empty(B, Hkv, dtype=torch.int32),
-        workspace=torch.zeros(fine.workspace_numel(B * Hkv, 2, M, C, N), dtype=torch.int32),
-        share="group",
-        group_rule="max",
-        tables=2,
-    )
+    launch_fine_on_toy_inputs("group", "max", 2)
     kinds = {name: kw for name, kw in launched}
     assert set(kinds) == {"_lut_kernel", "_score_kernel", "_collect_kernel"}
     assert (kinds["_lut_kernel"]["PDL"], kinds["_lut_kernel"]["launch_pdl"]) == (True, True)

@@ -14,6 +14,7 @@ from pqattn.kernels.select import fine
 from pqattn.lab.kernel_checks import group_selection_scores, selection_problem
 from pqattn.policy import lookup_tables
 from pqattn.reference import SelectParams
+from tests.kernels.selection_case import launch_fine_on_toy_inputs
 
 # (TIE_TILE, BOUNDARY_CAP): the all-pairs rank, the bisection over the kept list, over the row
 FINISHES = {"all-pairs": (256, 4096), "kept-list": (16, 4096), "row-scan": (16, 32)}
@@ -211,23 +212,8 @@ def test_fine_code_base_and_init_offset(device, C):
 def test_fine_launch_refuses_tables_its_rule_does_not_use(share, rule, tables):
     """The LUT launch's grid holds lookup_tables(share, rule, G) tables a row: another count is
     refused before anything is launched."""
-    B, H, Hkv, N, M, C = 1, 8, 2, 64, 4, 16
-    R = Hkv if share == "group" else H
-    params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
     with pytest.raises(ValueError, match="tables: expected"):
-        fine.pq_select_fine(
-            torch.randn(B, H, 32),
-            torch.randn(B, Hkv, M, C, 8),
-            torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
-            torch.full((B,), N, dtype=torch.int64),
-            params,
-            positions=torch.empty(B, R, params.width, dtype=torch.int32),
-            counts=torch.empty(B, R, dtype=torch.int32),
-            workspace=torch.zeros(fine.workspace_numel(B * R, 4, M, C, N), dtype=torch.int32),
-            share=share,
-            group_rule=rule,
-            tables=tables,
-        )
+        launch_fine_on_toy_inputs(share, rule, tables, H=8)
 
 
 def test_fine_collect_steps() -> None:
