@@ -9,8 +9,18 @@ import torch
 
 from pqattn.cli import main
 from pqattn.index import PQConfig
+from pqattn.kernels import kernel_names
 from pqattn.lab import baselines, roofline, suites, timing
-from pqattn.lab.bench import Settings, format_table, idle_before, plot, run_bench, run_impl
+from pqattn.lab.bench import (
+    Settings,
+    format_table,
+    idle_before,
+    kernel_family,
+    plot,
+    run_bench,
+    run_impl,
+    token_rates,
+)
 from pqattn.lab.schema import validate
 
 
@@ -305,3 +315,49 @@ def test_idle_before_charges_each_gap_to_the_kernel_after_it() -> None:
     spans = [("c", 4.0, 9.0), ("a", 0.0, 1.0), ("b", 3.0, 6.0), ("a", 12.0, 13.0)]
     assert idle_before(spans) == {"b": 2.0, "a": 3.0}
     assert idle_before([]) == {}
+
+
+def test_kernel_families_of_a_model_step() -> None:
+    names = kernel_names()
+    assert {"_score_kernel", "_group_decode_kernel", "_pq_encode_kernel", "_fetch_kernel"} <= names
+    family = {
+        "_collect_kernel": "attention",
+        "pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits>": "attention",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+        "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_splitK_TNT": "weights",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float>": "weights",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": "weights",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other",
+        "void at::native::index_elementwise_kernel<128, 4>": "other",
+    }
+    assert {n: kernel_family(n, names) for n in family} == family
+
+
+def test_token_rates_split_a_profiled_step_by_family() -> None:
+    """A model loop's row: its kernels' time by family beside the weights' and the attention's
+    bytes at the copy rate, and the GPU's idle time."""
+    row = {
+        "params": {"B": 4, "weights_bytes": 2_000_000},
+        "bytes": 3_000_000,
+        "timings": {"eager": {"median_us": 2000.0}, "pipelined": {"median_us": 1000.0}},
+        "profile": {
+            "gpu_us_per_call": 1600.0,
+            "families_us_per_call": {"weights": 1000.0, "attention": 500.0, "other": 100.0},
+            "idle_us_per_call": 50.0,
+        },
+    }
+    out = token_rates(row, {"copy_gbps": 1000.0})
+    assert (
+        out["ms_per_token"] == 2.0
+        and out["tokens_per_s"] == 2000.0
+        and out["tokens_per_s_pipelined"] == 4000.0
+    )
+    assert out["latency_over_kernels"] == 1.25
+    assert out["breakdown"] == {
+        "weights": {"ms": 1.0, "floor_ms": 2.0e-3},
+        "attention": {"ms": 0.5, "floor_ms": 1.0e-3},
+        "other": {"ms": 0.1, "floor_ms": 0.0},
+        "idle": {"ms": 0.05, "floor_ms": 0.0},
+    }
+    del row["profile"]["families_us_per_call"]
+    assert "breakdown" not in token_rates(row, {"copy_gbps": 1000.0}), "no split without the families"

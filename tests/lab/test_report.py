@@ -85,3 +85,16 @@ def test_host_tier_rows_name_their_lists() -> None:
     text = text.split("\n### ")[0]
     rows = [line for line in text.splitlines() if line.startswith("| llama32L-B1-512K |")]
     assert [r.split(" | ")[1] for r in rows] == ["selected", "keep 0.5", "keep 0.8", "keep 0.95"]
+
+
+def test_model_loop_rows_show_their_step_by_family(tmp_path) -> None:
+    doc = make_doc([("llama-B1", "pqattn", [2000.0]), ("llama-B1", "dense", [3000.0])])
+    row = doc["results"][0]
+    row["suite"], row["ms_per_token"] = "generate", 2.0
+    split = {"weights": (1.5, 1.4), "attention": (0.3, 0.05), "other": (0.15, 0.0), "idle": (0.05, 0.0)}
+    row["breakdown"] = {f: {"ms": ms, "floor_ms": floor} for f, (ms, floor) in split.items()}
+    (tmp_path / "bench-x.json").write_text(json.dumps(doc))
+    text = render(tmp_path)
+    assert "| generate/llama-B1 | pqattn | 2.00 | 1.50 (1.40) | 0.30 (0.05) | 0.15 | 0.05 |" in text
+    by_family = text.split("A step's kernels by family")[1]
+    assert "select/llama-B1 | dense" not in by_family, "rows without a split stay out of it"

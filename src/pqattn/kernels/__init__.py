@@ -17,3 +17,23 @@ def autotuners() -> dict:
         "pq_select": tree.pq_select_autotuned,
         "sparse_decode": decode.sparse_decode_autotuned,
     }
+
+
+def kernel_names() -> frozenset[str]:
+    """The names of every Triton kernel the package launches (as profilers list them)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import pqattn.kernels as package
+
+    names = set()
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            # a @triton.jit function (JITFunction, or InterpretedFunction under TRITON_INTERPRET)
+            name = getattr(obj, "__name__", "")
+            if isinstance(obj, triton.runtime.KernelInterface) and name.endswith("_kernel"):
+                names.add(name)
+    return frozenset(names)

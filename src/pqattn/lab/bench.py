@@ -13,13 +13,14 @@ from __future__ import annotations
 import datetime
 import gc
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pqattn.kernels import autotuners
+from pqattn.kernels import autotuners, kernel_names
 from pqattn.lab import timing
 from pqattn.lab.env import environment, l2_bytes
 from pqattn.lab.roofline import measure_ceilings, rates
@@ -58,6 +59,23 @@ def _config_dict(config) -> dict:
 def primary_mode(timings: dict) -> str:
     """The figure that stands for GPU time: graph replay when captured, else pipelined."""
     return "graph" if timings.get("graph") else "pipelined"
+
+
+# cuBLAS's GEMM / GEMV kernels and their split-K reductions: a model loop's weight reads
+_WEIGHT_KERNELS = re.compile(r"nvjet|gemm|gemv|cutlass|cublas|splitKreduce|xmma", re.IGNORECASE)
+# torch's SDPA kernels (pqattn's own are named by pqattn.kernels.kernel_names)
+_SDPA_KERNELS = re.compile(r"flash|fmha|attention", re.IGNORECASE)
+FAMILIES = ("weights", "attention", "other")
+
+
+def kernel_family(name: str, pqattn_kernels: frozenset[str]) -> str:
+    """A profiled GPU kernel's share of a model step: "attention" (pqattn's kernels, SDPA's),
+    "weights" (the GEMMs / GEMVs of the weights) or "other" (norms, rotary, residuals, copies)."""
+    if name in pqattn_kernels or _SDPA_KERNELS.search(name):
+        return "attention"
+    if _WEIGHT_KERNELS.search(name):
+        return "weights"
+    return "other"
 
 
 def idle_before(spans: Sequence[tuple[str, float, float]]) -> dict[str, float]:
@@ -116,9 +134,16 @@ def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
     key = "gpu_us_per_call" if device.type == "cuda" else "cpu_us_per_call"
     rows.sort(key=lambda r: -r[key])
     cuda = device.type == "cuda"
+    families = None
+    if cuda:
+        names = kernel_names()
+        families = dict.fromkeys(FAMILIES, 0.0)
+        for r in rows:
+            families[kernel_family(r["name"], names)] += r["gpu_us_per_call"]
     return {
         "calls": calls,
         "kernels": rows[:12],
+        "families_us_per_call": families,
         "idle_before": sorted(rows, key=lambda r: -r["idle_before_us_per_call"])[:12] if cuda else None,
         "launches_per_call": sum(r["launches_per_call"] for r in rows) if cuda else None,
         "gpu_us_per_call": sum(r[key] for r in rows) if cuda else None,
@@ -177,18 +202,28 @@ def run_impl(
     return out
 
 
-def _token_rates(row: dict) -> dict:
-    """A generate row's per-token figures: one call is a decode step of the batch."""
+def token_rates(row: dict, ceilings: dict) -> dict:
+    """A generate row's per-token figures: one call is a decode step of the batch. With a GPU
+    profile, its kernels' time by family beside each family's bytes floor (the weights, and the
+    rest of the row's bytes for the attention)."""
     latency = row["timings"]["eager"]["median_us"]
     out = {
         "ms_per_token": latency / 1e3,
         "tokens_per_s": row["params"]["B"] * 1e6 / latency,
         "tokens_per_s_pipelined": row["params"]["B"] * 1e6 / row["timings"]["pipelined"]["median_us"],
     }
-    kernels = (row.get("profile") or {}).get("gpu_us_per_call")
+    profile = row.get("profile") or {}
+    kernels = profile.get("gpu_us_per_call")
     if kernels:  # the kernels' GPU time of a step against its latency
         out["kernel_ms_per_token"] = kernels / 1e3
         out["latency_over_kernels"] = latency / kernels
+    families, weights = profile.get("families_us_per_call"), row["params"].get("weights_bytes")
+    if families and weights:
+        floors = {"weights": weights, "attention": row["bytes"] - weights, "other": 0}
+        out["breakdown"] = {
+            f: {"ms": families[f] / 1e3, "floor_ms": floors[f] / (ceilings["copy_gbps"] * 1e6)}
+            for f in FAMILIES
+        } | {"idle": {"ms": profile["idle_us_per_call"] / 1e3, "floor_ms": 0.0}}
     return out
 
 
@@ -300,7 +335,7 @@ def run_bench(
                 row["primary"] = mode
                 row.update(rates(impl.bytes, impl.flops, row["timings"][mode]["median_us"], ceilings))
                 if case.suite in ("generate", "host"):  # model loops: tokens per second
-                    row.update(_token_rates(row))
+                    row.update(token_rates(row, ceilings))
             results.append(row)
             if on_row is not None:
                 on_row(document())
@@ -367,6 +402,14 @@ def format_table(doc: dict) -> str:
                 f"  {r['case']} {r['impl']}: {r['tokens_per_s']:.0f} tokens/s, "
                 f"{r['ms_per_token']:.2f} ms/token{share}"
             )
+            if r.get("breakdown"):
+                lines.append(
+                    "    "
+                    + ", ".join(
+                        f"{f} {v['ms']:.2f} ms" + (f" (floor {v['floor_ms']:.2f})" if v["floor_ms"] else "")
+                        for f, v in r["breakdown"].items()
+                    )
+                )
     profiled = [r for r in doc["results"] if r.get("profile")]
     for r in profiled:
         p = r["profile"]

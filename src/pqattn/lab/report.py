@@ -90,6 +90,25 @@ def _bench_section(name: str, doc: dict) -> list[str]:
     notes = sorted({r["graph_error"] for r in doc["results"] if r.get("graph_error")})
     if notes:
         lines += ["", "GPU n/a: " + "; ".join(notes) + "."]
+    split = [r for r in doc["results"] if r.get("breakdown")]
+    if split:
+        lines += [
+            "",
+            "A step's kernels by family (the profiler's GPU time; floors: the weights' and the "
+            "attention's bytes at the measured copy rate):",
+            "",
+            "| case | impl | ms a step | weights ms (floor) | attention ms (floor) | other ms "
+            "| GPU idle ms |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in split:
+            f = r["breakdown"]
+            lines.append(
+                f"| {r['suite']}/{r['case']} | {r['impl']} | {_fmt(r['ms_per_token'])} | "
+                f"{_fmt(f['weights']['ms'])} ({_fmt(f['weights']['floor_ms'])}) | "
+                f"{_fmt(f['attention']['ms'])} ({_fmt(f['attention']['floor_ms'])}) | "
+                f"{_fmt(f['other']['ms'])} | {_fmt(f['idle']['ms'])} |"
+            )
     return lines
 
 

@@ -996,6 +996,7 @@ def _generate_case(
 
     no_graph = "the call replays the decode loop's own CUDA graph of the whole model's step"
     weights = n_params * _esize(dtype)
+    params["weights_bytes"] = weights  # the loop's per-step floor by family (lab.bench)
 
     def loop(name: str, role: str, kind: str, nbytes: int, note: str, versus=None) -> Impl:
         """A step of the decoder `kind` (`_OneDecoder`), timed as one call."""
