@@ -3,7 +3,7 @@ a histogram of the scores (SPEC §2; §7 fine codes, group selection, the re-ran
 
 A row is what one selection serves: a query head (share="head") or a KV head and its G query
 heads (share="group"). Three launches, none of which waits on one program's chain over the row:
-1. `_lut_kernel`, grid (rows, tables x chunks of sub-quantizers): the LUTs LUT[m, c, t] =
+1. `_lut_kernel`, one program per (row, chunk of sub-quantizers, table): the LUTs LUT[m, c, t] =
    <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
    max rule), a code's entries of every table side by side (rounded to bfloat16 for a group,
