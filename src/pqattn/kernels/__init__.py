@@ -6,6 +6,8 @@ The public, validated entry points are in `pqattn.ops` and `PQIndex`, which reac
 only through `pqattn.dispatch`; each kernel's fuzz check is in `pqattn.lab.kernel_checks`.
 """
 
+import functools
+
 
 def autotuners() -> dict:
     """The autotuned launchers by kernel name (their `best_config` is the config of the last call)."""
@@ -19,6 +21,7 @@ def autotuners() -> dict:
     }
 
 
+@functools.cache
 def kernel_names() -> frozenset[str]:
     """The names of every Triton kernel the package launches (as profilers list them)."""
     import importlib
