@@ -12,7 +12,7 @@ samples of `steps` steps each (median reported).
 
 Usage:
     torchrun --nproc-per-node N bench/tp_generate.py --model PATH [--prompt 32768 --batch 8
-        --new 64 --samples 5 --steps 16 --json PATH]   # the default policy at 2% per head
+        --new 64 --samples 5 --steps 16 --profile --json PATH]   # the default policy at 2% per head
     torchrun --nproc-per-node N bench/tp_generate.py --save-random PATH   # a Llama-3-8B-shaped
         8-layer checkpoint with random weights (once, on one process: plain python works too)
 CPUs run it with the gloo backend (the tests do, on a tiny model); GPUs with NCCL (keep
@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import pqattn.integrations.hf as pq_hf
+from pqattn.lab.bench import profile_calls
 from pqattn.lab.env import environment
 from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
 
@@ -67,19 +68,31 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
     return out, time.perf_counter() - start
 
 
+PROFILED_STEPS = 5
+
+
 def _static_samples(
-    model, ids: torch.Tensor, samples: int, steps: int, *, compile: bool
-) -> tuple[list[float], list]:
-    """(ms per token of the static loop's replayed steps, its greedy tokens): eager (and
-    compiling), capture, a first replay, then `samples` x `steps` timed."""
-    decoder = pq_hf.StaticDecoder(model, ids, 4 + samples * steps, compile=compile)  # + the prefill token
+    model, ids: torch.Tensor, samples: int, steps: int, *, compile: bool, profile: bool = False
+) -> tuple[list[float], list, dict | None]:
+    """(ms per token of the static loop's replayed steps, its greedy tokens, rank 0's profile of
+    PROFILED_STEPS more steps with `profile`): eager (and compiling), capture, a first replay,
+    then `samples` x `steps` timed. Every rank steps; rank 0 alone runs the profiler."""
+    extra = PROFILED_STEPS if profile else 0
+    decoder = pq_hf.StaticDecoder(model, ids, 4 + samples * steps + extra, compile=compile)  # + prefill's
     for _ in range(3):
         decoder.step()
     out = []
     for _ in range(samples):
         _, seconds = _timed(lambda d=decoder: [d.step() for _ in range(steps)])
         out.append(seconds / steps * 1e3)
-    return out, decoder.tokens.tolist()
+    tokens = decoder.tokens[:, : 4 + samples * steps].tolist()
+    prof = None
+    if profile and int(os.environ.get("RANK", 0)) == 0:
+        prof = profile_calls([decoder.step], ids.device, calls=PROFILED_STEPS)
+    elif profile:
+        for _ in range(PROFILED_STEPS):
+            decoder.step()
+    return out, tokens, prof
 
 
 def main() -> None:
@@ -116,6 +129,12 @@ def main() -> None:
         action="store_true",
         help="also time the static loop with the decode step's forward through torch.compile "
         "(StaticDecoder(compile=True)), same weights, same run",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="rank 0's kernels over a few replayed steps of the static loop (compiled with --compile): "
+        "GPU time by kernel and by family (weights, attention, other), launches and idle time",
     )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
@@ -171,7 +190,10 @@ def main() -> None:
                 lambda m=mask: model.generate(ids, attention_mask=m, max_new_tokens=args.new, do_sample=False)
             )
         static = pq_hf.generate(model, ids, args.new)  # compiles and autotunes on its first steps
-        samples, loop_tokens = _static_samples(model, ids, args.samples, args.steps, compile=False)
+        profile = args.profile and not args.compile
+        samples, loop_tokens, prof = _static_samples(
+            model, ids, args.samples, args.steps, compile=False, profile=profile
+        )
         states = [m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None]
         ms = statistics.median(samples)
         doc[kind] = {
@@ -183,15 +205,25 @@ def main() -> None:
             "static_tokens_per_s": args.batch * 1e3 / ms,
             "index_kv_heads": states[0].index.kv_heads if states else None,
         }
+        if prof is not None:
+            doc[kind]["static_profile"] = prof
         if args.compile:
             torch._dynamo.reset()
-            compiled, compiled_tokens = _static_samples(model, ids, args.samples, args.steps, compile=True)
+            compiled, compiled_tokens, prof = _static_samples(
+                model, ids, args.samples, args.steps, compile=True, profile=args.profile
+            )
+            if prof is not None:
+                doc[kind]["compiled_static_profile"] = prof
             doc[kind]["compiled_tokens_equal"] = compiled_tokens == loop_tokens
             doc[kind]["compiled_static_ms_per_token"] = statistics.median(compiled)
             doc[kind]["compiled_static_ms_per_token_samples"] = compiled
             doc[kind]["compiled_static_tokens_per_s"] = args.batch * 1e3 / statistics.median(compiled)
         if rank == 0:
             print(kind, {k: v for k, v in doc[kind].items() if "_per_" in k}, flush=True)
+            for name in ("static_profile", "compiled_static_profile"):
+                families = doc[kind].get(name, {}).get("families_us_per_call")
+                if families:
+                    print(f"  {name}: us a step by family", families, flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -59,7 +59,7 @@ def test_ranks_generate_the_single_process_tokens(
     cmd += [str(ROOT / "bench" / "tp_generate.py"), "--model", str(tmp_path / "model"), "--prompt", "70"]
     cmd += ["--batch", "2", "--new", "8", "--heavy", "500", "--sink", "4", "--window", "4", "--bits", "3"]
     cmd += ["--subvectors", "2"]
-    cmd += ["--dtype", "float32", "--samples", "2", "--steps", "2"]
+    cmd += ["--dtype", "float32", "--samples", "2", "--steps", "2", "--profile"]
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     if backend == "gloo":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -72,6 +72,8 @@ def test_ranks_generate_the_single_process_tokens(
         assert doc[kind]["dynamic_tokens"] == want_tokens, kind
         assert doc[kind]["static_tokens"] == want_tokens, kind
     assert doc["pqattn"]["index_kv_heads"] == 4 // ranks
+    for kind in ("dense", "pqattn"):  # rank 0's profile of the static loop's steps
+        assert doc[kind]["static_profile"]["calls"] == 5 and doc[kind]["static_profile"]["kernels"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="tp_plan needs accelerate")

@@ -93,7 +93,10 @@ def idle_before(spans: Sequence[tuple[str, float, float]]) -> dict[str, float]:
     return idle
 
 
-def _profile(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
+def profile_calls(fns: Sequence, device: torch.device, calls: int = 5) -> dict:
+    """torch.profiler over `calls` calls of `fns` (in turn) and one sync: per kernel its launches
+    and GPU time per call and the GPU's idle time before it; on a GPU the kernels by family
+    (`kernel_family`) and the idle time in all (on a CPU the ops' CPU time instead)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -195,7 +198,7 @@ def run_impl(
     if profile:
         if between is not None:
             between()
-        prof = _profile(fns, device)
+        prof = profile_calls(fns, device)
         if prof["gpu_us_per_call"] is not None:
             prof["cpu_overhead_us"] = timings["eager"]["median_us"] - prof["gpu_us_per_call"]
         out["profile"] = prof
