@@ -27,7 +27,7 @@ def kernel_names() -> frozenset[str]:
     import importlib
     import pkgutil
 
-    import triton
+    from triton.runtime.jit import KernelInterface
 
     import pqattn.kernels as package
 
@@ -37,6 +37,6 @@ def kernel_names() -> frozenset[str]:
         for obj in vars(module).values():
             # a @triton.jit function (JITFunction, or InterpretedFunction under TRITON_INTERPRET)
             name = getattr(obj, "__name__", "")
-            if isinstance(obj, triton.runtime.KernelInterface) and name.endswith("_kernel"):
+            if isinstance(obj, KernelInterface) and name.endswith("_kernel"):
                 names.add(name)
     return frozenset(names)
