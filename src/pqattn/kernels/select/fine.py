@@ -877,10 +877,11 @@ def pq_select_fine(
     sum_rule = group_rule == "sum"
     rows_per_b = Hkv if group else H
     rows = B * rows_per_b
-    if tables != (G if group and not sum_rule else 1):  # the LUT launch's grid assumes it
+    expected_tables = G if group and not sum_rule else 1  # the LUT launch's grid assumes it
+    if tables != expected_tables:
         raise ValueError(
-            f"tables: expected {G if group and not sum_rule else 1} for share={share!r}, "
-            f"group_rule={group_rule!r}, G={G}, got {tables}"
+            f"tables: expected {expected_tables} for share={share!r}, group_rule={group_rule!r}, "
+            f"G={G}, got {tables}"
         )
     list_heavy = rerank * params.heavy
     tables_p2 = triton.next_power_of_2(tables)
