@@ -23,8 +23,8 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    row evenly, about one program per SM in all: an SM then serves one row, whose tables stay in
    its L1.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
-   its tokens of higher bins to the heavy part (one slot atomic a program) and those of that bin
-   to a boundary list, and writes its share of sink, window and padding. The last program of a
+   its tokens of higher bins to the heavy part and those of that bin to a boundary list (both
+   slots from one 64-bit atomic a block on the pair of counters), and writes its share of sink, window and padding. The last program of a
    row to arrive takes the rest from the boundary list: an all-pairs rank of at most TIE_TILE
    tokens, else a bisection over the order keys (exact for any count, slower); it then zeroes the
    row's counts and counters for the next call.
@@ -126,7 +126,7 @@ def row_layout(tables: int, M: int, C: int, N: int, shortlist: int = 0) -> RowLa
     bounds = lut + triton.next_power_of_2(tables) * M * C
     pq_bins = bounds + 2 * tables * M
     list_bounds = pq_bins + 2
-    ctr = list_bounds + 2
+    ctr = _aligned(list_bounds + 2)  # 64-byte aligned: the collect adds to its first two as one int64
     bins = _aligned(ctr + _CTR)
     scores = bins + NBINS
     boundary = _aligned(scores + N)
@@ -573,23 +573,33 @@ def _collect_kernel(
             lo = tl.load(wsf + PQ_BINS_AT)
             inv = tl.load(wsf + PQ_BINS_AT + 1)
         scores_at = LIST_SCORES_AT if FROM_LIST else SCORES_AT
-        # (several blocks a program: each program reads the row's bins once for the boundary bin)
+        # (several blocks a program: each program reads the row's bins once for the boundary bin).
+        # A block's heavy and boundary counts go in one 64-bit atomic on the counter pair (heavy
+        # slots in its low half, boundary slots in its high half) and one scan of 16-bit halves;
+        # the next block's scores load while this block's atomic is in flight.
+        tl.static_assert(BLOCK < 65536)
+        ctr_pair = ctr.to(tl.pointer_type(tl.int64), bitcast=True)
+        first = chunk * steps * BLOCK + tl.arange(0, BLOCK)
+        own_hi = tl.minimum(src_hi, (chunk + 1) * steps * BLOCK)  # the end of this program's blocks
+        s_next = tl.load(wsf + scores_at + first, mask=(first >= src_lo) & (first < own_hi), other=0.0)
         for step in range(steps):
             i = (chunk * steps + step) * BLOCK + tl.arange(0, BLOCK)
             cand = (i >= src_lo) & (i < src_hi)
-            s = tl.load(wsf + scores_at + i, mask=cand, other=0.0)
+            s = s_next
+            j = i + BLOCK
+            s_next = tl.load(wsf + scores_at + j, mask=(j >= src_lo) & (j < own_hi), other=0.0)
             bin_ = _score_bin(s, lo, inv, NBINS_)
             take = cand & (bin_ > kth)
             edge = cand & (bin_ == kth)
-            n_take = tl.sum(take.to(tl.int32), axis=0)
-            if n_take > 0:
-                slot = tl.atomic_add(ctr, n_take, sem="relaxed") + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            flags = take.to(tl.int32) + (edge.to(tl.int32) << 16)
+            total = tl.sum(flags, axis=0)
+            if total > 0:
+                add = (total & 0xFFFF).to(tl.int64) + ((total >> 16).to(tl.int64) << 32)
+                base = tl.atomic_add(ctr_pair, add, sem="relaxed")
+                upto = tl.cumsum(flags, axis=0)
+                slot = (base & 0xFFFFFFFF).to(tl.int32) + (upto & 0xFFFF) - 1
                 tl.store(heavy_at + slot, _position(ws_row, i, take, LIST_AT, FROM_LIST), mask=take)
-            n_edge = tl.sum(edge.to(tl.int32), axis=0)
-            if n_edge > 0:
-                slot = (
-                    tl.atomic_add(ctr + 1, n_edge, sem="relaxed") + tl.cumsum(edge.to(tl.int32), axis=0) - 1
-                )
+                slot = (base >> 32).to(tl.int32) + (upto >> 16) - 1
                 tl.store(ws_row + BOUNDARY_AT + slot, i, mask=edge & (slot < CAP))
 
         tl.debug_barrier()  # every thread's stores precede the release below
