@@ -24,10 +24,10 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    its L1.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part and those of that bin to a boundary list (both
-   slots from one 64-bit atomic a block on the pair of counters), and writes its share of sink, window and padding. The last program of a
-   row to arrive takes the rest from the boundary list: an all-pairs rank of at most TIE_TILE
-   tokens, else a bisection over the order keys (exact for any count, slower); it then zeroes the
-   row's counts and counters for the next call.
+   slots from one 64-bit atomic a block on the pair of counters), and writes its share of sink,
+   window and padding. The last program of a row to arrive takes the rest from the boundary list:
+   an all-pairs rank of at most TIE_TILE tokens, else a bisection over the order keys (exact for
+   any count, slower); it then zeroes the row's counts and counters for the next call.
 Linear bins from t0 put few tokens in the boundary bin for the bell-shaped sums that PQ scores
 are; the fallbacks keep any distribution exact (a boundary bin below t0 is a long one: the
 bisection). A re-rank (rerank=R) runs the collect into a shortlist of the top R * heavy, then
