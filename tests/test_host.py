@@ -155,6 +155,11 @@ def test_host_tier_refuses_what_it_cannot_serve(device: torch.device, monkeypatc
     )  # given rows are not checked against the memory
     with pytest.raises(ValueError, match=r"q: expected shape \[B, H, D\] = \[1, 4, 16\]"):
         cache.decode_step(torch.randn(1, 2, 16, device=device), keys[:, :, :1], keys[:, :, :1])
+    with pytest.raises(ValueError, match="scale: expected a finite float or None, got nan"):
+        cache.decode_step(
+            torch.randn(1, 4, 16, device=device), keys[:, :, :1], keys[:, :, :1], scale=float("nan")
+        )
+    assert cache.index.lengths.tolist() == [64], "nothing appended"
 
 
 def test_footprint_counts_what_a_tier_allocates(device: torch.device) -> None:

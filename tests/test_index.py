@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -106,6 +108,29 @@ def test_build_and_append_validation() -> None:
         index.append(torch.randn(2, 3, 1, 8))
     with pytest.raises(ValueError, match=r"k_cache.*at least 40.*got 39"):
         index.attend(torch.randn(2, 4, 8), k[:, :, :39], k[:, :, :39])
+
+
+@pytest.mark.parametrize(
+    ("scale", "exc", "message"),
+    [
+        ("0.1", TypeError, "scale: expected a finite float or None, got str '0.1'"),
+        (True, TypeError, "scale: expected a finite float or None, got bool True"),
+        (float("nan"), ValueError, "scale: expected a finite float or None, got nan"),
+        (float("inf"), ValueError, "scale: expected a finite float or None, got inf"),
+    ],
+)
+def test_a_bad_scale_is_refused_before_the_step_changes_the_index(scale, exc, message) -> None:
+    k = torch.randn(2, 2, 40, 8)
+    index = PQIndex.build(k, capacity=64, config=COARSE)
+    cache = torch.zeros(2, 2, 64, 8)
+    q, k_new = torch.randn(2, 4, 8), torch.randn(2, 2, 1, 8)
+    with pytest.raises(exc, match=re.escape(message)):
+        index.decode_step(q, k_new, k_new, cache, cache, scale=scale)
+    assert index.lengths.tolist() == [40, 40], "nothing appended"
+    with pytest.raises(exc, match=re.escape(message)):
+        index.attend(q, cache, cache, scale=scale)
+    out = index.decode_step(q, k_new, k_new, cache, cache, scale=0.5)  # a finite scale of any sign
+    assert torch.isfinite(out).all() and index.lengths.tolist() == [41, 41]
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fractions
+
 import pytest
 import torch
 
@@ -108,6 +110,19 @@ class TestValidation:
             pqattn.select_topk(q, book.centroids, book.codes, lens[:1], **kw)
         with _raises(ValueError, "centroids", "dsub=8", "got 5"):
             pqattn.pq_scores(q, book.centroids[..., :5], book.codes)
+
+    def test_scale(self) -> None:
+        q, k, v = _inputs(torch.device("cpu"))
+        pos = torch.zeros(2, 8, 5, dtype=torch.int32)
+        cnt = torch.ones(2, 8, dtype=torch.int32)
+        with _raises(TypeError, "scale", "finite float or None", "Tensor"):
+            pqattn.sparse_decode(q, k, v, pos, cnt, scale=torch.tensor(0.25))
+        with _raises(ValueError, "scale", "finite float or None", "nan"):
+            pqattn.sparse_decode(q, k, v, pos, cnt, scale=float("nan"))
+        with _raises(ValueError, "scale", "finite float or None", "-inf"):
+            pqattn.dense_attention(q[:, :, None], k, v, scale=float("-inf"))
+        a = pqattn.sparse_decode(q, k, v, pos, cnt, scale=fractions.Fraction(1, 4))  # any real number
+        torch.testing.assert_close(a, pqattn.sparse_decode(q, k, v, pos, cnt, scale=0.25))
 
     def test_sparse_decode(self) -> None:
         q, k, v = _inputs(torch.device("cpu"))

@@ -7,6 +7,7 @@ passes a [B, H, N, D] tensor where [B, H, D] was meant learns it from the messag
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -70,6 +71,17 @@ def non_negative_int(name: str, value: object) -> int:
     if value < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {value}")
     return value
+
+
+def scale(value: object) -> float | None:
+    """An attention scale: None (1/sqrt(D)) or a finite real number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scale: expected a finite float or None, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"scale: expected a finite float or None, got {value}")
+    return float(value)
 
 
 def kv_head_share(head_offset: object, total_heads: object, kv_heads: int) -> None:

@@ -343,6 +343,7 @@ class HostCache:
         index = self.index
         signature = (q.shape, q.dtype, q.device, k_new.shape, k_new.dtype, v_new.shape, v_new.dtype, scale)
         if signature != self._checked:
+            scale = check.scale(scale)
             B, Hkv, D = index.batch, index.kv_heads, index.head_dim
             check.tensor(
                 "q", q, shape=(B, self.query_heads, D), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES,

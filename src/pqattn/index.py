@@ -599,6 +599,7 @@ class PQIndex:
             out [B, H, D] in q's dtype; on the kernel path a buffer of the index's, reused by the
             next call (copy it to keep it).
         """
+        scale = check.scale(scale)
         if block_table is not None:
             self._check_paged(k_cache, v_cache, block_table)  # once per signature
         elif k_cache.dim() == 4 and k_cache.shape[2] < self._max_length:
@@ -738,6 +739,7 @@ class PQIndex:
             >>> out.shape, index.lengths.tolist()
             (torch.Size([1, 4, 16]), [65])
         """
+        scale = check.scale(scale)
         kv_shape = (self.batch, self.kv_heads, 1, self.head_dim)
         if block_table is not None:  # paged caches: paged_append at the lengths, append, attend
             for name, t in (("k_new", k_new), ("v_new", v_new)):

@@ -576,6 +576,7 @@ def sparse_decode(
         if plan is not None:
             plan(*tensors)
             return out
+    scale = check.scale(scale)
     if block_table is None:
         check.key_cache("k", k)
         B, Hkv, N, D = k.shape
@@ -735,6 +736,7 @@ def dense_attention(
         >>> dense_attention(q, k, k, causal=True).shape
         torch.Size([1, 4, 3, 16])
     """
+    scale = check.scale(scale)
     sig = signature(q, k, v)
     if sig is None or sig not in _CHECKED_ATTENTION:
         check.key_cache("k", k)

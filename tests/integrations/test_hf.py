@@ -264,6 +264,10 @@ def test_config_is_validated() -> None:
         pq_hf.HFConfig(heavy=10, heavy_fraction=0.5)
     with pytest.raises(ValueError, match="heavy_fraction"):
         pq_hf.HFConfig(heavy_fraction=1.5)
+    with pytest.raises(
+        TypeError, match="heavy_fraction: expected a float in \\(0, 1\\] or None, got str '2%'"
+    ):
+        pq_hf.HFConfig(heavy_fraction="2%")
     with pytest.raises(ValueError, match="prefill"):
         pq_hf.HFConfig(prefill="flash")
     assert pq_hf.HFConfig().heavy_for(10_000) == pq_hf.PQConfig().heavy
