@@ -102,10 +102,11 @@ def kv_head_share(head_offset: object, total_heads: object, kv_heads: int) -> No
 
 
 def positive_int(name: str, value: object) -> int:
-    non_negative_int(name, value)
-    if value == 0:
-        raise ValueError(f"{name}: expected a positive int, got 0")
-    return value  # type: ignore[return-value]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
 
 
 def bits(value: object) -> int:

@@ -305,6 +305,12 @@ def test_bad_configs_are_refused_at_enable_and_empty_prompts_at_generate() -> No
         ValueError, match=r"input_ids: expected at least one prompt of at least one token.*\[1, 0\]"
     ):
         pq_hf.generate(model, torch.zeros(1, 0, dtype=torch.int64), 4)
+    with pytest.raises(
+        ValueError, match=r"input_ids: expected token ids in \[0, vocab_size=128\), got ids from 0 to 128"
+    ):
+        pq_hf.generate(model, torch.tensor([[0, 5, 128]]), 4)
+    with pytest.raises(ValueError, match="max_new_tokens: expected a positive int, got -1"):
+        pq_hf.generate(model, torch.zeros(1, 4, dtype=torch.int64), -1)
 
 
 def test_decoding_past_the_capacity_warns_once_and_goes_dense(device: torch.device) -> None:

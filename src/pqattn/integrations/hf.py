@@ -502,6 +502,13 @@ class StaticDecoder:
             raise ValueError(
                 f"input_ids: expected at least one prompt of at least one token, got shape [{B}, {P}]"
             )
+        vocab = getattr(model.config, "vocab_size", None)
+        if vocab is not None:  # an id past the embedding would fault on the device (one sync, here)
+            low, high = (int(x) for x in torch.aminmax(input_ids))
+            if low < 0 or high >= vocab:
+                raise ValueError(
+                    f"input_ids: expected token ids in [0, vocab_size={vocab}), got ids from {low} to {high}"
+                )
         dev = input_ids.device
         lengths = _prompt_lengths(prompt_lengths, B, P)
         ragged = min(lengths) < P
