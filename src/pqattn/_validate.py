@@ -73,15 +73,21 @@ def non_negative_int(name: str, value: object) -> int:
     return value
 
 
+def real(name: str, value: object, expected: str) -> float:
+    """value as a float when it is a real number (a bool is not), else a TypeError: `expected`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def scale(value: object) -> float | None:
     """An attention scale: None (1/sqrt(D)) or a finite real number."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"scale: expected a finite float or None, got {type(value).__name__} {value!r}")
+    value = real("scale", value, "a finite float or None")
     if not math.isfinite(value):
         raise ValueError(f"scale: expected a finite float or None, got {value}")
-    return float(value)
+    return value
 
 
 def kv_head_share(head_offset: object, total_heads: object, kv_heads: int) -> None:

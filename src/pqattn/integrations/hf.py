@@ -27,7 +27,6 @@ decode steps run SDPA with that mask (warned once); layers without `layer_idx` r
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import warnings
 from collections.abc import Sequence
 
@@ -105,11 +104,7 @@ class HFConfig(PQConfig):
                     f"heavy / heavy_fraction: expected at most one of them, got heavy={self.heavy}, "
                     f"heavy_fraction={self.heavy_fraction}"
                 )
-            if isinstance(self.heavy_fraction, bool) or not isinstance(self.heavy_fraction, numbers.Real):
-                raise TypeError(
-                    f"heavy_fraction: expected a float in (0, 1] or None, got "
-                    f"{type(self.heavy_fraction).__name__} {self.heavy_fraction!r}"
-                )
+            check.real("heavy_fraction", self.heavy_fraction, "a float in (0, 1] or None")
             if not 0.0 < self.heavy_fraction <= 1.0:
                 raise ValueError(f"heavy_fraction: expected a value in (0, 1], got {self.heavy_fraction}")
 
