@@ -129,7 +129,7 @@ def test_a_bad_scale_is_refused_before_the_step_changes_the_index(scale, exc, me
     assert index.lengths.tolist() == [40, 40], "nothing appended"
     with pytest.raises(exc, match=re.escape(message)):
         index.attend(q, cache, cache, scale=scale)
-    out = index.decode_step(q, k_new, k_new, cache, cache, scale=0.5)  # a finite scale of any sign
+    out = index.decode_step(q, k_new, k_new, cache, cache, scale=0.5)  # a finite scale: the step runs
     assert torch.isfinite(out).all() and index.lengths.tolist() == [41, 41]
 
 
