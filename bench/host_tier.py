@@ -16,6 +16,10 @@ Parts (one JSON, each part a key):
   fetch: kernel figures of one layer (B1, 8 KV heads, 512K tokens, D 128, bf16): the row lookup
          and the fetch at set hit rates, GB/s of the missed rows, beside a pinned contiguous
          host-to-device copy of the same bytes.
+  lookup: kernel figures of the row lookup alone (8 KV heads a sequence, lists of 4352 over 8704
+         slots, 512K tokens): µs a step at B1 and B4 and hit rates 0 and 0.8, for each chunk of
+         list entries a program reads (LOOKUP_CHUNK's candidates; 8192: one program a row), by
+         replaying a CUDA graph of 24 steps over different lists.
   span:  the fetch's GB/s against the span of host memory it reads (random lists), and with the
          rows from cudaHostAlloc instead of registered.
   text:  the project's trained model on held-out Python files (B4, 16K-byte prompts, 256 greedy
@@ -30,6 +34,7 @@ Usage (on a GPU):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -436,6 +441,53 @@ def part_fetch() -> list[dict]:
     return out
 
 
+def part_lookup() -> list[dict]:
+    Hkv, N, L, T = 8, 1 << 19, 4352, 24
+    S = 2 * L
+    out = []
+    for B, hit in ((1, 0.0), (1, 0.8), (4, 0.8)):
+        lists = torch.cat([_lists(T, L, N - 1, hit, Hkv) for _ in range(B)], dim=1)  # [T, B, Hkv, L]
+        counts = torch.full((B, Hkv), L, dtype=torch.int32, device="cuda")
+        shapes = ((B, Hkv, L), (B, Hkv, L), (B, Hkv))
+        for chunk in (128, 256, 512, 1024, 2048, 8192):
+            cache = ref.new_row_cache(B, Hkv, N, S, torch.device("cuda"))
+            misses = ref.Misses(*(torch.zeros(s, dtype=torch.int32, device="cuda") for s in shapes))
+            slot_list = torch.empty(B, Hkv, L, dtype=torch.int32, device="cuda")
+            work = torch.zeros(
+                rows_kernels.lookup_workspace_numel(B * Hkv, L, S, chunk), dtype=torch.int32, device="cuda"
+            )
+
+            graph = torch.cuda.CUDAGraph()
+            for record in (False, True):  # the first pass compiles
+                with torch.cuda.graph(graph) if record else contextlib.nullcontext():
+                    for t in range(T):
+                        lookup_rows(lists[t], counts, cache, misses, slot_list, workspace=work, block=chunk)
+            for _ in range(3):
+                graph.replay()
+            times = []
+            for _ in range(9):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                b.record()
+                times.append((a, b))
+            torch.cuda.synchronize()
+            lookups, missed = cache.stats.sum((0, 1)).tolist()
+            out.append(
+                {
+                    "case": f"lookup-B{B}-N512K-L{L}-hit{int(hit * 100)}-chunk{chunk}",
+                    "B": B,
+                    "target_hit_rate": hit,
+                    "chunk": chunk,
+                    "hit_rate": 1 - missed / lookups,
+                    "lookup_us": statistics.median(a.elapsed_time(b) * 1e3 for a, b in times) / T,
+                    "note": "kernel figures: lookup_rows alone on given lists, a CUDA graph of 24 steps",
+                }
+            )
+            print(out[-1], flush=True)
+    return out
+
+
 def part_span() -> list[dict]:
     """The fetch's rate against the span of host memory it reads and the persistent programs that
     read it (random lists, no sort): B1 over 128K and 512K tokens, B4 over 128K, with 1, 2 and 4
@@ -560,7 +612,7 @@ def part_text(model_path: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--parts", default="fit,fetch,text", help="comma-separated: fit, large, fetch, span, text"
+        "--parts", default="fit,fetch,text", help="comma-separated: fit, large, fetch, lookup, span, text"
     )
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per loop")
     parser.add_argument("--large", default="1x524288,4x131072", help="the large part's shapes, BxTOKENS")
@@ -601,10 +653,12 @@ def main() -> None:
             doc["parts"]["fetch"] = part_fetch()
         elif part == "span":
             doc["parts"]["span"] = part_span()
+        elif part == "lookup":
+            doc["parts"]["lookup"] = part_lookup()
         elif part == "text":
             doc["parts"]["text"] = part_text(args.model)
         else:
-            raise SystemExit(f"--parts: expected some of fit, large, fetch, span, text; got {part!r}")
+            raise SystemExit(f"--parts: expected some of fit, large, fetch, lookup, span, text; got {part!r}")
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     for part, rows in doc["parts"].items():

@@ -41,6 +41,7 @@ __all__ = [
     "kernel_path",
     "row_fetch",
     "row_lookup",
+    "row_lookup_workspace_numel",
     "select",
     "select_workspace_numel",
     "sparse_decode",
@@ -485,6 +486,13 @@ def sparse_decode(
         decode.sparse_decode(*qkv, positions, counts, weights=weights, dense_weights=dense_weights, **common)
 
 
+def row_lookup_workspace_numel(rows: int, L: int, S: int) -> int:
+    """int32 elements of row_lookup's workspace for `rows` lists of width L over S slots."""
+    from pqattn.kernels.rows import lookup_workspace_numel
+
+    return lookup_workspace_numel(rows, L, S)
+
+
 def row_lookup(
     positions: torch.Tensor,
     counts: torch.Tensor,
@@ -493,14 +501,16 @@ def row_lookup(
     slot_list: torch.Tensor,
     *,
     kernel: bool,
+    workspace: torch.Tensor | None = None,
 ) -> None:
-    """The host tier's row-cache step (SPEC §10): pqattn.kernels.rows.lookup_rows, or the reference."""
+    """The host tier's row-cache step (SPEC §10): pqattn.kernels.rows.lookup_rows (workspace: its
+    scratch, `lookup_workspace_numel` int32), or the reference."""
     if not kernel:
         ref.lookup_rows(positions, counts, cache, misses, slot_list)
         return
     from pqattn.kernels.rows import lookup_rows
 
-    lookup_rows(positions, counts, cache, misses, slot_list)
+    lookup_rows(positions, counts, cache, misses, slot_list, workspace=workspace)
 
 
 def row_fetch(

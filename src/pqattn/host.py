@@ -219,6 +219,9 @@ class HostCache:
             torch.zeros((B, Hkv), dtype=torch.int32, device=device),
         )
         self.slot_list = torch.full((B, Hkv, L), -1, dtype=torch.int32, device=device)
+        self._lookup_workspace = torch.zeros(
+            dispatch.row_lookup_workspace_numel(B * Hkv, L, self.slots), dtype=torch.int32, device=device
+        )
         self._out: torch.Tensor | None = None
         self._workspace = torch.zeros(
             dispatch.decode_workspace_numel(B * Hkv, L, D, group=query_heads // Hkv),
@@ -359,7 +362,7 @@ class HostCache:
         selection = self.selection = index.select(q)
         dispatch.row_lookup(
             selection.positions, selection.counts, self.row_cache, self.misses, self.slot_list,
-            kernel=self._kernels,
+            kernel=self._kernels, workspace=self._lookup_workspace,
         )  # fmt: skip
         dispatch.row_fetch(
             self.rows, k_new, v_new, index.lengths, self.misses, self.k_slots, self.v_slots,

@@ -8,7 +8,7 @@ import torch
 
 from pqattn import reference as ref
 from pqattn.host import mapped_host_empty
-from pqattn.kernels.rows import FETCH_BLOCKS, fetch_rows, lookup_block, lookup_rows
+from pqattn.kernels.rows import FETCH_BLOCKS, fetch_rows, lookup_block, lookup_rows, lookup_workspace_numel
 
 
 def _copy(state):
@@ -47,6 +47,8 @@ def _lists(
         (300, 500, 128, False, FETCH_BLOCKS[0], False, 5),
         (300, 500, 128, False, FETCH_BLOCKS[1], True, None),
         *((300, 500, 128, True, b, False, None) for b in FETCH_BLOCKS),
+        (300, 500, 16, False, FETCH_BLOCKS[1], False, None),  # many chunks of list and slots
+        (300, 500, 16, True, FETCH_BLOCKS[1], False, None),
     ],
 )
 def test_row_cache_steps_match_the_reference(
@@ -60,11 +62,11 @@ def test_row_cache_steps_match_the_reference(
     device: torch.device,
 ) -> None:
     """Steps of lookup + fetch over lists that share part of their rows with the previous step's,
-    with ragged counts and the newest position listed; lists and slot scans in one block and in
-    several, misses sorted or in list order, each fetch block size: the kernels' state, misses,
-    slot lists, slots and host rows equal the reference's, and every listed row sits in its
-    slot. int8: 8-bit host rows, dequantized by the fetch and quantized by its store of the new row
-    (bitwise the reference's)."""
+    with ragged counts and the newest position listed; lists and slots in one chunk and in many
+    (the victims' ranks across chunks, circularly from the hand), misses sorted or in list
+    order, each fetch block size: the kernels' state, misses, slot lists, slots and host rows
+    equal the reference's, and every listed row sits in its slot. int8: 8-bit host rows,
+    dequantized by the fetch and quantized by its store of the new row (bitwise the reference's)."""
     sort_block = (lookup_block(L) if block is None else block) if sort else None
     B, R, N, D = 2, 3, 4 * L + 64, 16
     rows = torch.randn(B, R, N, 2, D) * torch.rand(B, R, N, 2, 1) * 4
@@ -83,6 +85,10 @@ def test_row_cache_steps_match_the_reference(
     host = mapped_host_empty(rows.shape, rows.dtype, device)
     host.copy_(rows)
     lengths = torch.tensor([N - 40, N - 7], device=device)
+    # the lookup's scratch, reused over the steps as HostCache does; garbage before the first
+    workspace = torch.full(
+        (lookup_workspace_numel(B * R, L, S, block),), -7, dtype=torch.int32, device=device
+    )
     previous = None
     for step in range(4):
         lengths += 1
@@ -99,7 +105,7 @@ def test_row_cache_steps_match_the_reference(
         want_m, want_list = _cpu(want_m), want_list.cpu().clone()
         ref.lookup_rows(pos.cpu(), counts.cpu(), want[0], want_m, want_list, sort_block=sort_block)
         ref.fetch_rows(want[1], k_new.cpu(), v_new.cpu(), lengths.cpu(), want_m, want[2], want[3])
-        lookup_rows(pos, counts, cache, got_m, got_list, sort=sort, block=block)
+        lookup_rows(pos, counts, cache, got_m, got_list, workspace=workspace, sort=sort, block=block)
         fetch_rows(
             host, k_new, v_new, lengths, got_m, k_slots, v_slots, block_rows=block_rows, programs=programs
         )

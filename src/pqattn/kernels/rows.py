@@ -1,12 +1,12 @@
 """The host tier's row cache on the GPU (SPEC §10; reference: `pqattn.reference.rows`).
 
-Two launches per decode step of a layer:
-  * `lookup_rows`: one program per (sequence, KV head) reads its selection list in one block (up
-    to MAX_BLOCK entries; more in several): hits stamp their slots, the misses are compacted in
-    list order (or sorted), the victims are the next unstamped slots from the row's hand, then the maps are
-    rewritten and the list of slots written. Each pass is one dependent chain of a few global
-    reads for the whole list, so a step costs a few memory latencies. Barriers order a
-    program's own global writes before its later reads.
+Per decode step of a layer:
+  * `lookup_rows`, four launches over (row, chunk) grids, row = (sequence, KV head), each chunk
+    LOOKUP_CHUNK list entries or slots, so that a step's gathers run on many SMs (one program a
+    row made the lookup one SM's stream of dependent gathers): stamp the hits and count each
+    chunk's misses; compact the misses at their rank among the row's, and count each slot chunk's
+    unstamped slots; the k-th unstamped slot from the hand takes the k-th miss (maps rewritten);
+    the list of slots and the row's clock. PDL lets each launch start behind the one before.
   * `fetch_rows`: persistent programs walk the rows' blocks of misses in row order and read each
     missed row straight from host memory (page-locked and mapped: the kernel's loads cross PCIe,
     a position's key and value as one 2 x D read) into its slot; the step's new key and value
@@ -19,12 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
 from pqattn.runtime.launch import Launcher
 
-MAX_BLOCK = 8192  # list entries or slots a step of the lookup reads at most (a whole list, usually)
-# Whether the lookup sorts the misses (the fetch then reads host memory in ascending address order):
-# off, since the selection's lists come out nearly ascending and the sort costs more than it saves
-# (docs/kernels/host.md).
+# List entries (and slots) a lookup program reads: a row's list and slots are split into chunks of
+# this many, so a step's lookups run on many SMs (docs/kernels/host.md).
+LOOKUP_CHUNK = 512
+# Whether the lookup sorts each chunk's misses (the fetch then reads host memory in ascending address
+# order): off, since the selection's lists come out nearly ascending and the sort costs more than it
+# saves (docs/kernels/host.md).
 SORT_MISSES = False
 # Missed rows a fetch program copies: the space the tests run, and the one launched (docs/kernels/host.md).
 FETCH_BLOCKS = (16, 32, 64)
@@ -35,116 +38,156 @@ FETCH_PROGRAMS_PER_SM = 1
 
 
 @triton.jit
-def _lookup_kernel(
-    pos_ptr,
-    cnt_ptr,
-    slot_of_ptr,
-    owner_ptr,
-    used_ptr,
-    clock_ptr,
-    stats_ptr,
-    miss_pos_ptr,
-    miss_slot_ptr,
-    miss_cnt_ptr,
-    slots_ptr,
-    stride_pb,
-    stride_pr,
-    stride_pl,
-    stride_cb,
-    stride_cr,
-    R,
-    L,
-    S,
-    N,
-    BLOCK: tl.constexpr,
-    SORT: tl.constexpr,
-):
-    """Program row = b * R + r: one step of the row cache for list positions[b, r, :counts[b, r]]
-    (reference.rows.lookup_rows), in blocks of BLOCK list entries or slots; with SORT each
-    block's misses in ascending position order. The row cache's buffers are contiguous; barriers
-    order the program's own writes before its later reads."""
-    row = tl.program_id(0)
+def _listed(pos_ptr, cnt_ptr, stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, row, c, R,
+            CHUNK: tl.constexpr):  # fmt: skip
+    """Row row = b * R + r's list entries c * CHUNK.. (i): whether each is listed (live), its position
+    (p); and the list's count."""
     b = row // R
     r = row % R
-    row64 = row.to(tl.int64)
     count = tl.load(cnt_ptr + b.to(tl.int64) * stride_cb + r * stride_cr).to(tl.int32)
-    step = tl.load(clock_ptr + row64 * 2)
-    hand = tl.load(clock_ptr + row64 * 2 + 1)
-    pos_row = pos_ptr + b.to(tl.int64) * stride_pb + r.to(tl.int64) * stride_pr
-    map_row = slot_of_ptr + row64 * N
-    owner_row = owner_ptr + row64 * S
-    used_row = used_ptr + row64 * S
-    miss_row = miss_pos_ptr + row64 * L
-    victim_row = miss_slot_ptr + row64 * L
-    lane = tl.arange(0, BLOCK)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    live = i < count
+    at = pos_ptr + b.to(tl.int64) * stride_pb + r.to(tl.int64) * stride_pr + i.to(tl.int64) * stride_pl
+    return i, live, tl.load(at, mask=live, other=0).to(tl.int32), count
 
-    # 1-2. stamp the hits; the misses, compacted in list order
-    n_miss = count * 0
-    for start in range(0, L, BLOCK):
-        i = start + lane
-        live = i < count
-        p = tl.load(pos_row + i.to(tl.int64) * stride_pl, mask=live, other=0).to(tl.int32)
-        s = tl.load(map_row + p, mask=live, other=-1)
-        o = tl.load(owner_row + s, mask=live & (s >= 0), other=-1)
-        hit = live & (s >= 0) & (o == p)
-        tl.store(used_row + s, step, mask=hit)
+
+@triton.jit
+def _hits(slot_of_ptr, owner_ptr, row64, p, live, S, N):
+    """The slots of positions p by the map (s), and whether each holds its position (rule 1)."""
+    s = tl.load(slot_of_ptr + row64 * N + p, mask=live, other=-1)
+    o = tl.load(owner_ptr + row64 * S + s, mask=live & (s >= 0), other=-1)
+    return s, live & (s >= 0) & (o == p)
+
+
+@triton.jit
+def _lookup_stamp_kernel(
+    pos_ptr, cnt_ptr, slot_of_ptr, owner_ptr, used_ptr, clock_ptr, work_ptr,
+    stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, R, S, N, W,
+    CHUNK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (row, c), rule 1: the hits among list entries c * CHUNK.. stamped with the row's step;
+    the chunk's misses counted into work[row, c]."""
+    release_next(PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    _, live, p, _ = _listed(
+        pos_ptr, cnt_ptr, stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, row, c, R, CHUNK
+    )
+    s, hit = _hits(slot_of_ptr, owner_ptr, row64, p, live, S, N)
+    tl.store(used_ptr + row64 * S + s, tl.load(clock_ptr + row64 * 2), mask=hit)
+    tl.store(work_ptr + row64 * W + c, tl.sum((live & ~hit).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _lookup_compact_kernel(
+    pos_ptr, cnt_ptr, slot_of_ptr, owner_ptr, used_ptr, clock_ptr, work_ptr, miss_pos_ptr,
+    stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, R, L, S, N, W, C, CS,
+    CHUNK: tl.constexpr, C_POW2: tl.constexpr, SORT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (row, c), rule 2 for list chunk c < C: its misses written at their rank among the
+    row's (list order, or SORT: ascending within the chunk); rule 3's count for slot chunk c < CS:
+    the slots c * CHUNK.. (circularly from the hand) this step has not stamped, into work[row, C + c]."""
+    wait_prior(PDL)
+    release_next(PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    work = work_ptr + row64 * W
+    lane = tl.arange(0, CHUNK)
+    if c < C:
+        _, live, p, _ = _listed(
+            pos_ptr, cnt_ptr, stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, row, c, R, CHUNK
+        )
+        _, hit = _hits(slot_of_ptr, owner_ptr, row64, p, live, S, N)
+        ahead = tl.arange(0, C_POW2)
+        before = tl.sum(tl.load(work + ahead, mask=ahead < c, other=0), axis=0)
         miss = live & ~hit
-        n_block = tl.sum(miss.to(tl.int32), axis=0)
+        miss_row = miss_pos_ptr + row64 * L + before
         if SORT:
-            tl.store(miss_row + n_miss + lane, tl.sort(tl.where(miss, p, 2147483647)), mask=lane < n_block)
+            n_chunk = tl.sum(miss.to(tl.int32), axis=0)
+            tl.store(miss_row + lane, tl.sort(tl.where(miss, p, 2147483647)), mask=lane < n_chunk)
         else:
-            rank = n_miss + tl.cumsum(miss.to(tl.int32), axis=0) - 1
-            tl.store(miss_row + rank, p, mask=miss)
-        n_miss += n_block
-    tl.debug_barrier()
+            tl.store(miss_row + tl.cumsum(miss.to(tl.int32), axis=0) - 1, p, mask=miss)
+    if c < CS:
+        step = tl.load(clock_ptr + row64 * 2)
+        hand = tl.load(clock_ptr + row64 * 2 + 1)
+        j = c * CHUNK + lane
+        inside = j < S
+        free = inside & (tl.load(used_ptr + row64 * S + (hand + j) % S, mask=inside, other=step) < step)
+        tl.store(work + C + c, tl.sum(free.to(tl.int32), axis=0))
 
-    # 3. victims: the first n_miss slots, circularly from the hand, that this step has not stamped
-    taken = n_miss * 0
-    last = taken - 1
-    scan = taken
-    n_scans = tl.cdiv(S, BLOCK)
-    while (taken < n_miss) & (scan < n_scans):
-        j = scan * BLOCK + lane
+
+@triton.jit
+def _lookup_victims_kernel(
+    slot_of_ptr, owner_ptr, used_ptr, clock_ptr, work_ptr, miss_pos_ptr, miss_slot_ptr,
+    L, S, N, W, C, CS,
+    CHUNK: tl.constexpr, C_POW2: tl.constexpr, CS_POW2: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (row, c), rules 3-4 over slot chunk c: its unstamped slots take the misses of their
+    rank among the row's (circularly from the hand), their old positions unmapped (a victim's old
+    position is never listed, so no other program reads or writes its map entry); the program
+    that takes the last miss leaves the next hand in work[row, C + CS]."""
+    wait_prior(PDL)
+    release_next(PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    work = work_ptr + row64 * W
+    n_miss = tl.sum(tl.load(work + tl.arange(0, C_POW2), mask=tl.arange(0, C_POW2) < C, other=0), axis=0)
+    ahead = tl.arange(0, CS_POW2)
+    before = tl.sum(tl.load(work + C + ahead, mask=ahead < c, other=0), axis=0)
+    if before < n_miss:
+        step = tl.load(clock_ptr + row64 * 2)
+        hand = tl.load(clock_ptr + row64 * 2 + 1)
+        j = c * CHUNK + tl.arange(0, CHUNK)
         inside = j < S
         slot = (hand + j) % S
+        used_row = used_ptr + row64 * S
         free = inside & (tl.load(used_row + slot, mask=inside, other=step) < step)
-        rank = taken + tl.cumsum(free.to(tl.int32), axis=0) - 1
+        rank = before + tl.cumsum(free.to(tl.int32), axis=0) - 1
         take = free & (rank < n_miss)
-        tl.store(victim_row + rank, slot, mask=take)
-        last = tl.maximum(last, tl.max(tl.where(take, j, -1), axis=0))
-        taken += tl.sum(take.to(tl.int32), axis=0)
-        scan += 1
-    tl.debug_barrier()
+        missed = tl.load(miss_pos_ptr + row64 * L + rank, mask=take, other=0)
+        map_row = slot_of_ptr + row64 * N
+        owner_row = owner_ptr + row64 * S
+        old = tl.load(owner_row + slot, mask=take, other=-1)
+        old_slot = tl.load(map_row + old, mask=take & (old >= 0), other=-1)
+        tl.store(map_row + old, -1, mask=take & (old >= 0) & (old_slot == slot))
+        tl.store(owner_row + slot, missed, mask=take)
+        tl.store(map_row + missed, slot, mask=take)
+        tl.store(used_row + slot, step, mask=take)
+        tl.store(miss_slot_ptr + row64 * L + rank, slot, mask=take)
+        tl.store(work + C + CS + tl.zeros_like(j), (hand + j + 1) % S, mask=take & (rank == n_miss - 1))
 
-    # 4. the victims' old positions unmapped, then the misses mapped
-    for start in range(0, n_miss, BLOCK):
-        k = start + lane < n_miss
-        victim = tl.load(victim_row + start + lane, mask=k, other=0)
-        old = tl.load(owner_row + victim, mask=k, other=-1)
-        old_slot = tl.load(map_row + old, mask=k & (old >= 0), other=-1)
-        tl.store(map_row + old, -1, mask=k & (old >= 0) & (old_slot == victim))
-    tl.debug_barrier()
-    for start in range(0, n_miss, BLOCK):
-        k = start + lane < n_miss
-        victim = tl.load(victim_row + start + lane, mask=k, other=0)
-        missed = tl.load(miss_row + start + lane, mask=k, other=0)
-        tl.store(owner_row + victim, missed, mask=k)
-        tl.store(map_row + missed, victim, mask=k)
-        tl.store(used_row + victim, step, mask=k)
-    tl.debug_barrier()
 
-    # 5. the list of slots
-    for start in range(0, L, BLOCK):
-        i = start + lane
-        live = i < count
-        p = tl.load(pos_row + i.to(tl.int64) * stride_pl, mask=live, other=0).to(tl.int32)
-        listed = tl.load(map_row + p, mask=live, other=-1)
-        tl.store(slots_ptr + row64 * L + i, tl.where(live, listed, -1), mask=i < L)
-    tl.store(miss_cnt_ptr + row64, n_miss)
-    tl.store(clock_ptr + row64 * 2, step + 1)
-    tl.store(clock_ptr + row64 * 2 + 1, tl.where(n_miss > 0, (hand + last + 1) % S, hand))
-    tl.store(stats_ptr + row64 * 2, tl.load(stats_ptr + row64 * 2) + count.to(tl.int64))
-    tl.store(stats_ptr + row64 * 2 + 1, tl.load(stats_ptr + row64 * 2 + 1) + n_miss.to(tl.int64))
+@triton.jit
+def _lookup_list_kernel(
+    pos_ptr, cnt_ptr, slot_of_ptr, clock_ptr, stats_ptr, work_ptr, miss_cnt_ptr, slots_ptr,
+    stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, R, L, N, W, C, CS,
+    CHUNK: tl.constexpr, C_POW2: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (row, c), rule 5 over list entries c * CHUNK..: their slots by the map (-1 past the
+    count); program c = 0 also writes the miss count, the clock (next step, next hand) and stats."""
+    wait_prior(PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    i, live, p, count = _listed(
+        pos_ptr, cnt_ptr, stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, row, c, R, CHUNK
+    )
+    listed = tl.load(slot_of_ptr + row64 * N + p, mask=live, other=-1)
+    tl.store(slots_ptr + row64 * L + i, tl.where(live, listed, -1), mask=i < L)
+    if c == 0:
+        work = work_ptr + row64 * W
+        chunks = tl.arange(0, C_POW2)
+        n_miss = tl.sum(tl.load(work + chunks, mask=chunks < C, other=0), axis=0)
+        tl.store(miss_cnt_ptr + row64, n_miss)
+        step = tl.load(clock_ptr + row64 * 2)
+        hand = tl.load(clock_ptr + row64 * 2 + 1)
+        tl.store(clock_ptr + row64 * 2, step + 1)
+        tl.store(clock_ptr + row64 * 2 + 1, tl.where(n_miss > 0, tl.load(work + C + CS), hand))
+        tl.store(stats_ptr + row64 * 2, tl.load(stats_ptr + row64 * 2) + count.to(tl.int64))
+        tl.store(stats_ptr + row64 * 2 + 1, tl.load(stats_ptr + row64 * 2 + 1) + n_miss.to(tl.int64))
 
 
 @triton.jit
@@ -267,11 +310,22 @@ def _fetch_kernel(
 
 
 def lookup_block(L: int) -> int:
-    """The list entries a lookup step reads: the whole list up to MAX_BLOCK."""
-    return min(MAX_BLOCK, triton.next_power_of_2(max(L, 128)))
+    """The list entries (and slots) a lookup program reads: LOOKUP_CHUNK, or the list's power of two
+    when shorter."""
+    return min(LOOKUP_CHUNK, triton.next_power_of_2(max(L, 16)))
 
 
-_lookup_launch = Launcher(_lookup_kernel)
+def lookup_workspace_numel(rows: int, L: int, S: int, block: int | None = None) -> int:
+    """int32 elements of lookup_rows' workspace for `rows` lists of width L over S slots: per row,
+    each list chunk's misses, each slot chunk's free slots and the next hand."""
+    block = lookup_block(L) if block is None else block
+    return rows * (triton.cdiv(L, block) + triton.cdiv(S, block) + 1)
+
+
+_stamp_launch = Launcher(_lookup_stamp_kernel)
+_compact_launch = Launcher(_lookup_compact_kernel)
+_victims_launch = Launcher(_lookup_victims_kernel)
+_list_launch = Launcher(_lookup_list_kernel)
 _fetch_launch = Launcher(_fetch_kernel)
 
 
@@ -282,24 +336,53 @@ def lookup_rows(
     misses: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slot_list: torch.Tensor,
     *,
+    workspace: torch.Tensor | None = None,
     sort: bool | None = None,
     block: int | None = None,
 ) -> None:
     """The row cache's step for lists positions [B, R, L] / counts [B, R] (int32/int64): cache is
     reference.rows.RowCache's (slot_of, owner, last_used, clock, stats), misses its Misses, both
-    and slot_list [B, R, L] int32 contiguous. sort: misses in ascending position order within
-    each block of list entries rather than in list order (default SORT_MISSES); block: a power
-    of two, default `lookup_block(L)`."""
+    and slot_list [B, R, L] int32 contiguous. workspace: int32, at least `lookup_workspace_numel`
+    elements (allocated when None); sort: misses in ascending position order within each chunk of
+    list entries rather than in list order (default SORT_MISSES); block: the chunk, a power of
+    two (default `lookup_block(L)`). Four launches over (row, chunk) grids, each under PDL behind
+    the one before."""
     B, R, L = positions.shape
     slot_of, owner, used, clock, stats = cache
     N, S = slot_of.shape[-1], owner.shape[-1]
     block = lookup_block(L) if block is None else block
     sort = SORT_MISSES if sort is None else sort
-    _lookup_launch(
-        (B * R,),
-        (positions, counts, slot_of, owner, used, clock, stats, *misses, slot_list),
-        (*positions.stride(), *counts.stride(), R, L, S, N),
-        dict(BLOCK=block, SORT=sort, num_warps=max(4, min(16, block // 256))),
+    C, CS = triton.cdiv(L, block), triton.cdiv(S, block)
+    W = C + CS + 1
+    if workspace is None:
+        workspace = torch.empty(B * R * W, dtype=torch.int32, device=positions.device)
+    strides = (*positions.stride(), *counts.stride())
+    chunk = dict(CHUNK=block, num_warps=max(1, min(8, block // 128)))
+    pdl = pdl_meta(positions.device)
+    _stamp_launch(
+        (B * R, C),
+        (positions, counts, slot_of, owner, used, clock, workspace),
+        (*strides, R, S, N, W),
+        dict(**chunk, PDL=pdl["PDL"]),
+    )
+    C_POW2, CS_POW2 = triton.next_power_of_2(C), triton.next_power_of_2(CS)
+    _compact_launch(
+        (B * R, max(C, CS)),
+        (positions, counts, slot_of, owner, used, clock, workspace, misses[0]),
+        (*strides, R, L, S, N, W, C, CS),
+        dict(**chunk, C_POW2=C_POW2, SORT=sort, **pdl),
+    )
+    _victims_launch(
+        (B * R, CS),
+        (slot_of, owner, used, clock, workspace, misses[0], misses[1]),
+        (L, S, N, W, C, CS),
+        dict(**chunk, C_POW2=C_POW2, CS_POW2=CS_POW2, **pdl),
+    )
+    _list_launch(
+        (B * R, C),
+        (positions, counts, slot_of, clock, stats, workspace, misses[2], slot_list),
+        (*strides, R, L, N, W, C, CS),
+        dict(**chunk, C_POW2=C_POW2, **pdl),
     )
 
 
