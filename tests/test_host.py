@@ -10,7 +10,6 @@ import pqattn
 from pqattn import host
 from pqattn import reference as ref
 from pqattn.host import HostCache
-from tests.helpers import rows_as_sets
 
 
 def _pair(
@@ -47,13 +46,20 @@ def _take_routes(routes: str, device: torch.device, request) -> None:
 
 
 def _matches_the_gpu_step(got, cache, index, q, k_new, v_new, k_cache, v_cache) -> None:
-    """Run the on-GPU path's step on the same inputs: the same lengths, the same tokens selected
-    (as sets: the kernels' list order is not fixed), and `got` equal to the on-GPU attention over
-    the lists the host tier's step attended over."""
+    """Run the on-GPU path's step on the same inputs: the same lengths, the same selection (as
+    multisets of the group's PQ scores: the kernels break ties at the threshold in any order, and
+    the lists' order is not fixed), and `got` equal to the on-GPU attention over the lists the
+    host tier's step attended over."""
     index.decode_step(q, k_new, v_new, k_cache, v_cache)
     assert torch.equal(cache.index.lengths, index.lengths)
-    mine = cache.selection
-    assert rows_as_sets(*mine) == rows_as_sets(*index.select(q))
+    mine, theirs = cache.selection, index.select(q)
+    assert torch.equal(mine.counts, theirs.counts)
+    c = index.config
+    scores = ref.group_pq_scores(q.double(), index.centroids.double(), index.codes, c.group_rule)
+    for b, h in ((b, h) for b in range(scores.shape[0]) for h in range(scores.shape[1])):
+        picked = [sel.positions[b, h, : int(sel.counts[b, h])].long() for sel in (mine, theirs)]
+        assert len(set(picked[0].tolist())) == picked[0].numel(), "distinct positions"
+        torch.testing.assert_close(*(scores[b, h, p].sort().values for p in picked), rtol=0, atol=1e-5)
     want = index.attend(q, k_cache, v_cache, pqattn.Selection(mine.positions.clone(), mine.counts.clone()))
     assert torch.equal(got, want)
 

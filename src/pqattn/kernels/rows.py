@@ -24,7 +24,7 @@ from pqattn.runtime.launch import Launcher
 
 # List entries (and slots) a lookup program reads: a row's list and slots are split into chunks of
 # this many, so a step's lookups run on many SMs (docs/kernels/host.md).
-LOOKUP_CHUNK = 512
+LOOKUP_CHUNK = 128
 # Whether the lookup sorts each chunk's misses (the fetch then reads host memory in ascending address
 # order): off, since the selection's lists come out nearly ascending and the sort costs more than it
 # saves (docs/kernels/host.md).
