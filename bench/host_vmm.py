@@ -15,6 +15,10 @@ each of 8 spans of `span` bytes (a layer's 8 KV heads at B1), one kernel program
 CUDA events, median of 20 repetitions, each with lists of its own (a repeated list would find its
 translations cached).
 
+`--touch STRIDES`: before each gather, a kernel that reads one element every STRIDE bytes of the
+layer's spans (its programs all at once), timed apart: whether warming the translations first
+lets the gather run at the one-layer rate, and what the warming costs.
+
 Usage (on a GPU): PYTHONPATH=src python bench/host_vmm.py --json OUT.json
 """
 
@@ -160,6 +164,39 @@ def _gather_kernel(src_ptr, pos_ptr, dst_ptr, n, ROW_: tl.constexpr, BLOCK: tl.c
     tl.store(dst_ptr + i[:, None] * ROW_ + e[None, :], v, mask=live[:, None])
 
 
+@triton.jit
+def _touch_kernel(src_ptr, out_ptr, first, n, stride, BLOCK: tl.constexpr):
+    """Read src[first + k * stride] for k < n (one element each, BLOCK a program); their sum to out
+    so that the loads stay."""
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + first + k.to(tl.int64) * stride, mask=k < n, other=0.0)
+    tl.atomic_add(out_ptr, tl.sum(v.to(tl.float32), axis=0))
+
+
+def _time_touched(
+    src, pos_sets: list[torch.Tensor], dst: torch.Tensor, span_rows: int, layers: int, stride: int
+) -> tuple[float, float]:
+    """Median µs of the touch of each set's layer (one element every `stride` bytes of its HEADS
+    spans) and of the gather right after it."""
+    grid = (triton.cdiv(pos_sets[0].numel(), BLOCK_R),)
+    layer_elems = HEADS * span_rows * ROW
+    n = layer_elems * 2 // stride
+    out = torch.zeros(1, device="cuda")
+    marks = []
+    for i, pos in enumerate(pos_sets):
+        a, m, b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        a.record()
+        first = (i % layers) * layer_elems
+        _touch_kernel[(triton.cdiv(n, 256),)](src, out, first, n, stride // 2, BLOCK=256, num_warps=4)
+        m.record()
+        _gather_kernel[grid](src, pos, dst, pos.numel(), ROW_=ROW, BLOCK=BLOCK_R, num_warps=4)
+        b.record()
+        marks.append((a, m, b))
+    torch.cuda.synchronize()
+    touch = statistics.median(a.elapsed_time(m) * 1e3 for a, m, _ in marks[5:])
+    return touch, statistics.median(m.elapsed_time(b) * 1e3 for _, m, b in marks[5:])
+
+
 def _positions(span_rows: int, rows: int, gen: torch.Generator, layer: int = 0) -> torch.Tensor:
     """HEADS lists of `rows` sorted random rows, each in its own span of the layer's HEADS spans
     (global row numbers)."""
@@ -275,6 +312,9 @@ def main() -> None:
     )
     p.add_argument("--fetch", action="store_true", help="also time fetch_rows (registered memory)")
     p.add_argument("--kinds", default="registered,vmm-host", help=f"host memory kinds, some of {KINDS}")
+    p.add_argument(
+        "--touch", default="", help="comma-separated bytes: also gather after touching every STRIDE"
+    )
     p.add_argument("--json", required=True)
     args = p.parse_args()
     spans = [int(x) for x in args.spans.split(",")]
@@ -298,14 +338,20 @@ def main() -> None:
                 cases = [("gather", None)]
                 if args.fetch and kind.startswith("registered") and layers == 1:
                     cases += [("fetch-per-sm", None), ("fetch-per-block", 1 << 20)]
+                cases += [(f"touch-{t}", int(t)) for t in args.touch.split(",") if t]
                 for name, programs in cases:
-                    if name == "gather":
+                    touch_us = None
+                    if name.startswith("touch"):
+                        touch_us, us = _time_touched(src, pos_sets, dst, span_rows, layers, programs)
+                    elif name == "gather":
                         us = _time(src, pos_sets, dst)
                     else:
                         us = _time_fetch(keep, span_rows, pos_sets, programs)
                     row = {"memory": kind, "kernel": name, "span_bytes": span, "rows_per_span": rows}
                     row |= {"layers": layers, "us": us, "gbps": pos_sets[0].numel() * ROW * 2 / us / 1e3}
-                    if name == "gather":
+                    if touch_us is not None:
+                        row["touch_us"] = touch_us
+                    if name == "gather" or touch_us is not None:
                         row["checked"] = torch.equal(
                             dst.view(torch.int16), _expected(pos_sets[-1]).view(torch.int16)
                         )

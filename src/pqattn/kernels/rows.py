@@ -6,7 +6,7 @@ Per decode step of a layer:
     row made the lookup one SM's stream of dependent gathers): stamp the hits and count each
     chunk's misses; compact the misses at their rank among the row's, and count each slot chunk's
     unstamped slots; the k-th unstamped slot from the hand takes the k-th miss (maps rewritten);
-    the list of slots and the row's clock. PDL lets each launch start behind the one before.
+    the list of slots and the row's clock.
   * `fetch_rows`: persistent programs walk the rows' blocks of misses in row order and read each
     missed row straight from host memory (page-locked and mapped: the kernel's loads cross PCIe,
     a position's key and value as one 2 x D read) into its slot; the step's new key and value
@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pqattn.kernels.pdl import pdl_meta, release_next, wait_prior
 from pqattn.runtime.launch import Launcher
 
 # List entries (and slots) a lookup program reads: a row's list and slots are split into chunks of
@@ -63,11 +62,10 @@ def _hits(slot_of_ptr, owner_ptr, row64, p, live, S, N):
 def _lookup_stamp_kernel(
     pos_ptr, cnt_ptr, slot_of_ptr, owner_ptr, used_ptr, clock_ptr, work_ptr,
     stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, R, S, N, W,
-    CHUNK: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c), rule 1: the hits among list entries c * CHUNK.. stamped with the row's step;
     the chunk's misses counted into work[row, c]."""
-    release_next(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -83,13 +81,11 @@ def _lookup_stamp_kernel(
 def _lookup_compact_kernel(
     pos_ptr, cnt_ptr, slot_of_ptr, owner_ptr, used_ptr, clock_ptr, work_ptr, miss_pos_ptr,
     stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, R, L, S, N, W, C, CS,
-    CHUNK: tl.constexpr, C_POW2: tl.constexpr, SORT: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, C_POW2: tl.constexpr, SORT: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c), rule 2 for list chunk c < C: its misses written at their rank among the
     row's (list order, or SORT: ascending within the chunk); rule 3's count for slot chunk c < CS:
     the slots c * CHUNK.. (circularly from the hand) this step has not stamped, into work[row, C + c]."""
-    wait_prior(PDL)
-    release_next(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -122,14 +118,12 @@ def _lookup_compact_kernel(
 def _lookup_victims_kernel(
     slot_of_ptr, owner_ptr, used_ptr, clock_ptr, work_ptr, miss_pos_ptr, miss_slot_ptr,
     L, S, N, W, C, CS,
-    CHUNK: tl.constexpr, C_POW2: tl.constexpr, CS_POW2: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, C_POW2: tl.constexpr, CS_POW2: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c), rules 3-4 over slot chunk c: its unstamped slots take the misses of their
     rank among the row's (circularly from the hand), their old positions unmapped (a victim's old
     position is never listed, so no other program reads or writes its map entry); the program
     that takes the last miss leaves the next hand in work[row, C + CS]."""
-    wait_prior(PDL)
-    release_next(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -164,11 +158,10 @@ def _lookup_victims_kernel(
 def _lookup_list_kernel(
     pos_ptr, cnt_ptr, slot_of_ptr, clock_ptr, stats_ptr, work_ptr, miss_cnt_ptr, slots_ptr,
     stride_pb, stride_pr, stride_pl, stride_cb, stride_cr, R, L, N, W, C, CS,
-    CHUNK: tl.constexpr, C_POW2: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, C_POW2: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c), rule 5 over list entries c * CHUNK..: their slots by the map (-1 past the
     count); program c = 0 also writes the miss count, the clock (next step, next hand) and stats."""
-    wait_prior(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -345,8 +338,7 @@ def lookup_rows(
     and slot_list [B, R, L] int32 contiguous. workspace: int32, at least `lookup_workspace_numel`
     elements (allocated when None); sort: misses in ascending position order within each chunk of
     list entries rather than in list order (default SORT_MISSES); block: the chunk, a power of
-    two (default `lookup_block(L)`). Four launches over (row, chunk) grids, each under PDL behind
-    the one before."""
+    two (default `lookup_block(L)`). Four launches over (row, chunk) grids."""
     B, R, L = positions.shape
     slot_of, owner, used, clock, stats = cache
     N, S = slot_of.shape[-1], owner.shape[-1]
@@ -356,33 +348,34 @@ def lookup_rows(
     W = C + CS + 1
     if workspace is None:
         workspace = torch.empty(B * R * W, dtype=torch.int32, device=positions.device)
+    elif workspace.numel() < B * R * W:
+        raise ValueError(f"workspace: expected at least {B * R * W} int32 elements, got {workspace.numel()}")
     strides = (*positions.stride(), *counts.stride())
     chunk = dict(CHUNK=block, num_warps=max(1, min(8, block // 128)))
-    pdl = pdl_meta(positions.device)
     _stamp_launch(
         (B * R, C),
         (positions, counts, slot_of, owner, used, clock, workspace),
         (*strides, R, S, N, W),
-        dict(**chunk, PDL=pdl["PDL"]),
+        chunk,
     )
     C_POW2, CS_POW2 = triton.next_power_of_2(C), triton.next_power_of_2(CS)
     _compact_launch(
         (B * R, max(C, CS)),
         (positions, counts, slot_of, owner, used, clock, workspace, misses[0]),
         (*strides, R, L, S, N, W, C, CS),
-        dict(**chunk, C_POW2=C_POW2, SORT=sort, **pdl),
+        dict(**chunk, C_POW2=C_POW2, SORT=sort),
     )
     _victims_launch(
         (B * R, CS),
         (slot_of, owner, used, clock, workspace, misses[0], misses[1]),
         (L, S, N, W, C, CS),
-        dict(**chunk, C_POW2=C_POW2, CS_POW2=CS_POW2, **pdl),
+        dict(**chunk, C_POW2=C_POW2, CS_POW2=CS_POW2),
     )
     _list_launch(
         (B * R, C),
         (positions, counts, slot_of, clock, stats, workspace, misses[2], slot_list),
         (*strides, R, L, N, W, C, CS),
-        dict(**chunk, C_POW2=C_POW2, **pdl),
+        dict(**chunk, C_POW2=C_POW2),
     )
 
 
