@@ -93,7 +93,8 @@ def test_the_8_bit_host_tier_attends_over_the_dequantized_rows(
     routes: str, device: torch.device, request
 ) -> None:
     """int8 rows: each step's output is the on-GPU attention, over the same lists, of the caches
-    as they come back from 8 bits (the new rows too), and close to the unquantized output."""
+    as they come back from 8 bits (the new rows too), and close to the attention over the same
+    lists of the unquantized caches (the same lists: ties at the threshold break in any order)."""
     _take_routes(routes, device, request)
     B, H, Hkv, D, steps = 2, 8, 2, 32, 4
     cache, index, k_cache, v_cache, _ = _pair(device, steps=steps, int8=True)
@@ -103,14 +104,16 @@ def test_the_8_bit_host_tier_attends_over_the_dequantized_rows(
         q = torch.randn(B, H, D, device=device)
         k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
         got = cache.decode_step(q, k_new, v_new).clone()
-        exact = index.decode_step(q, k_new, v_new, k_cache, v_cache).clone()
+        index.decode_step(q, k_new, v_new, k_cache, v_cache)  # stores the new rows, as the tier does
         new = ref.decode_rows(ref.encode_rows(k_new, v_new, torch.uint8), D)
         at = (index.lengths - 1).view(B, 1, 1, 1).long().expand(B, Hkv, 1, D)
         for plane, row in zip(deq, new, strict=True):
             plane.scatter_(2, at, row)
         mine = cache.selection
-        want = index.attend(q, *deq, pqattn.Selection(mine.positions.clone(), mine.counts.clone()))
+        lists = pqattn.Selection(mine.positions.clone(), mine.counts.clone())
+        want = index.attend(q, *deq, lists)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        exact = index.attend(q, k_cache, v_cache, lists)
         assert (got - exact).norm() < 0.03 * exact.norm()
 
 
