@@ -131,3 +131,18 @@ def test_row_cache_steps_match_the_reference(
 
 def _cpu(state):
     return type(state)(*(t.cpu().clone() for t in state))
+
+
+def test_lookup_refuses_a_short_workspace(device: torch.device) -> None:
+    """A workspace below `lookup_workspace_numel` is refused before any launch, naming the argument."""
+    B, R, L, N, S = 1, 2, 40, 200, 80
+    cache = ref.new_row_cache(B, R, N, S, device)
+    pos = torch.arange(L, dtype=torch.int32, device=device).expand(B, R, L).contiguous()
+    counts = torch.full((B, R), L, dtype=torch.int32, device=device)
+    shapes = ((B, R, L), (B, R, L), (B, R))
+    misses = ref.Misses(*(torch.zeros(s, dtype=torch.int32, device=device) for s in shapes))
+    slot_list = torch.empty(B, R, L, dtype=torch.int32, device=device)
+    short = torch.zeros(lookup_workspace_numel(B * R, L, S) - 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="workspace: expected at least"):
+        lookup_rows(pos, counts, cache, misses, slot_list, workspace=short)
+    assert bool((cache.clock == 0).all()), "nothing ran"
