@@ -24,7 +24,9 @@ Parts (one JSON, each part a key):
          rows from cudaHostAlloc instead of registered.
   text:  the project's trained model on held-out Python files (B4, 16K-byte prompts, 256 greedy
          tokens): the row cache's hit rate with the default slots and with slots = the list width
-         (then a hit is a row listed at step t and at step t - 1), tokens against the GPU cache.
+         (then a hit is a row listed at step t and at step t - 1), tokens against the GPU cache;
+         `--text-widths 1,2,4`: with each of those row caches instead (in list widths). It also
+         runs on a CPU (`--device cpu`: the PyTorch reference of the host tier, the same rule).
 
 Usage (on a GPU):
     PYTHONPATH=src python bench/host_tier.py --parts fit,fetch,text --json OUT.json
@@ -75,8 +77,9 @@ def _model(layers: int, max_positions: int) -> torch.nn.Module:
 
 def _free() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _states(model) -> list:
@@ -559,39 +562,40 @@ def part_span() -> list[dict]:
     return out
 
 
-def part_text(model_path: str) -> list[dict]:
+def part_text(
+    model_path: str, widths: list[int] | None, device: torch.device, docs: int, steps: int
+) -> list[dict]:
+    """The trained model on held-out text: the GPU cache's tokens, then the host tier's hit rate with
+    the default slots and with one list width (or, with `widths`, with each that many list widths)."""
     from pqattn.lab.corpus import documents, find_corpus
     from pqattn.lab.tasks import load_model
 
-    model = load_model(model_path, torch.device("cuda"))
+    model = load_model(model_path, device)
     corpus = find_corpus()
-    docs = documents(corpus.held_out, 16384, 4)
-    ids = torch.tensor([list(d) for d in docs], dtype=torch.int64, device="cuda")
+    texts = documents(corpus.held_out, 16384, docs)
+    ids = torch.tensor([list(d) for d in texts], dtype=torch.int64, device=device)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    width = pq_hf.HFConfig().sink + pq_hf.HFConfig().row_heavy(group) + pq_hf.HFConfig().window
+    runs = [("gpu", "gpu", None)]
+    if widths is None:
+        runs += [("host", "host", None), ("host-slots-L", "host", width)]
+    else:
+        runs += [(f"host-slots-{w}L", "host", w * width) for w in widths]
     out, tokens = [], {}
-    for name, placement, slots in (
-        ("gpu", "gpu", None),
-        ("host", "host", None),
-        ("host-slots-L", "host", "L"),
-    ):
-        config = pq_hf.HFConfig(kv_placement=placement)
-        if slots == "L":
-            width = (
-                config.sink
-                + config.row_heavy(model.config.num_attention_heads // model.config.num_key_value_heads)
-                + config.window
-            )
-            config = pq_hf.HFConfig(kv_placement=placement, host_slots=width)
+    for name, placement, slots in runs:
+        config = pq_hf.HFConfig(kv_placement=placement, host_slots=slots)
         pq_hf.enable(model, config)
-        decoder = pq_hf.StaticDecoder(model, ids, 256)
+        decoder = pq_hf.StaticDecoder(model, ids, steps)
         decoder.run()
         tokens[name] = decoder.tokens.tolist()
-        row = {"case": "byte-llama-13m-B4-16K", "run": name, "slots": config.host_slots}
+        row = {"case": f"byte-llama-13m-B{docs}-16K", "run": name, "slots": config.host_slots, "steps": steps}
         if placement == "host":
             per_layer = []
-            for s in _states(model):
-                lookups, misses = s.host.row_cache.stats.sum((0, 1)).tolist()
+            for st in _states(model):
+                lookups, misses = st.host.row_cache.stats.sum((0, 1)).tolist()
                 per_layer.append(1 - misses / lookups)
             row |= {
+                "list_width": width,
                 "hit_rate": statistics.fmean(per_layer),
                 "hit_rate_per_layer": per_layer,
                 "tokens_equal_to_gpu": sum(
@@ -599,7 +603,7 @@ def part_text(model_path: str) -> list[dict]:
                     for x, y in zip(tokens[name], tokens["gpu"], strict=True)
                     for a, b in zip(x, y, strict=True)
                 ),
-                "tokens": 4 * 256,
+                "tokens": docs * steps,
             }
         out.append(row)
         print(row, flush=True)
@@ -632,12 +636,21 @@ def main() -> None:
         help="the large part's persistent fetch programs per multiprocessor (comma-separated: each)",
     )
     parser.add_argument("--model", default="models/byte-llama-13m", help="the text part's trained model")
+    parser.add_argument(
+        "--text-widths",
+        default=None,
+        help="the text part's row caches, in list widths (comma-separated: each; default: the "
+        "default slots and one width)",
+    )
+    parser.add_argument("--text-docs", type=int, default=4, help="the text part's documents (its batch)")
+    parser.add_argument("--text-steps", type=int, default=256, help="the text part's greedy tokens")
+    parser.add_argument("--device", default="cuda", help="the text part's device (the others need CUDA)")
     parser.add_argument("--json", required=True, help="where to write the results")
     args = parser.parse_args()
     doc = {
         "schema": "host-tier/1",
         "argv": vars(args),
-        "environment": environment(torch.device("cuda")),
+        "environment": environment(torch.device(args.device)),
         "parts": {},
     }
     for part in args.parts.split(","):
@@ -656,7 +669,9 @@ def main() -> None:
         elif part == "lookup":
             doc["parts"]["lookup"] = part_lookup()
         elif part == "text":
-            doc["parts"]["text"] = part_text(args.model)
+            widths = None if args.text_widths is None else [int(w) for w in args.text_widths.split(",")]
+            device = torch.device(args.device)
+            doc["parts"]["text"] = part_text(args.model, widths, device, args.text_docs, args.text_steps)
         else:
             raise SystemExit(f"--parts: expected some of fit, large, fetch, lookup, span, text; got {part!r}")
         with open(args.json, "w") as f:

@@ -20,7 +20,7 @@ from pqattn import reference as ref
 from pqattn.index import PQConfig, PQIndex
 from pqattn.policy import clamp_row_heavy
 
-ROW_CACHE_LISTS = 2  # default slots per KV head, in selection-list widths
+ROW_CACHE_LISTS = 4  # default slots per KV head, in selection-list widths (docs/kernels/host.md)
 
 
 class Footprint(NamedTuple):
@@ -261,7 +261,7 @@ class HostCache:
             >>> k, v = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128, 16)
             >>> cache = HostCache.prefill(k, v, query_heads=4, capacity=130, config=config)
             >>> cache.rows.shape, cache.list_width, cache.slots
-            (torch.Size([1, 2, 130, 2, 16]), 40, 80)
+            (torch.Size([1, 2, 130, 2, 16]), 40, 160)
         """
         check.key_cache("keys", keys)
         check.tensor(
