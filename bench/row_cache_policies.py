@@ -9,7 +9,10 @@ row as a hit when the cache holds it before the step:
           circularly from a hand, that this step does not list; replayed through the reference;
   lru:    the victims are the rows listed longest ago;
   lfu:    the rows listed least often over the last `--window` steps, the oldest first among equals;
-  belady: the rows whose next listing is farthest away (it knows the future: the ceiling).
+  belady: the rows whose next listing is farthest away (it knows the future: the ceiling);
+  clock-K: the host tier's rule whose reference bit is "listed in the last K steps": the victims are
+          the next slots from the hand not listed in the last K steps, then (when too few) the
+          next ones not listed in this step (clock-1 is the host tier's rule, replayed in Python).
 Every rule keeps the rows the step lists, so each cache of S >= L rows serves the whole list.
 
     PYTHONPATH=src python bench/row_cache_policies.py --docs 4 --steps 256 --json OUT.json
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import os
 import statistics
 from collections import deque
 
@@ -76,6 +80,35 @@ def clock(stream: list[list[int]], slots: int) -> int:
         ref.lookup_rows(pos, torch.tensor([[len(lst)]]), cache, misses, slot_list)
     lookups, missed = cache.stats[0, 0].tolist()
     return lookups - missed
+
+
+def clock_window(stream: list[list[int]], slots: int, steps: int) -> int:
+    """Hits of clock-`steps` over one stream (the reference's state, kept in Python)."""
+    owner, used = [-1] * slots, [-1] * slots
+    slot_of: dict[int, int] = {}
+    hand = hits = 0
+    for step, lst in enumerate(stream):
+        missed = []
+        for p in lst:
+            s = slot_of.get(p)
+            if s is not None and owner[s] == p:
+                used[s] = step
+                hits += 1
+            else:
+                missed.append(p)
+        if not missed:
+            continue
+        order = [(hand + j) % slots for j in range(slots)]
+        cold = [j for j, s in enumerate(order) if used[s] < step - steps + 1]
+        warm = [j for j, s in enumerate(order) if step - steps + 1 <= used[s] < step]
+        taken = (cold + warm)[: len(missed)]
+        for p, j in zip(missed, taken, strict=True):
+            s = order[j]
+            if owner[s] >= 0 and slot_of.get(owner[s]) == s:
+                del slot_of[owner[s]]
+            owner[s], used[s], slot_of[p] = p, step, s
+        hand = (hand + max(taken) + 1) % slots
+    return hits
 
 
 def by_rank(stream: list[list[int]], slots: int, rank) -> int:
@@ -159,9 +192,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=256, help="greedy tokens")
     parser.add_argument("--widths", default="1,2,4", help="row caches, in list widths (comma-separated)")
     parser.add_argument("--window", type=int, default=16, help="lfu's window of steps")
+    parser.add_argument("--clock-steps", default="2,4,8", help="clock-K's K (comma-separated: each)")
+    parser.add_argument(
+        "--lists", default=None, help="save the recorded lists here, or load them when it exists"
+    )
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
-    streams, width = record(args.model, args.docs, args.context, args.steps)
+    if args.lists is not None and os.path.exists(args.lists):
+        streams, width = torch.load(args.lists)
+    else:
+        streams, width = record(args.model, args.docs, args.context, args.steps)
+        if args.lists is not None:
+            torch.save((streams, width), args.lists)
     lookups = sum(len(lst) for stream in streams for lst in stream)
     rules = {
         "clock": lambda s, S: clock(s, S),
@@ -169,6 +211,8 @@ def main() -> None:
         "lfu": lambda s, S: by_rank(s, S, RecentCount(args.window)),
         "belady": lambda s, S: by_rank(s, S, NextListed(s)),
     }
+    for k in (int(x) for x in args.clock_steps.split(",") if x):
+        rules[f"clock-{k}"] = lambda s, S, k=k: clock_window(s, S, k)
     rows = []
     for w in (int(x) for x in args.widths.split(",")):
         for name, rule in rules.items():
