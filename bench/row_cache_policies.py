@@ -99,8 +99,8 @@ def clock_window(stream: list[list[int]], slots: int, steps: int) -> int:
         if not missed:
             continue
         order = [(hand + j) % slots for j in range(slots)]
-        cold = [j for j, s in enumerate(order) if used[s] < step - steps + 1]
-        warm = [j for j, s in enumerate(order) if step - steps + 1 <= used[s] < step]
+        cold = [j for j, s in enumerate(order) if used[s] < 0 or step - used[s] >= steps]
+        warm = [j for j, s in enumerate(order) if used[s] >= 0 and 0 < step - used[s] < steps]
         taken = (cold + warm)[: len(missed)]
         for p, j in zip(missed, taken, strict=True):
             s = order[j]
