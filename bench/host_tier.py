@@ -5,7 +5,8 @@ Parts (one JSON, each part a key):
          HFConfig(kv_placement="host") against the same loop with the cache on the GPU (sparse) and
          the dense split-K loop, one model at a time: ms per token (CUDA events around each
          replayed step, median), prefill seconds, greedy tokens compared, hit rate, PCIe bytes per
-         token, host and GPU memory.
+         token, host and GPU memory. `--fit-overlaps`: the host loop again on lists forced to
+         those overlaps (as the large part's `--overlaps`), beside the same GPU-cache loop.
   large: 32 layers, B1 512K and B4 128K, where dense decoding does not fit on one GPU: the host
          tier's caches filled directly (random codes and rows at the context length; a
          2048-token prompt prefilled for real), then ms per token as above. `--overlaps`: the
@@ -22,7 +23,8 @@ Parts (one JSON, each part a key):
          replaying a CUDA graph of 24 steps over different lists.
   span:  the fetch's GB/s against the span of host memory it reads (random lists), and with the
          rows from cudaHostAlloc instead of registered.
-  text:  the project's trained model on held-out Python files (B4, 16K-byte prompts, 256 greedy
+  text:  the project's trained model on held-out Python files (B4, 16K-byte prompts or
+         `--text-context`, 256 greedy
          tokens): the row cache's hit rate with the default slots and with slots = the list width
          (then a hit is a row listed at step t and at step t - 1), tokens against the GPU cache;
          `--text-widths 1,2,4`: with each of those row caches instead (in list widths). It also
@@ -125,13 +127,18 @@ def _steps_and_rows(model, decoder, steps: int) -> tuple[list[float], int, int]:
     return times, after[0] - before[0], after[1] - before[1]
 
 
-def _loop(model, ids, new_tokens: int, steps: int, placement: str | None) -> dict:
-    """Prefill + `steps` timed steps of the static loop; placement None: the dense split-K loop."""
+def _loop(model, ids, steps: int, placement: str | None, overlaps: tuple[float, ...] = ()) -> dict:
+    """Prefill + `steps` timed steps of the static loop; placement None: the dense split-K loop.
+    With the host tier, `overlaps`: `steps` more for each, on lists forced to that overlap."""
     if placement is None:
         model.set_attn_implementation(baselines.register_dense_decode())
     else:
         pq_hf.enable(model, pq_hf.HFConfig(heavy=HEAVY, kv_placement=placement))
+    per_overlap = steps + 24  # settling, warm-up and timed steps
+    new_tokens = steps + 16 + per_overlap * len(overlaps)
     decoder, prefill_s = _seconds(pq_hf.StaticDecoder, model, ids, new_tokens)
+    # the forcing goes into the captured graph, off until set
+    forced = _ForcedLists(model, ids.shape[1], new_tokens, ids.shape[0]) if overlaps else None
     times, lookups, misses = _steps_and_rows(model, decoder, steps)
     row = {
         "placement": placement or "dense-split-k",
@@ -149,8 +156,19 @@ def _loop(model, ids, new_tokens: int, steps: int, placement: str | None) -> dic
             "pcie_bytes_per_token": (misses / steps + B * layers * 8) * ROW_BYTES,
             "host_bytes": sum(s.host.footprint.host for s in _states(model)),
             "tier_gpu_bytes": sum(s.host.footprint.gpu for s in _states(model)),
+            "row_cache_slots": _states(model)[0].host.slots,
+            "list_width": _states(model)[0].host.list_width,
         }
-    del decoder
+        if forced is not None:
+            row["at_overlaps"] = []
+            for overlap in overlaps:
+                forced.set(overlap)
+                for _ in range(8):  # the row caches settle to the lists' overlap
+                    decoder.step()
+                times, lookups, misses = _steps_and_rows(model, decoder, steps)
+                ms, hit = statistics.median(times), 1 - misses / lookups
+                row["at_overlaps"].append({"heavy_overlap": overlap, "ms_per_token": ms, "hit_rate": hit})
+    del decoder, forced
     pq_hf.disable(model)
     _free()
     return row
@@ -166,25 +184,27 @@ def _same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-def part_fit(steps: int) -> list[dict]:
+def part_fit(steps: int, overlaps: tuple[float, ...]) -> list[dict]:
     rows = []
     for context in (32768, 131072):
-        model = _model(8, context + 256)
+        model = _model(8, context + 512)
         ids = torch.randint(
             0, 32000, (1, context), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
         )
         case = {"case": f"llama8L-B1-{context // 1024}K", "B": 1, "context": context, "layers": 8}
-        runs = [_loop(model, ids, steps + 16, steps, p) for p in ("host", "gpu", "gpu", None)]
-        host, gpu, gpu_again, dense = runs
+        host = _loop(model, ids, steps, "host", overlaps)
+        gpu, gpu_again, dense = (_loop(model, ids, steps, p) for p in ("gpu", "gpu", None))
         for r in (host, gpu, dense):
             rows.append(case | {k: v for k, v in r.items() if k != "tokens"})
         n = len(gpu["tokens"][0])
-        rows[-3]["tokens_equal_to_gpu"] = f"{_same_prefix(host['tokens'][0], gpu['tokens'][0])}/{n}"
+        rows[-3]["tokens_equal_to_gpu"] = f"{_same_prefix(host['tokens'][0][:n], gpu['tokens'][0])}/{n}"
         # the GPU cache against itself: the selection's list order varies from run to run (atomics),
         # which changes the attention's rounding and, on random weights, the greedy tokens
         rows[-2]["tokens_equal_to_a_second_run"] = (
             f"{_same_prefix(gpu_again['tokens'][0], gpu['tokens'][0])}/{n}"
         )
+        for r in rows[-3].get("at_overlaps", []):
+            r["vs_gpu_sparse"] = gpu["ms_per_token"] / r["ms_per_token"]
         rows[-3]["vs_gpu_sparse"] = gpu["ms_per_token"] / host["ms_per_token"]
         rows[-3]["vs_dense_split_k"] = dense["ms_per_token"] / host["ms_per_token"]
         del model
@@ -334,6 +354,8 @@ def _large_row(model, decoder, B, context, steps, int8, sort, programs, setup_s,
         "pcie_bytes_per_token": (misses / steps + B * 32 * 8) * row_bytes,
         "host_bytes": sum(s.host.footprint.host for s in states),
         "tier_gpu_bytes": sum(s.host.footprint.gpu for s in states),
+        "row_cache_slots": states[0].host.slots,
+        "list_width": states[0].host.list_width,
         "gpu_peak_bytes": torch.cuda.max_memory_allocated(),
         "dense_kv_bytes": kv_dense,
         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -563,7 +585,7 @@ def part_span() -> list[dict]:
 
 
 def part_text(
-    model_path: str, widths: list[int] | None, device: torch.device, docs: int, steps: int
+    model_path: str, widths: list[int] | None, device: torch.device, docs: int, steps: int, context: int
 ) -> list[dict]:
     """The trained model on held-out text: the GPU cache's tokens, then the host tier's hit rate with
     the default slots and with one list width (or, with `widths`, with each that many list widths)."""
@@ -572,7 +594,7 @@ def part_text(
 
     model = load_model(model_path, device)
     corpus = find_corpus()
-    texts = documents(corpus.held_out, 16384, docs)
+    texts = documents(corpus.held_out, context, docs)
     ids = torch.tensor([list(d) for d in texts], dtype=torch.int64, device=device)
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     width = pq_hf.HFConfig().sink + pq_hf.HFConfig().row_heavy(group) + pq_hf.HFConfig().window
@@ -588,7 +610,8 @@ def part_text(
         decoder = pq_hf.StaticDecoder(model, ids, steps)
         decoder.run()
         tokens[name] = decoder.tokens.tolist()
-        row = {"case": f"byte-llama-13m-B{docs}-16K", "run": name, "slots": config.host_slots, "steps": steps}
+        case = f"byte-llama-13m-B{docs}-{context // 1024}K"
+        row = {"case": case, "run": name, "slots": config.host_slots, "steps": steps, "context": context}
         if placement == "host":
             per_layer = []
             for st in _states(model):
@@ -644,6 +667,12 @@ def main() -> None:
     )
     parser.add_argument("--text-docs", type=int, default=4, help="the text part's documents (its batch)")
     parser.add_argument("--text-steps", type=int, default=256, help="the text part's greedy tokens")
+    parser.add_argument("--text-context", type=int, default=16384, help="the text part's prompt bytes")
+    parser.add_argument(
+        "--fit-overlaps",
+        default="",
+        help="the fit part's host loop again on lists forced to these overlaps (comma-separated)",
+    )
     parser.add_argument("--device", default="cuda", help="the text part's device (the others need CUDA)")
     parser.add_argument("--json", required=True, help="where to write the results")
     args = parser.parse_args()
@@ -655,7 +684,8 @@ def main() -> None:
     }
     for part in args.parts.split(","):
         if part == "fit":
-            doc["parts"]["fit"] = part_fit(args.steps)
+            overlaps = tuple(float(x) for x in args.fit_overlaps.split(",") if x)
+            doc["parts"]["fit"] = part_fit(args.steps, overlaps)
         elif part == "large":
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.large.split(",")]
             sorts = [s == "1" for s in args.sorts.split(",")]
@@ -671,7 +701,9 @@ def main() -> None:
         elif part == "text":
             widths = None if args.text_widths is None else [int(w) for w in args.text_widths.split(",")]
             device = torch.device(args.device)
-            doc["parts"]["text"] = part_text(args.model, widths, device, args.text_docs, args.text_steps)
+            doc["parts"]["text"] = part_text(
+                args.model, widths, device, args.text_docs, args.text_steps, args.text_context
+            )
         else:
             raise SystemExit(f"--parts: expected some of fit, large, fetch, lookup, span, text; got {part!r}")
         with open(args.json, "w") as f:

@@ -20,7 +20,7 @@ from pqattn import reference as ref
 from pqattn.index import PQConfig, PQIndex
 from pqattn.policy import clamp_row_heavy
 
-ROW_CACHE_LISTS = 4  # default slots per KV head, in selection-list widths (docs/kernels/host.md)
+ROW_CACHE_LISTS = 8  # default slots per KV head, in selection-list widths (docs/kernels/host.md)
 
 
 class Footprint(NamedTuple):
@@ -86,6 +86,11 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 10**7 else f"{n} bytes"
 
 
+def free_gpu_bytes(device: torch.device) -> int | None:
+    """The device's free memory (CUDA), None elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def check_fits(need: Footprint, device: torch.device, what: str = "capacity") -> None:
     """Refuse a host tier the machine cannot hold (ValueError naming `what`, with both figures)."""
     host = available_host_bytes()
@@ -94,13 +99,12 @@ def check_fits(need: Footprint, device: torch.device, what: str = "capacity") ->
             f"{what}: the host tier needs {_size(need.host)} of page-locked host memory, "
             f"the machine has {_size(host)} available"
         )
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if need.gpu > free:
-            raise ValueError(
-                f"{what}: the host tier's index and row cache need {_size(need.gpu)} on {device}, "
-                f"{_size(free)} are free"
-            )
+    free = free_gpu_bytes(device)
+    if free is not None and need.gpu > free:
+        raise ValueError(
+            f"{what}: the host tier's index and row cache need {_size(need.gpu)} on {device}, "
+            f"{_size(free)} are free"
+        )
 
 
 def mapped_host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

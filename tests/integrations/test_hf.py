@@ -564,3 +564,41 @@ def test_host_tier_is_validated_and_needs_the_static_loop(device: torch.device, 
         ValueError, match=r"input_ids / max_new_tokens: the host tier needs .* the machine has 10000"
     ):
         pq_hf.StaticDecoder(model, ids, 4)
+
+
+def test_host_row_caches_shrink_to_the_free_gpu_memory(device: torch.device, monkeypatch) -> None:
+    """Default row caches that the GPU cannot hold shrink a list width at a time, with a warning;
+    explicit host_slots are kept; too little memory even for one width is refused."""
+    from pqattn import host
+
+    model = _model("llama", device)
+    ids = torch.randint(0, 128, (1, 40), device=device)
+
+    def build(free: int | None, **kwargs) -> list:
+        monkeypatch.setattr(host, "free_gpu_bytes", lambda dev: free)
+        config = pq_hf.HFConfig(heavy=8, sink=4, window=4, subvectors=4, kv_placement="host", **kwargs)
+        pq_hf.enable(model, config)
+        pq_hf.StaticDecoder(model, ids, 4, capture=False)
+        states = _states(model)
+        pq_hf.disable(model)
+        return [s.host for s in states]
+
+    full = build(None)
+    L = full[0].list_width
+    assert all(t.slots == host.ROW_CACHE_LISTS * L for t in full)
+    two = build(None, host_slots=2 * L)
+    fits_two = sum(t.footprint.gpu for t in two) + 1
+    with pytest.warns(
+        UserWarning, match=f"shrink from the default {host.ROW_CACHE_LISTS} list widths of slots to 2"
+    ):
+        shrunk = build(fits_two)
+    assert all(t.slots == 2 * L for t in shrunk)
+    kept = build(10**15, host_slots=3 * L)
+    assert all(t.slots == 3 * L for t in kept)
+    with (
+        pytest.warns(UserWarning, match="list widths of slots to 1"),
+        pytest.raises(
+            ValueError, match="input_ids / max_new_tokens: the host tier's index and row cache need"
+        ),
+    ):
+        build(1)

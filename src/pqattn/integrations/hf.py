@@ -144,6 +144,7 @@ class _LayerState:
     # at the end of the prefill)
     host_layer: _HostLayer | None = None
     host: HostCache | None = None
+    host_slots: int | None = None  # the row cache's slots (StaticDecoder sets them; None: the default)
     sparse_steps: int = 0  # decode calls served sparsely (for tests and stats)
     split_k_steps: int = 0  # decode calls served by the dense split-K kernel
 
@@ -282,7 +283,7 @@ def _host_attention(
             key, state.prompt_lengths, capacity=layer.max_cache_len, config=c.index_config(end)
         )
         state.host = HostCache(
-            index, query_heads=query.shape[1], dtype=key.dtype, slots=c.host_slots, rows=layer.rows,
+            index, query_heads=query.shape[1], dtype=key.dtype, slots=state.host_slots, rows=layer.rows,
             int8=c.host_int8,
         )  # fmt: skip
         state.index = index
@@ -734,21 +735,46 @@ def _host_tier_layers(
     model: torch.nn.Module, cache: StaticCache, states: dict[int, _LayerState], batch: int, max_len: int
 ) -> None:
     """Give each layer of `cache` a host tier (kv_placement="host"), after checking that the whole
-    model's host and GPU footprint fits the machine (before anything is allocated)."""
+    model's host and GPU footprint fits the machine (before anything is allocated). Row caches of
+    the default size shrink, a list width at a time and with a warning, to what the GPU holds."""
     cfg = model.config
     H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    one = [
-        host_tier.footprint(
-            s.config.index_config(max_len), batch=batch, query_heads=H, kv_heads=Hkv, head_dim=D,
-            capacity=max_len, dtype=dtype, slots=s.config.host_slots, int8=s.config.host_int8,
+
+    def slots(s: _LayerState, widths: int | None) -> int | None:
+        if widths is None:
+            return s.config.host_slots
+        return widths * host_tier.list_width(s.config.index_config(max_len), H, Hkv, max_len)
+
+    def need(widths: int | None) -> host_tier.Footprint:
+        """The model's footprint with `widths` list widths of slots (None: each layer's host_slots)."""
+        one = [
+            host_tier.footprint(
+                s.config.index_config(max_len), batch=batch, query_heads=H, kv_heads=Hkv, head_dim=D,
+                capacity=max_len, dtype=dtype, slots=slots(s, widths), int8=s.config.host_int8,
+            )
+            for s in states.values()
+        ]  # fmt: skip
+        return host_tier.Footprint(sum(f.host for f in one), sum(f.gpu for f in one))
+
+    widths = host_tier.ROW_CACHE_LISTS if all(s.config.host_slots is None for s in states.values()) else None
+    free = host_tier.free_gpu_bytes(device)
+    footprint = need(widths)
+    if widths is not None and free is not None and footprint.gpu > free:
+        while widths > 1 and footprint.gpu > free:
+            widths -= 1
+            footprint = need(widths)
+        warnings.warn(
+            f"pqattn: the host tier's row caches shrink from the default {host_tier.ROW_CACHE_LISTS} "
+            f"list widths of slots to {widths}: what {free / 1e9:.2f} GB of free GPU memory holds "
+            "(fewer slots, a lower hit rate; HFConfig.host_slots sets them)",
+            stacklevel=_caller_level(),
         )
-        for s in states.values()
-    ]  # fmt: skip
-    need = host_tier.Footprint(sum(f.host for f in one), sum(f.gpu for f in one))
-    host_tier.check_fits(need, device, "input_ids / max_new_tokens")
+    for s in states.values():
+        s.host_slots = slots(s, widths)
+    host_tier.check_fits(footprint, device, "input_ids / max_new_tokens")
     if sorted(states) != list(range(len(cache.layers))):
         raise ValueError(
             f"kv_placement: 'host' needs every one of the cache's {len(cache.layers)} layers enabled, "
