@@ -377,7 +377,8 @@ def _large_row(model, decoder, B, context, steps, int8, sort, programs, setup_s,
 def _lists(T: int, L: int, N: int, hit: float, Hkv: int) -> torch.Tensor:
     """[T, 1, Hkv, L] lists: each keeps `hit` of the previous one's positions, the rest fresh."""
     gen = torch.Generator("cuda").manual_seed(3)
-    lists = [torch.randperm(N, device="cuda", generator=gen)[: Hkv * L].view(1, Hkv, L)]
+    first = [torch.randperm(N, device="cuda", generator=gen)[:L] for _ in range(Hkv)]
+    lists = [torch.stack(first)[None]]
     keep = int(hit * L)
     for _ in range(T - 1):
         prev = lists[-1]
