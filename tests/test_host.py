@@ -181,6 +181,7 @@ def test_footprint_counts_what_a_tier_allocates(device: torch.device) -> None:
         config, batch=2, query_heads=4, kv_heads=2, head_dim=16, capacity=120, dtype=keys.dtype
     )
     assert want == cache.footprint
+    assert cache.slots == 120, "the default slots (8 list widths of 24) stop at the capacity"
     assert want.host == cache.rows.numel() * cache.rows.element_size()
     tensors = [cache.index.codes, cache.index.centroids, cache.k_slots, cache.v_slots, *cache.row_cache]
     held = sum(t.numel() * t.element_size() for t in tensors)

@@ -36,6 +36,12 @@ def list_width(config: PQConfig, query_heads: int, kv_heads: int, capacity: int)
     return config.sink + clamp_row_heavy(config.row_heavy(query_heads // kv_heads), capacity) + config.window
 
 
+def row_cache_slots(width: int, capacity: int, widths: int = ROW_CACHE_LISTS) -> int:
+    """The row cache's slots per KV head: `widths` list widths, at most the capacity (a cache of
+    every position needs no more)."""
+    return min(widths * width, capacity)
+
+
 def footprint(
     config: PQConfig,
     *,
@@ -55,7 +61,7 @@ def footprint(
     M, C = config.subvectors, 1 << config.bits
     dsub = head_dim // M + (config.metric == "ip")
     L = list_width(config, query_heads, kv_heads, capacity)
-    S = ROW_CACHE_LISTS * L if slots is None else slots
+    S = row_cache_slots(L, capacity) if slots is None else slots
     index = rows * (capacity * M + M * C * dsub * 4)
     cache = rows * (capacity * 4 + S * (2 * head_dim * esize + 8) + L * 16)
     row_bytes = 2 * head_dim + 8 if int8 else 2 * head_dim * esize
@@ -163,7 +169,7 @@ class HostCache:
             query_heads: H, the query heads per sequence (H % Hkv == 0): sets the list width.
             dtype: the keys' and values' dtype (host rows and slots).
             slots: rows per KV head the row cache holds, at least the list width
-                (default ROW_CACHE_LISTS widths).
+                (default `row_cache_slots`: ROW_CACHE_LISTS widths, at most the capacity).
             rows: host memory to use, `host_rows_shape(...)` of `dtype` (uint8 with int8), mapped
                 on a CUDA machine (`mapped_host_empty`), instead of allocating it.
             int8: 8-bit host rows (an int8 code per element and a float32 scale per row of a KV
@@ -190,7 +196,7 @@ class HostCache:
             )
         self.index, self.query_heads, self.dtype = index, query_heads, dtype
         self.list_width = list_width(c, query_heads, Hkv, N)
-        self.slots = ROW_CACHE_LISTS * self.list_width if slots is None else slots
+        self.slots = row_cache_slots(self.list_width, N) if slots is None else slots
         check.positive_int("slots", self.slots)
         if self.slots < self.list_width:
             raise ValueError(f"slots: expected at least the list width {self.list_width}, got {self.slots}")

@@ -572,7 +572,7 @@ def test_host_row_caches_shrink_to_the_free_gpu_memory(device: torch.device, mon
     from pqattn import host
 
     model = _model("llama", device)
-    ids = torch.randint(0, 128, (1, 40), device=device)
+    ids = torch.randint(0, 128, (1, 200), device=device)  # a capacity above 8 list widths
 
     def build(free: int | None, **kwargs) -> list:
         monkeypatch.setattr(host, "free_gpu_bytes", lambda dev: free)
@@ -585,6 +585,7 @@ def test_host_row_caches_shrink_to_the_free_gpu_memory(device: torch.device, mon
 
     full = build(None)
     L = full[0].list_width
+    assert full[0].index.capacity > host.ROW_CACHE_LISTS * L
     assert all(t.slots == host.ROW_CACHE_LISTS * L for t in full)
     two = build(None, host_slots=2 * L)
     fits_two = sum(t.footprint.gpu for t in two) + 1

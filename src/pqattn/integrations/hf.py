@@ -61,7 +61,8 @@ class HFConfig(PQConfig):
     kv_placement: "gpu" (the cache is transformers' own, on the device) or "host" (SPEC §10: each
     layer's keys and values go to host memory as the prefill makes them, and decode steps select
     on the GPU and fetch the selected rows into a row cache of `host_slots` rows per KV head,
-    default `pqattn.host.ROW_CACHE_LISTS` list widths; `pqattn.host.HostCache`); `host_int8`
+    default `pqattn.host.ROW_CACHE_LISTS` list widths, fewer where the GPU's free memory does not
+    hold them; `pqattn.host.HostCache`); `host_int8`
     stores the rows with 8 bits per element and a scale per row (half the host bytes; the
     attention reads the dequantized rows). The host tier
     decodes through `generate` / `StaticDecoder`, with one selection per KV head
@@ -746,7 +747,8 @@ def _host_tier_layers(
     def slots(s: _LayerState, widths: int | None) -> int | None:
         if widths is None:
             return s.config.host_slots
-        return widths * host_tier.list_width(s.config.index_config(max_len), H, Hkv, max_len)
+        width = host_tier.list_width(s.config.index_config(max_len), H, Hkv, max_len)
+        return host_tier.row_cache_slots(width, max_len, widths)
 
     def need(widths: int | None) -> host_tier.Footprint:
         """The model's footprint with `widths` list widths of slots (None: each layer's host_slots)."""

@@ -376,6 +376,11 @@ def _host_tier_section(name: str, doc: dict) -> list[str]:
                 f"| {r['case']} | {r['placement']} | {_fmt(r['ms_per_token'])} | {_fmt(r['prefill_s'])} "
                 f"| {_fmt3(r.get('hit_rate'))} | {pcie} | {host_gb} | {_gb(r['gpu_peak_bytes'])} | {same} |"
             )
+            for o in r.get("at_overlaps", []):  # --fit-overlaps: the same loop on forced lists
+                out.append(
+                    f"| {r['case']} | host, lists keeping {o['heavy_overlap']:g} | {_fmt(o['ms_per_token'])} "
+                    f"| | {_fmt3(o['hit_rate'])} | | | | |"
+                )
         out.append("")
     if "large" in parts:
         out += [
