@@ -19,6 +19,9 @@ from pqattn.reference import GROUP_RULES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+DEMO_CUDA_TOKENS = 32768  # the demo's context on a GPU: long enough that a step reads more than it launches
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     from pqattn.lab.demo import VARIANTS
 
@@ -36,7 +39,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on cuda, float32 on cpu"
     )
-    p.add_argument("--tokens", type=int, default=d.tokens, help="prefill tokens N")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        help=f"prefill tokens N (default: {DEMO_CUDA_TOKENS} on CUDA, {d.tokens} elsewhere)",
+    )
     p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads Hkv")
     p.add_argument("--group", type=int, default=d.group, help="query heads per KV head")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help="head dimension D")
@@ -90,6 +97,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         if args.dtype != "auto"
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
+    if args.tokens is None:
+        args.tokens = DEMO_CUDA_TOKENS if device.type == "cuda" else WorkloadSpec().tokens
     spec = WorkloadSpec(
         tokens=args.tokens,
         kv_heads=args.kv_heads,
