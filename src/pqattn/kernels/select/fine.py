@@ -3,7 +3,7 @@ a histogram of the scores (SPEC §2; §7 fine codes, group selection, the re-ran
 
 A row is what one selection serves: a query head (share="head") or a KV head and its G query
 heads (share="group"). Three launches, none of which waits on one program's chain over the row:
-1. `_lut_kernel`, one program per (row, chunk of sub-quantizers, table): the LUTs LUT[m, c, t] =
+1. `_lut_kernel`, one program per (row, chunk of sub-quantizers): the LUTs LUT[m, c, t] =
    <q_t,m, centroid[m, c]> of a row's T query vectors (one per head; the sum of the group's
    queries for the sum rule, whose PQ score is linear in q; one per head of the group for the
    max rule), a code's entries of every table side by side (rounded to bfloat16 for a group,
@@ -152,7 +152,7 @@ def sample_tokens(cand_lo: int, n_cand: int, sample: int) -> torch.Tensor:
 
 
 def lut_chunks(M: int, C: int, dsub: int) -> int:
-    """Programs per table of the LUT launch: chunks of sub-quantizers (a power of two of them)
+    """Programs per row of the LUT launch: chunks of sub-quantizers (a power of two of them)
     of at most LUT_PROGRAM_ELEMENTS centroid elements each, or one sub-quantizer."""
     per_chunk = 1
     while per_chunk * 2 <= M and per_chunk * 2 * C * dsub <= LUT_PROGRAM_ELEMENTS:
@@ -191,54 +191,57 @@ def _lut_kernel(
     M: tl.constexpr,
     C: tl.constexpr,
     DSUB: tl.constexpr,
-    CHUNKS: tl.constexpr,  # programs per table, each over M // CHUNKS sub-quantizers
+    CHUNKS: tl.constexpr,  # programs per row, each over M // CHUNKS sub-quantizers
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
     LUT_BF16: tl.constexpr,  # entries rounded to bfloat16 (a group's tables, SPEC §7)
     PDL: tl.constexpr,
 ):
-    """Program (row * CHUNKS + chunk) * tables + table: LUT[m, c, t] = <q_t,m, centroid[m, c]>
-    for the chunk's sub-quantizers, and the chunk's share of the score bounds (sum over its m of
-    min_c and max_c LUT), which `_pq_bins` combines. A chunk's tables run in consecutive programs,
-    so its centroids come from HBM once. Launched early behind the encode launch
-    (pqattn.kernels.pdl): the query and centroids are read and the products made while it runs;
-    the workspace is written after it."""
+    """Program row * CHUNKS + chunk: LUT[m, c, t] = <q_t,m, centroid[m, c]> of every table t for
+    the chunk's sub-quantizers, and the chunk's share of each table's score bounds (sum over its
+    m of min_c and max_c LUT), which `_pq_bins` combines. One program makes all of a chunk's
+    tables, so its centroids are read once and its entries (a code's tables side by side) are
+    written as one block. Launched early behind the encode launch (pqattn.kernels.pdl): the
+    query and centroids are read and the products made while it runs; the workspace is written
+    after it."""
     tables = G if (GROUP and not SUM_RULE) else 1  # pqattn.policy.lookup_tables
     pid = tl.program_id(0)
-    t = pid % tables
-    chunk = (pid // tables) % CHUNKS
-    row = pid // (tables * CHUNKS)
+    chunk = pid % CHUNKS
+    row = pid // CHUNKS
     b = row // ROWS_PER_B
     r = row % ROWS_PER_B
     kvh = r if GROUP else r // G
     first = kvh * G if GROUP else r
     queries = G if (GROUP and SUM_RULE) else 1
     MB: tl.constexpr = M // CHUNKS
+    t = tl.arange(0, TABLES_P2)
     m = chunk * MB + tl.arange(0, MB)
     c_idx = tl.arange(0, C)
-    d_idx = tl.arange(0, DSUB)
+    t_ok = t < tables
     ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
     lut_row = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
     cent = cent_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
     q_b = q_ptr + b.to(tl.int64) * stride_qb
-    qv = tl.zeros([MB, DSUB], tl.float32)
-    for g in range(queries):
-        qv += tl.load(q_b + (first + t + g) * stride_qh + m[:, None] * DSUB + d_idx[None, :]).to(tl.float32)
-    cv = tl.load(
-        cent + m[:, None, None] * stride_cm + c_idx[None, :, None] * stride_cc + d_idx[None, None, :]
-    ).to(tl.float32)
-    lut = tl.sum(cv * qv[:, None, :], axis=2)  # [MB, C]
-    at = (m[:, None] * C + c_idx[None, :]) * TABLES_P2 + t
+    lut = tl.zeros([TABLES_P2, MB, C], tl.float32)
+    for d in tl.static_range(DSUB):  # a product per element of the sub-vectors: [T, MB, C] live
+        cv = tl.load(cent + m[:, None] * stride_cm + c_idx[None, :] * stride_cc + d).to(tl.float32)
+        qv = tl.zeros([TABLES_P2, MB], tl.float32)
+        for g in range(queries):
+            at_q = q_b + (first + t[:, None] + g) * stride_qh + m[None, :] * DSUB + d
+            qv += tl.load(at_q, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        lut += qv[:, :, None] * cv[None, :, :]
+    at = (m[None, :, None] * C + c_idx[None, None, :]) * TABLES_P2 + t[:, None, None]
+    ok = tl.broadcast_to(t_ok[:, None, None], (TABLES_P2, MB, C))
     wait_prior(PDL)
     if LUT_BF16:
         rounded = _round_bf16(lut)
-        tl.store(ws_row.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, rounded)
+        tl.store(ws_row.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, rounded, mask=ok)
         lut = rounded.to(tl.float32)  # the bounds hold the rounded entries' scores
     else:
-        tl.store(lut_row + at, lut)
+        tl.store(lut_row + at, lut, mask=ok)
     part = lut_row + BOUNDS_AT + (t * CHUNKS + chunk) * 2
-    tl.store(part, tl.sum(tl.min(lut, axis=1), axis=0))
-    tl.store(part + 1, tl.sum(tl.max(lut, axis=1), axis=0))
-    if (t == 0) & (chunk == 0):
+    tl.store(part, tl.sum(tl.min(lut, axis=2), axis=1), mask=t_ok)
+    tl.store(part + 1, tl.sum(tl.max(lut, axis=2), axis=1), mask=t_ok)
+    if chunk == 0:
         # the re-rank's exact scores take their range by atomics: start it empty
         tl.store(lut_row + LIST_BOUNDS_AT, float("inf"))
         tl.store(lut_row + LIST_BOUNDS_AT + 1, float("-inf"))
@@ -902,7 +905,7 @@ def pq_select_fine(
     chunks = max(-(-N // BLOCK_N), 1)
     lut_progs = lut_chunks(M, C, D // M)
     _lut_launch(
-        (rows * lut_progs * tables,),
+        (rows * lut_progs,),
         (q, centroids, workspace),
         (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
         dict(
