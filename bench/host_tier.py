@@ -24,9 +24,9 @@ Parts (one JSON, each part a key):
   span:  the fetch's GB/s against the span of host memory it reads (random lists), and with the
          rows from cudaHostAlloc instead of registered.
   text:  the project's trained model on held-out Python files (B4, 16K-byte prompts or
-         `--text-context`, 256 greedy
-         tokens): the row cache's hit rate with the default slots and with slots = the list width
-         (then a hit is a row listed at step t and at step t - 1), tokens against the GPU cache;
+         `--text-context`, 256 greedy tokens): the row cache's hit rate with the default slots
+         and with slots = the list width (then a hit is a row listed at step t and at step
+         t - 1), tokens against the GPU cache;
          `--text-widths 1,2,4`: with each of those row caches instead (in list widths). It also
          runs on a CPU (`--device cpu`: the PyTorch reference of the host tier, the same rule).
 
