@@ -358,6 +358,58 @@ def test_eager_decode_steps_replay_their_plan(subvectors: int, kernel_routes, mo
         assert index._max_length == N + steps
 
 
+@pytest.mark.parametrize("share", ["group", "head"])
+def test_the_fine_route_encodes_the_new_key_in_its_lut_launch(
+    share, kernel_routes, monkeypatch, device
+) -> None:
+    """decode_step and select(append=): on the fine route (a group selection, the default) the
+    selection's LUT launch encodes the new key, so no encode launch runs; per head (the tree
+    route here) the encode launch does. Either way: the codes are the reference's, the cache rows
+    the new ones, the lengths advanced once a step, and select(q, append=k) selects what
+    append(k) then select(q) selects."""
+    from pqattn.runtime import launch
+
+    B, H, Hkv, N, D, steps = 2, 8, 2, 200, 32, 3
+    config = PQConfig(subvectors=4, sink=4, window=8, heavy=12, iters=2, share=share)
+    lengths = [N, N - 60]
+    keys = torch.randn(B, Hkv, N, D, device=device)
+    index, twin = (PQIndex.build(keys, lengths, capacity=N + 2 * steps, config=config) for _ in "ab")
+    for name in ("centroids", "codes", "lengths"):
+        getattr(twin, name).copy_(getattr(index, name))
+    k_cache = torch.zeros(B, Hkv, N + 2 * steps, D, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    names: list[str] = []
+    call = launch.Launcher.__call__
+
+    def named(self, *args):
+        names.append(self.fn.__name__)
+        return call(self, *args)
+
+    monkeypatch.setattr(launch.Launcher, "__call__", named)
+    encodes = share == "head"
+    with pytest.raises(ValueError, match=r"append: expected .*\[B, Hkv, 1, D\]"):
+        index.select(torch.randn(B, H, D, device=device), append=torch.randn(B, Hkv, 2, D, device=device))
+    for t in range(2 * steps):
+        q, k_new, v_new = torch.randn(B, H, D, device=device), *torch.randn(2, B, Hkv, 1, D, device=device)
+        names.clear()
+        if t < steps:
+            index.decode_step(q, k_new, v_new, k_cache, v_cache)
+            for b, n in enumerate(lengths):
+                assert torch.equal(k_cache[b, :, n + t], k_new[b, :, 0])
+                assert torch.equal(v_cache[b, :, n + t], v_new[b, :, 0])
+        else:  # the public form, against append then select on the twin
+            got = rows_as_sets(*index.select(q, append=k_new))
+        assert t not in (0, steps) or ("_pq_encode_kernel" in names) == encodes, names  # recording calls
+        twin.append(k_new)
+        assert torch.equal(twin.lengths, index.lengths) and torch.equal(twin.codes, index.codes)
+        for b, n in enumerate(lengths):
+            assert torch.equal(index.codes[b, :, n + t], ref.encode(k_new, index.centroids, None)[b, :, 0])
+        assert index.lengths.tolist() == [n + t + 1 for n in lengths]
+        if t >= steps:
+            assert got == rows_as_sets(*twin.select(q))
+    assert index._max_length == N + 2 * steps
+
+
 def _select_attend(index: PQIndex, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
     sel = index.select(q)
     assert_index_selection(index, sel, q)

@@ -17,7 +17,7 @@ import torch
 
 from pqattn import _validate as check
 from pqattn import reference as ref
-from pqattn.kernels.select import NewKey
+from pqattn.kernels.select import AppendedKey, NewKey
 from pqattn.limits import MAX_COMBOS, MAX_TREE_HEAVY
 from pqattn.policy import lookup_tables, select_route
 from pqattn.reference import Selection, SelectParams
@@ -27,6 +27,7 @@ from pqattn.runtime.progress import Progress
 __all__ = [
     "KERNEL_DEVICES",
     "PLANS",
+    "AppendedKey",
     "NewKey",
     "PQCodebook",
     "attention_kernel_path",
@@ -320,6 +321,7 @@ def select(
     rerank: int = 0,
     keys: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    appended: AppendedKey | None = None,
 ) -> Selection:
     """Run the selection kernels, into `out` / `workspace` when given (no allocation then).
 
@@ -332,7 +334,9 @@ def select(
     encodes the step's key in the same launch (pqattn.kernels.select.NewKey). share="group":
     one selection per KV head (rows [B, Hkv]) by the group scores of `group_rule`. rerank=R with
     keys [B, Hkv, N, D] (or paged [num_blocks, P, Hkv, D] with `block_table`): the top heavy
-    by exact score among the top R * heavy by PQ score.
+    by exact score among the top R * heavy by PQ score. appended: the step's new key, encoded by
+    the fine route's first launch (pqattn.kernels.select.AppendedKey; `select_route` == "fine"
+    only: the caller appends through `encode` otherwise).
     """
     B, H, _ = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -347,6 +351,8 @@ def select(
         kept_histogram=histogram is not None,
         buckets=buckets is not None,
     )
+    if appended is not None and route != "fine":
+        raise ValueError(f"appended: the {route!r} route does not encode; expected the fine route")
     R = Hkv if share == "group" else H  # selection rows per sequence
     if out is None:
         out = Selection(
@@ -418,6 +424,7 @@ def select(
             rerank=rerank,
             keys=None if keys is None else _last_contiguous(keys),
             block_table=block_table,
+            appended=appended,
         )
         if weights is not None:  # the selection's dense weights (entries past the count add 0)
             valid = torch.arange(width, device=q.device) < out.counts[..., None]

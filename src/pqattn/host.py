@@ -368,8 +368,7 @@ class HostCache:
                     device=index.device,
                 )  # fmt: skip
             self._checked = signature
-        index.append(k_new)
-        selection = self.selection = index.select(q)
+        selection = self.selection = index.select(q, append=k_new)
         dispatch.row_lookup(
             selection.positions, selection.counts, self.row_cache, self.misses, self.slot_list,
             kernel=self._kernels, workspace=self._lookup_workspace,

@@ -8,8 +8,8 @@ import torch
 
 from pqattn import _validate as check
 from pqattn import dispatch, ops
-from pqattn.dispatch import PQCodebook
-from pqattn.policy import SelectPolicy, clamp_row_heavy
+from pqattn.dispatch import AppendedKey, PQCodebook
+from pqattn.policy import SelectPolicy, clamp_row_heavy, select_route
 from pqattn.reference import Selection, SelectParams
 from pqattn.runtime.launch import PlanCache, recording, signature
 
@@ -453,12 +453,17 @@ class PQIndex:
         self._max_length = int(self.lengths.max()) if self.batch else 0
         self._reindex_when_due()
 
-    def select(self, q: torch.Tensor, keys: torch.Tensor | None = None) -> Selection:
+    def select(
+        self, q: torch.Tensor, keys: torch.Tensor | None = None, *, append: torch.Tensor | None = None
+    ) -> Selection:
         """PQ top-k selection for one decode query per sequence (SPEC §2; sizes from the config).
 
         Args:
             q: [B, H, D] float, H a multiple of Hkv, D the index's head dim.
             keys: the key cache [B, Hkv, >= the longest length, D], for a config that re-ranks.
+            append: the step's new keys [B, Hkv, 1, D], appended first as `append` does. On the
+                fine route (the default policy's) the selection's first launch encodes them, one
+                launch fewer than `append` then `select`.
 
         Returns:
             Selection(positions [B, H, sink + heavy + window] int32, -1 past the count; counts
@@ -474,21 +479,44 @@ class PQIndex:
             >>> PQIndex.build(keys, config=config).select(torch.randn(1, 4, 16)).counts.tolist()
             [[20, 20, 20, 20]]
         """
+        return self._select(q, keys, append, None)
+
+    def _select(
+        self, q: torch.Tensor, keys: torch.Tensor | None, k_new: torch.Tensor | None, kv_cache: tuple | None
+    ) -> Selection:
+        """`select`, appending k_new first when given (with kv_cache (k_cache, v_cache, values):
+        its rows stored too, as the encode launch of a decode step stores them)."""
         c = self.config
         if c.rerank and keys is None:
             raise ValueError(
                 "keys: expected the key cache [B, Hkv, N, D] for a config with rerank >= 1, got None"
             )
         inputs = (q,) if keys is None or not c.rerank else (q, keys)
-        key = self._plan_key("select", *inputs)
+        if k_new is not None:
+            self._check_room(1, "append")
+            inputs += (k_new, *(kv_cache or ()))
+        key = self._plan_key("select" if k_new is None else "append+select", *inputs)
         plan = self._plans.get(key)
         if plan is not None:
             plan(*inputs)
+            if k_new is not None:
+                self._max_length += 1
+                self._reindex_when_due()
             return self._selection
         check.tensor(
             "q", q, shape=(self.batch, None, self.head_dim), dims="[B, H, D]", dtypes=check.FLOAT_DTYPES
         )
+        if k_new is not None and kv_cache is None:  # (decode_step checked its own)
+            check.tensor(
+                "append",
+                k_new,
+                shape=(self.batch, self.kv_heads, 1, self.head_dim),
+                dims="[B, Hkv, 1, D]",
+                dtypes=check.FLOAT_DTYPES,
+                device=self.device,
+            )
         keys = keys if c.rerank else None
+        longest = self._max_length + (k_new is not None)
         if keys is not None:
             check.tensor(
                 "keys",
@@ -498,16 +526,21 @@ class PQIndex:
                 dtypes=check.FLOAT_DTYPES,
                 device=self.device,
             )
-            if keys.shape[2] < self._max_length:
+            if keys.shape[2] < longest:
                 raise ValueError(
-                    f"keys: expected at least {self._max_length} tokens on axis 2 (the longest sequence), "
+                    f"keys: expected at least {longest} tokens on axis 2 (the longest sequence), "
                     f"got {keys.shape[2]}"
                 )
         group = max(1, q.shape[1] // self.kv_heads)
-        heavy = clamp_row_heavy(c.row_heavy(group), self.capacity)
+        heavy = clamp_row_heavy(c.row_heavy(group), self.capacity, stacklevel=4)  # select's caller
         width = c.sink + heavy + c.window
         kernel = dispatch.kernel_path(q, self.centroids, heavy, c.share, c.rerank)
         if not kernel:
+            if kv_cache is not None:  # a decode step's encode stores its rows (kernel path)
+                self._encode(k_new, kv_cache=kv_cache)
+                self._max_length += 1
+            elif k_new is not None:
+                self.append(k_new)
             if keys is not None and keys.shape[2] != self.capacity:  # the reference scores every row
                 keys = torch.nn.functional.pad(
                     keys[:, :, : self.capacity], (0, 0, 0, self.capacity - keys.shape[2])
@@ -550,7 +583,26 @@ class PQIndex:
                 rerank=c.rerank,
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
+        # the fine route's LUT launch encodes the new key from the centroids it reads anyway
+        route = select_route(
+            c.subvectors,
+            1 << c.bits,
+            heavy,
+            share=c.share,
+            rerank=c.rerank,
+            kept_histogram=self._hist is not None,
+            buckets=self._buckets is not None,
+        )
+        fused = (
+            k_new is not None
+            and route == "fine"
+            and c.window >= 1
+            and k_new.stride(-1) == 1
+            and (kv_cache is None or kv_cache[2].stride(-1) == 1)
+        )
         with recording() as rec:
+            if k_new is not None and not fused:
+                self._encode(k_new, kv_cache=kv_cache)
             dispatch.select(
                 q,
                 self.centroids,
@@ -572,8 +624,13 @@ class PQIndex:
                 group_rule=c.group_rule,
                 rerank=c.rerank,
                 keys=keys,
+                appended=AppendedKey(k_new, self.phi, self._arrivals, kv_cache) if fused else None,
             )
+        if k_new is not None:
+            self._max_length += 1
         self._keep(key, rec, *inputs)
+        if k_new is not None:
+            self._reindex_when_due()
         return self._selection
 
     def attend(
@@ -641,13 +698,16 @@ class PQIndex:
         selection: Selection | None,
         scale: float | None,
         block_table: torch.Tensor | None = None,
+        step: tuple[torch.Tensor, tuple] | None = None,
     ) -> torch.Tensor:
+        """Select (appending step = (k_new, kv_cache) first, when given) unless given a
+        selection, then attend."""
         if selection is None and block_table is not None and self.config.rerank:
             raise ValueError(
                 "block_table: a config that re-ranks reads contiguous keys in PQIndex.select; pass a "
                 "selection (select_topk(..., keys=k_cache, block_table=block_table) re-ranks paged keys)"
             )
-        sel = self.select(q, k_cache) if selection is None else selection
+        sel = self._select(q, k_cache, *(step or (None, None))) if selection is None else selection
         paged = {} if block_table is None else {"block_table": block_table}
         if not dispatch.decode_kernel_path(q):
             return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale, **paged)
@@ -790,9 +850,7 @@ class PQIndex:
             self.append(k_new)
             return self.attend(q, k_cache, v_cache, scale=scale)
         with recording() as rec:
-            self._encode(k_new, kv_cache=(k_cache, v_cache, v_new))
-            self._max_length += 1
-            out = self._attend(q, k_cache, v_cache, None, scale)
+            out = self._attend(q, k_cache, v_cache, None, scale, step=(k_new, (k_cache, v_cache, v_new)))
         if self._kernels_only(q, select=True):
             self._keep(key, rec, *inputs)
         self._reindex_when_due()

@@ -106,18 +106,22 @@ class SelectionCase:
         )
 
 
-def launch_fine_on_toy_inputs(share: str, group_rule: str, tables: int, *, H: int = 4, Hkv: int = 2) -> None:
-    """`fine.pq_select_fine` on random CPU inputs (B=1, N=256, M=4, C=16, D=32)."""
-    from pqattn.kernels.select import fine
+def launch_fine_on_toy_inputs(
+    share: str, group_rule: str, tables: int, *, H: int = 4, Hkv: int = 2, append: bool = False
+) -> None:
+    """`fine.pq_select_fine` on random CPU inputs (B=1, N=256, M=4, C=16, D=32); with `append`
+    a new key for the LUT launch to encode."""
+    from pqattn.kernels.select import AppendedKey, fine
 
     B, N, M, C = 1, 256, 4, 16
     R = Hkv if share == "group" else H
     params = SelectParams.make(sink=2, window=2, heavy=8, cand_lo=2, short_threshold=12, n_tokens=N)
+    appended = AppendedKey(torch.randn(B, Hkv, 1, 32), None, torch.zeros(B, dtype=torch.int32), None)
     fine.pq_select_fine(
         torch.randn(B, H, 32),
         torch.randn(B, Hkv, M, C, 8),
         torch.zeros(B, Hkv, N, M, dtype=torch.uint8),
-        torch.full((B,), N, dtype=torch.int64),
+        torch.full((B,), N - append, dtype=torch.int64),
         params,
         positions=torch.empty(B, R, params.width, dtype=torch.int32),
         counts=torch.empty(B, R, dtype=torch.int32),
@@ -125,4 +129,5 @@ def launch_fine_on_toy_inputs(share: str, group_rule: str, tables: int, *, H: in
         share=share,
         group_rule=group_rule,
         tables=tables,
+        appended=appended if append else None,
     )

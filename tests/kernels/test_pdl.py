@@ -86,10 +86,12 @@ bucket_types = dict(q_ptr="*fp32", cent_ptr="*fp32", codes_ptr="*i64", len_ptr="
                     cnt_ptr="*i64", w_ptr="*fp32", x_ptr="*fp32", phi_ptr="*fp32")
 encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="*i64", out_ptr="*i64",
                     hist_ptr=i32, kc_ptr="*fp32", vc_ptr="*fp32", vn_ptr="*fp32", arrive_ptr=i32)
-lut_types = dict(q_ptr="*fp32", cent_ptr="*fp32", ws_ptr=i32)
+lut_types = dict(q_ptr="*fp32", cent_ptr="*fp32", ws_ptr=i32, k_ptr="*fp32", phi_ptr="*fp32", codes_ptr=u8,
+                 len_ptr="*i64", arrive_ptr=i32, kc_ptr="*bf16", vc_ptr="*bf16", vn_ptr="*fp32")
+lut_meta = dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4, LUT_BF16=True, IP=False)
 kernels = {
-    "lut": (select_fine._lut_kernel, lut_types,
-            dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4, LUT_BF16=True), 4),
+    "lut": (select_fine._lut_kernel, lut_types, dict(lut_meta, ENCODE=False, STORE_KV=False), 4),
+    "lut-encode": (select_fine._lut_kernel, lut_types, dict(lut_meta, ENCODE=True, STORE_KV=True), 4),
     "cut": (select_hist._pq_cut_kernel, cut_types, dict(M=2, C=16, P=256, DSUB=16, BLOCK_D=16), 4),
     "scan": (select_hist._pq_scan_kernel, scan_types,
              dict(M=2, C=16, P=256, GP=4, HAS_W=True, CONSUME_HIST=True, TILE=256), 2),
@@ -164,6 +166,9 @@ def test_the_fine_lut_reads_only_its_operands_before_the_wait(compiled: dict) ->
     assert lut["loads_ahead"] >= 2 and lut["load_params_ahead"] == [0, 1]
     assert lut["writes_ahead"] == 0
     assert compiled["lut:False"]["waits"] == 0
+    # encoding the step's key it is not launched early (below) and writes nothing before its wait
+    encoding = compiled["lut-encode:True"]
+    assert (encoding["waits"], encoding["releases"], encoding["writes_ahead"]) == (1, 0, 0)
 
 
 def test_pdl_meta_asks_for_pdl_only_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -250,3 +255,18 @@ def test_only_the_fine_lut_is_launched_early(monkeypatch: pytest.MonkeyPatch) ->
     assert set(kinds) == {"_lut_kernel", "_score_kernel", "_collect_kernel"}
     assert (kinds["_lut_kernel"]["PDL"], kinds["_lut_kernel"]["launch_pdl"]) == (True, True)
     assert "launch_pdl" not in kinds["_score_kernel"] and "launch_pdl" not in kinds["_collect_kernel"]
+
+
+def test_the_fine_lut_encoding_the_new_key_is_not_launched_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an AppendedKey the LUT launch reads the step's new key, which the launch ahead of it
+    (the key's projection) writes: it starts as any launch does."""
+    launched = _launches_on_hopper(monkeypatch)
+    launch_fine_on_toy_inputs("group", "max", 2, append=True)
+    kinds = {name: kw for name, kw in launched}
+    assert kinds["_lut_kernel"]["ENCODE"] and (
+        kinds["_lut_kernel"]["PDL"],
+        kinds["_lut_kernel"]["launch_pdl"],
+    ) == (
+        True,
+        False,
+    )

@@ -14,6 +14,7 @@ from pqattn.kernels.select import fine
 from pqattn.lab.kernel_checks import group_selection_scores, selection_problem
 from pqattn.policy import lookup_tables
 from pqattn.reference import SelectParams
+from tests.helpers import rows_as_sets
 from tests.kernels.selection_case import launch_fine_on_toy_inputs
 
 # (TIE_TILE, BOUNDARY_CAP): the all-pairs rank, the bisection over the kept list, over the row
@@ -206,6 +207,111 @@ def test_fine_code_base_and_init_offset(device, C):
         short_threshold=params.short_threshold, ref_sel=want,
     )  # fmt: skip
     assert problem is None, problem
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "ip"])
+@pytest.mark.parametrize(
+    "share,rule,store,bits", [("group", "max", True, 8), ("group", "max", False, 4), ("head", "sum", True, 8)]
+)
+def test_fine_lut_launch_encodes_the_appended_key(device, metric, share, rule, store, bits):
+    """AppendedKey: the LUT launch does the encode launch's work. Against pq_encode then the
+    selection on a copy of the state, three steps of ragged sequences: the new key's codes (the
+    reference's), the cache rows (float32 keys into a bf16 cache), the lengths advanced once, the
+    arrival counters back at zero, and the same selection (it sees the advanced lengths)."""
+    from pqattn.kernels.encode import pq_encode
+    from pqattn.kernels.select import AppendedKey
+
+    B, H, Hkv, N, D, M = 2, 8, 2, 160, 32, 4
+    C, dsub = 2**bits, D // M + (metric == "ip")
+    sink, window, heavy = 4, 8, 10
+    cent = torch.randn(B, Hkv, M, C, dsub, device=device)
+    phi = torch.rand(B, Hkv, M, device=device) * 50 if metric == "ip" else None
+    codes = torch.randint(0, C, (B, Hkv, N, M), dtype=torch.uint8, device=device)
+    lengths = torch.tensor([100, 61], device=device)
+    k_cache = torch.full((B, Hkv, N, D), float("nan"), dtype=torch.bfloat16, device=device)
+    v_cache = torch.full((B, Hkv, N, D), float("nan"), dtype=torch.float32, device=device)
+    state = [(codes, lengths, k_cache, v_cache), tuple(t.clone() for t in (codes, lengths, k_cache, v_cache))]
+    arrivals = [torch.zeros(B, dtype=torch.int32, device=device) for _ in state]
+    R = Hkv if share == "group" else H
+    tables = lookup_tables(share, rule, H // Hkv)
+    params = SelectParams.make(
+        sink=sink, window=window, heavy=heavy, cand_lo=sink, short_threshold=sink + heavy + window, n_tokens=N
+    )
+    ws = [
+        torch.zeros(fine.workspace_numel(B * R, tables, M, C, N), dtype=torch.int32, device=device)
+        for _ in state
+    ]
+    for _ in range(3):
+        q = torch.randn(B, H, D, device=device)
+        k_new = torch.randn(B, Hkv, 1, D, device=device)
+        v_new = torch.randn(B, Hkv, 1, D, device=device)
+        before = lengths.clone()
+        sels = []
+        for i, (codes_i, lengths_i, kc, vc) in enumerate(state):
+            kv = (kc, vc, v_new) if store else None
+            if i == 0:
+                appended = AppendedKey(k_new, phi, arrivals[i], kv)
+            else:
+                appended = None
+                pq_encode(k_new, cent, phi, codes_i, base=lengths_i, kv_cache=kv, advance=arrivals[i])
+            sel = (
+                torch.full((B, R, params.width), -7, dtype=torch.int32, device=device),
+                torch.full((B, R), -7, dtype=torch.int32, device=device),
+            )
+            fine.pq_select_fine(
+                q, cent, codes_i, lengths_i, params, positions=sel[0], counts=sel[1], workspace=ws[i],
+                share=share, group_rule=rule, tables=tables, appended=appended,
+            )  # fmt: skip
+            sels.append(sel)
+        fused, apart = state
+        assert torch.equal(lengths, before + 1) and torch.equal(apart[1], lengths)
+        assert not any(a.any() for a in arrivals), "arrival counters left at zero"
+        want_codes = ref.encode(k_new, cent, phi, metric)
+        for b, n in enumerate(before.tolist()):
+            assert torch.equal(codes[b, :, n], want_codes[b, :, 0])
+        assert torch.equal(fused[0], apart[0])
+        for got, want in zip(fused[2:], apart[2:], strict=True):
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        if not store:
+            assert fused[2].isnan().all(), "no cache given: none written"
+        assert torch.equal(sels[0][1], sels[1][1])
+        assert rows_as_sets(*sels[0]) == rows_as_sets(*sels[1])
+
+
+def test_fine_appended_key_is_checked(device):
+    from pqattn.kernels.select import AppendedKey
+
+    B, H, Hkv, N, D, M, C = 1, 4, 2, 64, 32, 4, 16
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=device)
+    lengths = torch.tensor([40], device=device)
+    arrivals = torch.zeros(B, dtype=torch.int32, device=device)
+    sel = (
+        torch.empty(B, Hkv, 20, dtype=torch.int32, device=device),
+        torch.empty(B, Hkv, dtype=torch.int32, device=device),
+    )
+    ws = torch.zeros(fine.workspace_numel(B * Hkv, 2, M, C, N), dtype=torch.int32, device=device)
+    q = torch.randn(B, H, D, device=device)
+    cases = [
+        (AppendedKey(torch.randn(B, Hkv, 2, D, device=device), None, arrivals, None), 4, "appended.keys"),
+        (AppendedKey(torch.randn(B, Hkv, 1, D, device=device), None, arrivals.long(), None), 4, "arrivals"),
+        (
+            AppendedKey(torch.randn(B, Hkv, 1, D, device=device), torch.ones(B, Hkv, M), arrivals, None),
+            4,
+            "phi",
+        ),
+        (AppendedKey(torch.randn(B, Hkv, 1, D, device=device), None, arrivals, None), 0, "window"),
+    ]
+    for appended, window, message in cases:
+        params = SelectParams.make(
+            sink=4, window=window, heavy=20 - 4 - window, cand_lo=4, short_threshold=20, n_tokens=N
+        )
+        with pytest.raises(ValueError, match=message):
+            fine.pq_select_fine(
+                q, cent, codes, lengths, params, positions=sel[0], counts=sel[1], workspace=ws, share="group",
+                group_rule="max", tables=2, appended=appended,
+            )  # fmt: skip
+    assert lengths.tolist() == [40] and not codes.any(), "a refused call writes nothing"
 
 
 @pytest.mark.parametrize("share,rule,tables", [("group", "max", 1), ("group", "sum", 4), ("head", "sum", 4)])

@@ -223,10 +223,10 @@ def pq_attention_forward(
         state.split_k_steps += 1
         counts_at = position_ids if state.static else None
         return split_k_decode(query, key, value, counts_at, scaling, state.buffers), None
-    index.append(_new_key(key, position_ids) if state.static else key[:, :, -1:])
     q = query[:, :, 0]
+    new_key = _new_key(key, position_ids) if state.static else key[:, :, -1:]
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
-    out = index.attend(q, key, value, index.select(q, key), scale=scaling)
+    out = index.attend(q, key, value, index.select(q, key, append=new_key), scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
 

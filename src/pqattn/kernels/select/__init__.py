@@ -10,6 +10,8 @@
 - `buckets`: the same cut, then about `heavy` positions copied from the index's inverted lists
   (PQIndex keeps them), optionally encoding the step's new key in the same launch (`NewKey`).
 
+The fine route's first launch can likewise encode a decode step's new key (`AppendedKey`).
+
 `common` holds the device helpers they share. `pqattn.policy.select_route` picks the route and
 `pqattn.dispatch` launches it; the decisions
 and their figures are in docs/kernels/select.md. Importing this package compiles nothing: the
@@ -41,3 +43,20 @@ class NewKey(NamedTuple):
     phi: torch.Tensor | None
     length: int
     n_drop: int
+
+
+class AppendedKey(NamedTuple):
+    """One new key per (sequence, KV head) that the fine route's LUT launch encodes, doing the
+    encode launch's work (pqattn.kernels.encode with T = 1, no histogram) from the centroid loads
+    its tables take: keys [B, Hkv, 1, D] (last dim contiguous) coded at row lengths[b] of the
+    codes (code_base 0), and lengths[b] advanced by one in the same launch. arrivals: int32 [B],
+    zero-filled once (left at zero): the launch's last program of a sequence advances its length.
+    phi [B, Hkv, M] (contiguous) for the ip metric, else None. kv_cache: (k_cache, v_cache,
+    values) to store the key and values [B, Hkv, 1, D] (last dim contiguous) at that row of the
+    caches [B, Hkv, >= capacity, D], or None. The new key is in the window (window >= 1): the
+    selection does not read its code."""
+
+    keys: torch.Tensor
+    phi: torch.Tensor | None
+    arrivals: torch.Tensor
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None

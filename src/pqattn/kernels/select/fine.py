@@ -47,6 +47,7 @@ import triton.language as tl
 
 from pqattn.kernels import paged
 from pqattn.kernels.pdl import pdl_meta, wait_prior
+from pqattn.kernels.select import AppendedKey
 from pqattn.kernels.select.common import order_key, sm_count
 from pqattn.reference import SelectParams
 from pqattn.runtime.launch import Launcher
@@ -171,16 +172,115 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _encode_chunk(
+    key,
+    phi_ptr,
+    codes_ptr,
+    len_ptr,
+    arrive_ptr,
+    kc_ptr,
+    vc_ptr,
+    vn_ptr,
+    cent,
+    dot,
+    c_sq,
+    x_sq,
+    b,
+    kvh,
+    chunk,
+    m,
+    c_idx,
+    stride_cm,
+    stride_cc,
+    stride_ob,
+    stride_ok,
+    stride_on,
+    stride_om,
+    stride_kcb,
+    stride_kck,
+    stride_kcn,
+    stride_kcd,
+    stride_vcb,
+    stride_vck,
+    stride_vcn,
+    stride_vcd,
+    stride_vnb,
+    stride_vnk,
+    stride_vnd,
+    Hkv,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    DSUB: tl.constexpr,
+    MB: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    IP: tl.constexpr,
+    STORE_KV: tl.constexpr,
+):
+    """The encode launch's work for the chunk's MB sub-vectors of (b, kvh)'s new key, given
+    <x, c>, ||c||^2 and ||x||^2 from the LUT's centroid loads: the nearest centroids
+    (||c||^2 - 2 <x, c>, ip-augmented as pqattn.kernels.codes.sub_distances does) written at row
+    lengths[b], the chunk's elements of the key and value rows stored there, and the length
+    advanced by the last of the sequence's Hkv * CHUNKS programs to arrive."""
+    if IP:
+        c_extra = tl.load(cent + m[:, None] * stride_cm + c_idx[None, :] * stride_cc + DSUB).to(tl.float32)
+        phi = tl.load(phi_ptr + (b * Hkv + kvh) * M + m).to(tl.float32)
+        extra = tl.sqrt(tl.maximum(phi - x_sq, 0.0))
+        dot += extra[:, None] * c_extra
+        c_sq += c_extra * c_extra
+    code = tl.argmin(c_sq - 2.0 * dot, axis=1, tie_break_left=True)
+    row = tl.load(len_ptr + b).to(tl.int32)
+    b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
+    out = codes_ptr + b64 * stride_ob + kvh * stride_ok + row.to(tl.int64) * stride_on
+    tl.store(out + m * stride_om, code.to(codes_ptr.dtype.element_ty))
+    if STORE_KV:
+        d = chunk * (MB * DSUB) + tl.arange(0, MB * DSUB)
+        k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
+        v_dst = vc_ptr + b64 * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
+        v_src = vn_ptr + b64 * stride_vnb + kvh * stride_vnk
+        tl.store(k_dst + d * stride_kcd, tl.load(key + d).to(kc_ptr.dtype.element_ty))
+        tl.store(v_dst + d * stride_vcd, tl.load(v_src + d * stride_vnd).to(vc_ptr.dtype.element_ty))
+    arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
+    if arrived == Hkv * CHUNKS - 1:
+        tl.store(len_ptr + b, (row + 1).to(len_ptr.dtype.element_ty))
+        tl.store(arrive_ptr + b, 0)
+
+
+@triton.jit
 def _lut_kernel(
     q_ptr,
     cent_ptr,
     ws_ptr,
+    k_ptr,
+    phi_ptr,
+    codes_ptr,
+    len_ptr,
+    arrive_ptr,
+    kc_ptr,
+    vc_ptr,
+    vn_ptr,
     stride_qb,
     stride_qh,
     stride_cb,
     stride_ch,
     stride_cm,
     stride_cc,
+    stride_kb,
+    stride_kk,
+    stride_ob,
+    stride_ok,
+    stride_on,
+    stride_om,
+    stride_kcb,
+    stride_kck,
+    stride_kcn,
+    stride_kcd,
+    stride_vcb,
+    stride_vck,
+    stride_vcn,
+    stride_vcd,
+    stride_vnb,
+    stride_vnk,
+    stride_vnd,
     ROWS_PER_B,
     G,
     ROW_WS,
@@ -194,15 +294,21 @@ def _lut_kernel(
     CHUNKS: tl.constexpr,  # programs per row, each over M // CHUNKS sub-quantizers
     TABLES_P2: tl.constexpr,  # the LUT's innermost extent: tables rounded up to a power of two
     LUT_BF16: tl.constexpr,  # entries rounded to bfloat16 (a group's tables, SPEC §7)
+    ENCODE: tl.constexpr,  # also encode the step's new key (AppendedKey)
+    IP: tl.constexpr,  # the new key is augmented for the ip metric (centroids of DSUB + 1)
+    STORE_KV: tl.constexpr,  # and store its key and value rows into the caches
     PDL: tl.constexpr,
 ):
     """Program row * CHUNKS + chunk: LUT[m, c, t] = <q_t,m, centroid[m, c]> of every table t for
     the chunk's sub-quantizers, and the chunk's share of each table's score bounds (sum over its
     m of min_c and max_c LUT), which `_pq_bins` combines. One program makes all of a chunk's
     tables, so its centroids are read once and its entries (a code's tables side by side) are
-    written as one block. Launched early behind the encode launch (pqattn.kernels.pdl): the
-    query and centroids are read and the products made while it runs; the workspace is written
-    after it."""
+    written as one block. Without ENCODE it is launched early behind the encode launch
+    (pqattn.kernels.pdl): the query and centroids are read and the products made while that runs;
+    the workspace is written after it. With ENCODE the launch does the encode's work itself
+    (pqattn.kernels.encode, T = 1): the programs of a KV head's first row take the nearest
+    centroid of the new key's sub-vectors from the same centroid loads, write the codes (and the
+    rows into the caches) at lengths[b], and the last of a sequence's to arrive advances lengths[b]."""
     tables = G if (GROUP and not SUM_RULE) else 1  # pqattn.policy.lookup_tables
     pid = tl.program_id(0)
     chunk = pid % CHUNKS
@@ -221,7 +327,17 @@ def _lut_kernel(
     lut_row = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
     cent = cent_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
     q_b = q_ptr + b.to(tl.int64) * stride_qb
+    if GROUP:  # one row of each KV head encodes its key (ENCODE)
+        encoder = r >= 0
+        kv_heads = ROWS_PER_B
+    else:
+        encoder = r % G == 0
+        kv_heads = ROWS_PER_B // G
+    key = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kk
     lut = tl.zeros([TABLES_P2, MB, C], tl.float32)
+    dot = tl.zeros([MB, C], tl.float32)  # the new key's <x, c> and ||c||^2 (ENCODE)
+    c_sq = tl.zeros([MB, C], tl.float32)
+    x_sq = tl.zeros([MB], tl.float32)
     for d in tl.static_range(DSUB):  # a product per element of the sub-vectors: [T, MB, C] live
         cv = tl.load(cent + m[:, None] * stride_cm + c_idx[None, :] * stride_cc + d).to(tl.float32)
         qv = tl.zeros([TABLES_P2, MB], tl.float32)
@@ -229,9 +345,23 @@ def _lut_kernel(
             at_q = q_b + (first + t[:, None] + g) * stride_qh + m[None, :] * DSUB + d
             qv += tl.load(at_q, mask=t_ok[:, None], other=0.0).to(tl.float32)
         lut += qv[:, :, None] * cv[None, :, :]
+        if ENCODE:
+            xv = tl.load(key + m * DSUB + d, mask=m < tl.where(encoder, M, 0), other=0.0).to(tl.float32)
+            dot += xv[:, None] * cv
+            c_sq += cv * cv
+            x_sq += xv * xv
     at = (m[None, :, None] * C + c_idx[None, None, :]) * TABLES_P2 + t[:, None, None]
     ok = tl.broadcast_to(t_ok[:, None, None], (TABLES_P2, MB, C))
     wait_prior(PDL)
+    if ENCODE:  # noqa: SIM102 (compiled only with ENCODE; `encoder` is a runtime value)
+        if encoder:
+            _encode_chunk(
+                key, phi_ptr, codes_ptr, len_ptr, arrive_ptr, kc_ptr, vc_ptr, vn_ptr, cent, dot, c_sq, x_sq,
+                b, kvh, chunk, m, c_idx, stride_cm, stride_cc, stride_ob, stride_ok, stride_on, stride_om,
+                stride_kcb, stride_kck, stride_kcn, stride_kcd, stride_vcb, stride_vck, stride_vcn,
+                stride_vcd, stride_vnb, stride_vnk, stride_vnd, kv_heads,
+                M, C, DSUB, MB, CHUNKS, IP, STORE_KV,
+            )  # fmt: skip
     if LUT_BF16:
         rounded = _round_bf16(lut)
         tl.store(ws_row.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, rounded, mask=ok)
@@ -875,6 +1005,7 @@ def pq_select_fine(
     rerank: int = 0,
     keys: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    appended: AppendedKey | None = None,
 ) -> None:
     """Launch on validated inputs. q [B, H, D]; centroids [B, Hkv, M, C, dsub(+1)] (M, C and dsub
     powers of two); codes [B, Hkv, n_codes, M] holding tokens code_base + row; positions [B, R, L]
@@ -883,7 +1014,9 @@ def pq_select_fine(
     once, at least `workspace_numel(B * R, tables, M, C, N, rerank * heavy)` elements (left
     zeroed where it must be). params.cand_lo must be at least code_base. rerank=R >= 1 with keys
     [B, Hkv, >= N, D] (D a power of two): the top R * heavy by PQ score into the shortlist, their
-    exact scores, then the top heavy of those (three more launches)."""
+    exact scores, then the top heavy of those (three more launches). appended: the step's new
+    key, encoded by the LUT launch (pqattn.kernels.select.AppendedKey; needs window >= 1 and
+    code_base 0)."""
     B, H, D = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
     G = H // Hkv
@@ -904,10 +1037,37 @@ def pq_select_fine(
     sink, window, heavy, cand_lo, short_threshold, width = params
     chunks = max(-(-N // BLOCK_N), 1)
     lut_progs = lut_chunks(M, C, D // M)
+    if appended is not None:
+        _check_appended(appended, q, centroids, codes, lengths, params, code_base)
+        k_new, phi, arrivals = appended.keys, appended.phi, appended.arrivals
+        k_cache, v_cache, v_new = appended.kv_cache or (k_new, k_new, k_new)
+        phi_or = centroids if phi is None else phi  # (not read for euclidean keys)
+        enc_tensors = (k_new, phi_or, codes, lengths, arrivals, k_cache, v_cache, v_new)
+        enc_strides = (
+            k_new.stride(0),
+            k_new.stride(1),
+            *codes.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            v_new.stride(0),
+            v_new.stride(1),
+            v_new.stride(3),
+        )
+    else:  # (not read)
+        enc_tensors, enc_strides = (q,) * 8, (0,) * 17
     _lut_launch(
         (rows * lut_progs,),
-        (q, centroids, workspace),
-        (*q.stride()[:2], *centroids.stride()[:4], rows_per_b, G, lay.size, lay.bounds, lay.list_bounds),
+        (q, centroids, workspace, *enc_tensors),
+        (
+            *q.stride()[:2],
+            *centroids.stride()[:4],
+            *enc_strides,
+            rows_per_b,
+            G,
+            lay.size,
+            lay.bounds,
+            lay.list_bounds,
+        ),
         dict(
             GROUP=group,
             SUM_RULE=sum_rule,
@@ -917,8 +1077,12 @@ def pq_select_fine(
             CHUNKS=lut_progs,
             TABLES_P2=tables_p2,
             LUT_BF16=group,
+            ENCODE=appended is not None,
+            IP=appended is not None and appended.phi is not None,
+            STORE_KV=appended is not None and appended.kv_cache is not None,
             num_warps=4,
-            **pdl_meta(q.device),
+            # behind the encode launch it starts early; encoding, it reads the step's new key
+            **pdl_meta(q.device, early=appended is None),
         ),
     )
     reg_lut = C <= REG_LUT_MAX_C and tables > 1
@@ -1071,3 +1235,50 @@ def pq_select_fine(
         dict(NBINS_=NBINS, BLOCK=BLOCK_N, num_warps=4),
     )
     collect(list_chunks, heavy, True, False)
+
+
+def _check_appended(
+    appended: AppendedKey,
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    codes: torch.Tensor,
+    lengths: torch.Tensor,
+    params: SelectParams,
+    code_base: int,
+) -> None:
+    """What the LUT launch's encode assumes of an AppendedKey (the caller's layout, checked once
+    per launch signature by the caller's plan)."""
+    B, Hkv, D = q.shape[0], centroids.shape[1], q.shape[2]
+    shape = (B, Hkv, 1, D)
+    if params.window < 1 or code_base != 0:
+        raise ValueError(
+            f"appended: the new key is coded at row lengths[b] inside the window; expected window >= 1 "
+            f"and code_base 0, got window={params.window}, code_base={code_base}"
+        )
+    rows = [("appended.keys", appended.keys)]
+    if appended.kv_cache is not None:
+        rows.append(("appended.kv_cache values", appended.kv_cache[2]))
+        for name, cache in zip(("k_cache", "v_cache"), appended.kv_cache[:2], strict=True):
+            if tuple(cache.shape[:2]) != (B, Hkv) or cache.shape[3] != D or cache.shape[2] < codes.shape[2]:
+                raise ValueError(
+                    f"appended.kv_cache {name}: expected [B, Hkv, >= {codes.shape[2]}, D] = "
+                    f"[{B}, {Hkv}, >= {codes.shape[2]}, {D}], got {list(cache.shape)}"
+                )
+    for name, t in rows:
+        if tuple(t.shape) != shape or t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: expected [B, Hkv, 1, D] = {list(shape)} with a contiguous last dim, "
+                f"got {list(t.shape)} with strides {t.stride()}"
+            )
+    arrivals = appended.arrivals
+    if arrivals.dtype != torch.int32 or tuple(arrivals.shape) != (B,) or lengths.shape != (B,):
+        raise ValueError(
+            f"appended.arrivals: expected int32 [B] = [{B}] beside lengths [B], got {arrivals.dtype} "
+            f"{list(arrivals.shape)} and lengths {list(lengths.shape)}"
+        )
+    if (appended.phi is None) != (centroids.shape[4] == D // centroids.shape[2]):
+        raise ValueError(
+            "appended.phi: expected phi [B, Hkv, M] exactly when the centroids are ip-augmented "
+            f"(width dsub + 1), got phi={'None' if appended.phi is None else list(appended.phi.shape)} "
+            f"with centroid width {centroids.shape[4]}"
+        )
