@@ -185,7 +185,6 @@ def _encode_chunk(
     dot,
     c_sq,
     x_sq,
-    row,
     b,
     kvh,
     chunk,
@@ -220,9 +219,8 @@ def _encode_chunk(
     """The encode launch's work for the chunk's MB sub-vectors of (b, kvh)'s new key, given
     <x, c>, ||c||^2 and ||x||^2 from the LUT's centroid loads: the nearest centroids
     (||c||^2 - 2 <x, c>, ip-augmented as pqattn.kernels.codes.sub_distances does) written at row
-    `row` (lengths[b] as the program read it), the chunk's elements of the key and value rows
-    stored there, and the length advanced by the last of the sequence's Hkv * CHUNKS programs to
-    arrive."""
+    lengths[b], the chunk's elements of the key and value rows stored there, and the length
+    advanced by the last of the sequence's Hkv * CHUNKS programs to arrive."""
     if IP:
         c_extra = tl.load(cent + m[:, None] * stride_cm + c_idx[None, :] * stride_cc + DSUB).to(tl.float32)
         phi = tl.load(phi_ptr + (b * Hkv + kvh) * M + m).to(tl.float32)
@@ -230,6 +228,7 @@ def _encode_chunk(
         dot += extra[:, None] * c_extra
         c_sq += c_extra * c_extra
     code = tl.argmin(c_sq - 2.0 * dot, axis=1, tie_break_left=True)
+    row = tl.load(len_ptr + b).to(tl.int32)
     b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
     out = codes_ptr + b64 * stride_ob + kvh * stride_ok + row.to(tl.int64) * stride_on
     tl.store(out + m * stride_om, code.to(codes_ptr.dtype.element_ty))
@@ -335,8 +334,6 @@ def _lut_kernel(
         encoder = r % G == 0
         kv_heads = ROWS_PER_B // G
     key = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kk
-    # the new key's row (ENCODE), loaded first: its latency overlaps the products
-    new_row = tl.load(len_ptr + b).to(tl.int32) if ENCODE else 0
     lut = tl.zeros([TABLES_P2, MB, C], tl.float32)
     dot = tl.zeros([MB, C], tl.float32)  # the new key's <x, c> and ||c||^2 (ENCODE)
     c_sq = tl.zeros([MB, C], tl.float32)
@@ -360,8 +357,8 @@ def _lut_kernel(
         if encoder:
             _encode_chunk(
                 key, phi_ptr, codes_ptr, len_ptr, arrive_ptr, kc_ptr, vc_ptr, vn_ptr, cent, dot, c_sq, x_sq,
-                new_row, b, kvh, chunk, m, c_idx, stride_cm, stride_cc, stride_ob, stride_ok, stride_on,
-                stride_om, stride_kcb, stride_kck, stride_kcn, stride_kcd, stride_vcb, stride_vck, stride_vcn,
+                b, kvh, chunk, m, c_idx, stride_cm, stride_cc, stride_ob, stride_ok, stride_on, stride_om,
+                stride_kcb, stride_kck, stride_kcn, stride_kcd, stride_vcb, stride_vck, stride_vcn,
                 stride_vcd, stride_vnb, stride_vnk, stride_vnd, kv_heads,
                 M, C, DSUB, MB, CHUNKS, IP, STORE_KV,
             )  # fmt: skip
