@@ -27,7 +27,9 @@ The contract of a kernel compiled with the `PDL` constexpr:
 
 The scan is launched early behind the cut, the bucket selection and the fine LUT (which reads
 the query and centroids and writes its own workspace rows after its wait) behind the encode; the
-cut, the attention and the encoding are not (measured: docs/kernels/launch.md).
+cut, the attention and the encoding are not (measured: docs/kernels/launch.md), nor is a fine LUT
+launch that encodes a decode step's key itself (`pqattn.kernels.select.AppendedKey`: it reads
+that key, which the launch ahead of it writes).
 """
 
 from __future__ import annotations
