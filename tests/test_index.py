@@ -366,7 +366,7 @@ def test_the_fine_route_encodes_the_new_key_in_its_lut_launch(
     selection's LUT launch encodes the new key, so no encode launch runs; per head (the tree
     route here) the encode launch does. Either way: the codes are the reference's, the cache rows
     the new ones, the lengths advanced once a step, and select(q, append=k) selects what
-    append(k) then select(q) selects."""
+    append(k) then select(q) selects, k given as the keys or in a key cache at the lengths."""
     from pqattn.runtime import launch
 
     B, H, Hkv, N, D, steps = 2, 8, 2, 200, 32, 3
@@ -387,8 +387,9 @@ def test_the_fine_route_encodes_the_new_key_in_its_lut_launch(
 
     monkeypatch.setattr(launch.Launcher, "__call__", named)
     encodes = share == "head"
-    with pytest.raises(ValueError, match=r"append: expected .*\[B, Hkv, 1, D\]"):
-        index.select(torch.randn(B, H, D, device=device), append=torch.randn(B, Hkv, 2, D, device=device))
+    for bad in (torch.randn(B, Hkv, 2, D, device=device), torch.randn(B, Hkv + 1, 1, D, device=device)):
+        with pytest.raises(ValueError, match="append: expected"):
+            index.select(torch.randn(B, H, D, device=device), append=bad)
     for t in range(2 * steps):
         q, k_new, v_new = torch.randn(B, H, D, device=device), *torch.randn(2, B, Hkv, 1, D, device=device)
         names.clear()
@@ -397,8 +398,12 @@ def test_the_fine_route_encodes_the_new_key_in_its_lut_launch(
             for b, n in enumerate(lengths):
                 assert torch.equal(k_cache[b, :, n + t], k_new[b, :, 0])
                 assert torch.equal(v_cache[b, :, n + t], v_new[b, :, 0])
-        else:  # the public form, against append then select on the twin
+        elif t % 2:  # the public form, against append then select on the twin
             got = rows_as_sets(*index.select(q, append=k_new))
+        else:  # the same with the new key in a key cache at each sequence's length
+            for b, n in enumerate(index.lengths.tolist()):
+                k_cache[b, :, n] = k_new[b, :, 0]
+            got = rows_as_sets(*index.select(q, append=k_cache))
         assert t not in (0, steps) or ("_pq_encode_kernel" in names) == encodes, names  # recording calls
         twin.append(k_new)
         assert torch.equal(twin.lengths, index.lengths) and torch.equal(twin.codes, index.codes)

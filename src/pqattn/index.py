@@ -402,10 +402,10 @@ class PQIndex:
                 f"lengths <= capacity={self.capacity}, got {self._max_length + T}"
             )
 
-    def _encode(self, keys: torch.Tensor, kv_cache: tuple | None = None) -> None:
+    def _encode(self, keys: torch.Tensor, kv_cache: tuple | None = None, at_length: bool = False) -> None:
         """The encode launch (kernel path): codes at each length, the histogram, the lengths
         advanced in the same launch, and with kv_cache (k_cache, v_cache, values) the new rows
-        stored into the caches."""
+        stored into the caches. at_length: keys is a cache holding each new key at row lengths[b]."""
         dispatch.encode(
             keys,
             self.centroids,
@@ -417,6 +417,7 @@ class PQIndex:
             cand_lo=self._cand_lo,
             kv_cache=kv_cache,
             advance=self._arrivals,
+            key_at_base=at_length,
         )
 
     def _plan_key(self, method: str, *inputs: torch.Tensor, scale: float | None = None) -> tuple:
@@ -461,9 +462,11 @@ class PQIndex:
         Args:
             q: [B, H, D] float, H a multiple of Hkv, D the index's head dim.
             keys: the key cache [B, Hkv, >= the longest length, D], for a config that re-ranks.
-            append: the step's new keys [B, Hkv, 1, D], appended first as `append` does. On the
-                fine route (the default policy's) the selection's first launch encodes them, one
-                launch fewer than `append` then `select`.
+            append: the step's new keys [B, Hkv, 1, D], appended first as `append` does; or a
+                key cache [B, Hkv, >= capacity, D] that already holds each sequence's new key at
+                row lengths[b] (a cache written before the step, as transformers' static cache
+                is). On the fine route (the default policy's) the selection's first launch encodes
+                them, one launch fewer than `append` then `select`.
 
         Returns:
             Selection(positions [B, H, sink + heavy + window] int32, -1 past the count; counts
@@ -510,11 +513,17 @@ class PQIndex:
             check.tensor(
                 "append",
                 k_new,
-                shape=(self.batch, self.kv_heads, 1, self.head_dim),
-                dims="[B, Hkv, 1, D]",
+                shape=(self.batch, self.kv_heads, None, self.head_dim),
+                dims="[B, Hkv, 1 or >= capacity, D]",
                 dtypes=check.FLOAT_DTYPES,
                 device=self.device,
             )
+            if 1 < k_new.shape[2] < self.capacity:
+                raise ValueError(
+                    f"append: expected the new keys [B, Hkv, 1, D] or a key cache [B, Hkv, >= capacity="
+                    f"{self.capacity}, D], got {list(k_new.shape)}"
+                )
+        at_length = k_new is not None and k_new.shape[2] != 1
         keys = keys if c.rerank else None
         longest = self._max_length + (k_new is not None)
         if keys is not None:
@@ -539,6 +548,9 @@ class PQIndex:
             if kv_cache is not None:  # a decode step's encode stores its rows (kernel path)
                 self._encode(k_new, kv_cache=kv_cache)
                 self._max_length += 1
+            elif at_length:
+                slot = self.lengths.view(-1, 1, 1, 1).expand(self.batch, self.kv_heads, 1, self.head_dim)
+                self.append(k_new.gather(2, slot))
             elif k_new is not None:
                 self.append(k_new)
             if keys is not None and keys.shape[2] != self.capacity:  # the reference scores every row
@@ -602,7 +614,7 @@ class PQIndex:
         )
         with recording() as rec:
             if k_new is not None and not fused:
-                self._encode(k_new, kv_cache=kv_cache)
+                self._encode(k_new, kv_cache=kv_cache, at_length=at_length)
             dispatch.select(
                 q,
                 self.centroids,
@@ -624,7 +636,7 @@ class PQIndex:
                 group_rule=c.group_rule,
                 rerank=c.rerank,
                 keys=keys,
-                appended=AppendedKey(k_new, self.phi, self._arrivals, kv_cache) if fused else None,
+                appended=AppendedKey(k_new, self.phi, self._arrivals, kv_cache, at_length) if fused else None,
             )
         if k_new is not None:
             self._max_length += 1

@@ -102,3 +102,23 @@ def test_rewrites_keep_the_histogram(device: torch.device) -> None:
         assert torch.equal(hist.long(), starts.diff(dim=-1)), (T, n_drop)
     with pytest.raises(ValueError, match="n_drop"):
         pq_encode(keys, cent, None, codes, base=lengths, hist=hist, window=window, n_drop=window + 1)
+
+
+def test_encode_reads_the_key_at_each_length_of_a_cache(device: torch.device) -> None:
+    """key_at_base: one key per sequence, row base[b] of a key cache (written there first, NaN
+    elsewhere): the codes of those rows, the lengths advanced by one."""
+    B, Hkv, N, D, M, C = 2, 3, 40, 32, 4, 8
+    cent = torch.randn(B, Hkv, M, C, D // M, device=device)
+    codes = torch.zeros(B, Hkv, N, M, dtype=torch.uint8, device=device)
+    lengths = torch.tensor([11, 0], device=device)
+    arrivals = torch.zeros(B, dtype=torch.int32, device=device)
+    key_cache = torch.full((B, Hkv, N, D), float("nan"), device=device)
+    new = torch.randn(B, Hkv, 1, D, device=device)
+    for b, n in enumerate(lengths.tolist()):
+        key_cache[b, :, n] = new[b, :, 0]
+    pq_encode(key_cache, cent, None, codes, base=lengths, advance=arrivals, key_at_base=True)
+    want = ref.encode(new, cent, None)
+    assert torch.equal(codes[0, :, 11], want[0, :, 0]) and torch.equal(codes[1, :, 0], want[1, :, 0])
+    assert lengths.tolist() == [12, 1] and not arrivals.any()
+    with pytest.raises(ValueError, match="key_at_base"):
+        pq_encode(key_cache, cent, None, codes, key_at_base=True)

@@ -88,7 +88,8 @@ encode_types = dict(k_ptr="*fp32", cent_ptr="*fp32", phi_ptr="*fp32", base_ptr="
                     hist_ptr=i32, kc_ptr="*fp32", vc_ptr="*fp32", vn_ptr="*fp32", arrive_ptr=i32)
 lut_types = dict(q_ptr="*fp32", cent_ptr="*fp32", ws_ptr=i32, k_ptr="*fp32", phi_ptr="*fp32", codes_ptr=u8,
                  len_ptr="*i64", arrive_ptr=i32, kc_ptr="*bf16", vc_ptr="*bf16", vn_ptr="*fp32")
-lut_meta = dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4, LUT_BF16=True, IP=False)
+lut_meta = dict(GROUP=True, SUM_RULE=False, M=4, C=16, DSUB=8, CHUNKS=1, TABLES_P2=4, LUT_BF16=True, IP=False,
+                KEY_AT_LENGTH=False)
 kernels = {
     "lut": (select_fine._lut_kernel, lut_types, dict(lut_meta, ENCODE=False, STORE_KV=False), 4),
     "lut-encode": (select_fine._lut_kernel, lut_types, dict(lut_meta, ENCODE=True, STORE_KV=True), 4),
@@ -100,7 +101,7 @@ kernels = {
                     HAS_W=True, ZERO_PROGS=0, ENCODE=False, IP=False), 4),
     "encode": (encode._pq_encode_kernel, encode_types,
                dict(M=2, M_PER=2, C=16, DSUB=16, BLOCK_D=16, IP=False, HAS_BASE=True, HAS_HIST=True, P=256,
-                    STORE_KV=False, ADVANCE=True), 4),
+                    STORE_KV=False, ADVANCE=True, KEY_AT_BASE=False), 4),
 }
 out = {}
 for name, (fn, types, constexprs, warps) in kernels.items():

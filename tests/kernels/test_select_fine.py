@@ -211,13 +211,21 @@ def test_fine_code_base_and_init_offset(device, C):
 
 @pytest.mark.parametrize("metric", ["euclidean", "ip"])
 @pytest.mark.parametrize(
-    "share,rule,store,bits", [("group", "max", True, 8), ("group", "max", False, 4), ("head", "sum", True, 8)]
+    "share,rule,store,bits,form",
+    [
+        ("group", "max", True, 8, "keys"),
+        ("group", "max", False, 4, "keys"),
+        ("head", "sum", True, 8, "keys"),
+        ("group", "max", False, 8, "cache"),
+        ("head", "sum", False, 8, "cache"),
+    ],
 )
-def test_fine_lut_launch_encodes_the_appended_key(device, metric, share, rule, store, bits):
+def test_fine_lut_launch_encodes_the_appended_key(device, metric, share, rule, store, bits, form):
     """AppendedKey: the LUT launch does the encode launch's work. Against pq_encode then the
     selection on a copy of the state, three steps of ragged sequences: the new key's codes (the
     reference's), the cache rows (float32 keys into a bf16 cache), the lengths advanced once, the
-    arrival counters back at zero, and the same selection (it sees the advanced lengths)."""
+    arrival counters back at zero, and the same selection (it sees the advanced lengths). form
+    "cache": the key read from row lengths[b] of a key cache written first (at_length)."""
     from pqattn.kernels.encode import pq_encode
     from pqattn.kernels.select import AppendedKey
 
@@ -246,11 +254,18 @@ def test_fine_lut_launch_encodes_the_appended_key(device, metric, share, rule, s
         k_new = torch.randn(B, Hkv, 1, D, device=device)
         v_new = torch.randn(B, Hkv, 1, D, device=device)
         before = lengths.clone()
+        if form == "cache":  # a key cache with each sequence's new key at its length, NaN elsewhere
+            key_cache = torch.full((B, Hkv, N, D), float("nan"), device=device)
+            for b, n in enumerate(before.tolist()):
+                key_cache[b, :, n] = k_new[b, :, 0]
         sels = []
         for i, (codes_i, lengths_i, kc, vc) in enumerate(state):
             kv = (kc, vc, v_new) if store else None
             if i == 0:
-                appended = AppendedKey(k_new, phi, arrivals[i], kv)
+                if form == "cache":
+                    appended = AppendedKey(key_cache, phi, arrivals[i], kv, at_length=True)
+                else:
+                    appended = AppendedKey(k_new, phi, arrivals[i], kv)
             else:
                 appended = None
                 pq_encode(k_new, cent, phi, codes_i, base=lengths_i, kv_cache=kv, advance=arrivals[i])
@@ -301,6 +316,11 @@ def test_fine_appended_key_is_checked(device):
             "phi",
         ),
         (AppendedKey(torch.randn(B, Hkv, 1, D, device=device), None, arrivals, None), 0, "window"),
+        (
+            AppendedKey(torch.randn(B, Hkv, N - 1, D, device=device), None, arrivals, None, True),
+            4,
+            "key cache",
+        ),
     ]
     for appended, window, message in cases:
         params = SelectParams.make(

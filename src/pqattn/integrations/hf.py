@@ -11,7 +11,7 @@ step) appends the new key to the index, selects sink + heavy + window tokens per
 runs the sparse decode kernel over the cache (`pqattn.ops.sparse_decode`). Layers listed in
 `dense_layers` always use SDPA. The KV cache stays transformers' own (DynamicCache, or a
 StaticCache, whose preallocated keys the index then reads up to each sequence's length: the
-new token's slot comes from `position_ids`); the index lives on each attention module.
+new token's slot is each sequence's length, its position); the index lives on each attention module.
 `generate` is the static decode loop (`StaticDecoder`, one step at a time): a StaticCache, a
 dense prefill, then greedy decode steps of the whole model captured as one CUDA graph and
 replayed; ragged batches pass right-padded prompts with `prompt_lengths`.
@@ -224,7 +224,8 @@ def pq_attention_forward(
         counts_at = position_ids if state.static else None
         return split_k_decode(query, key, value, counts_at, scaling, state.buffers), None
     q = query[:, :, 0]
-    new_key = _new_key(key, position_ids) if state.static else key[:, :, -1:]
+    # a static cache holds the new key at the step's position, which is each sequence's length
+    new_key = key if state.static else key[:, :, -1:]
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
     out = index.attend(q, key, value, index.select(q, key, append=new_key), scale=scaling)
     state.sparse_steps += 1
@@ -350,14 +351,6 @@ def _caller_level() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
-
-
-def _new_key(key: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """The decode step's key [B, Hkv, 1, D] from a preallocated cache [B, Hkv, S, D]: the slot of
-    each sequence's position (a gather on the device: capturable)."""
-    B, Hkv, _, D = key.shape
-    at = position_ids[:, -1].expand(B).long()
-    return key.gather(2, at.view(B, 1, 1, 1).expand(B, Hkv, 1, D))
 
 
 def _sliding_window(module: torch.nn.Module) -> int | None:

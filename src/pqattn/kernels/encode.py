@@ -89,6 +89,7 @@ def _pq_encode_kernel(
     P: tl.constexpr,
     STORE_KV: tl.constexpr,
     ADVANCE: tl.constexpr,
+    KEY_AT_BASE: tl.constexpr,  # the key is row base[b] + t of k (a cache the caller wrote first)
     PDL: tl.constexpr,
 ):
     release_next(PDL)  # a selection launched behind this one may start (pqattn.kernels.pdl)
@@ -99,12 +100,12 @@ def _pq_encode_kernel(
     kvh = (pid // (SPLITS * G)) % Hkv
     b = pid // (SPLITS * G * Hkv)
     new = t < T
-    key = k_ptr + b * stride_kb + kvh * stride_kk + t * stride_kt
     cent = cent_ptr + b * stride_cb + kvh * stride_ck
     first = row0
     if HAS_BASE:
         first += tl.load(base_ptr + b).to(tl.int32)
     row = first + t
+    key = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kk + (row if KEY_AT_BASE else t) * stride_kt
     out = out_ptr + b * stride_ob + kvh * stride_ok + row * stride_on
     combo = 0
     for i in tl.static_range(M_PER):
@@ -167,6 +168,7 @@ def pq_encode(
     *,
     row0: int = 0,
     n_drop: int = 0,
+    key_at_base: bool = False,
 ) -> None:
     """Write codes of keys [B, Hkv, T, D] into out (indexed [b, kvh, row, m] by its strides).
 
@@ -177,9 +179,15 @@ def pq_encode(
     window). kv_cache (with base, n_drop 0): (k_cache, v_cache, values), the caches
     [B, Hkv, >= base + T, D] receive keys and values [B, Hkv, T, D] at rows base[b] + t.
     advance (with base): int32 [B] arrival counters, zero-filled once (left at zero): base is
-    set to base + row0 + T in the same launch. Validated inputs only.
+    set to base + row0 + T in the same launch. key_at_base (with base, row0 = n_drop = 0): one
+    key per sequence, row base[b] of keys [B, Hkv, >= base + 1, D] (a cache the caller wrote
+    first). Validated inputs only.
     """
     B, Hkv, T, D = keys.shape
+    if key_at_base:
+        if base is None or row0 or n_drop:
+            raise ValueError("key_at_base: the key is row base[b] of keys; expected base, row0 = n_drop = 0")
+        T = 1
     M, C, width = centroids.shape[2], centroids.shape[3], centroids.shape[4]
     dsub = D // M
     ip = width == dsub + 1
@@ -239,6 +247,7 @@ def pq_encode(
             P=C**M,
             STORE_KV=kv_cache is not None,
             ADVANCE=advance is not None,
+            KEY_AT_BASE=key_at_base,
             **pdl_meta(keys.device, early=False),
             num_warps=4,
         ),

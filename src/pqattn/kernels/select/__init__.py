@@ -53,10 +53,13 @@ class AppendedKey(NamedTuple):
     zero-filled once (left at zero): the launch's last program of a sequence advances its length.
     phi [B, Hkv, M] (contiguous) for the ip metric, else None. kv_cache: (k_cache, v_cache,
     values) to store the key and values [B, Hkv, 1, D] (last dim contiguous) at that row of the
-    caches [B, Hkv, >= capacity, D], or None. The new key is in the window (window >= 1): the
-    selection does not read its code."""
+    caches [B, Hkv, >= capacity, D], or None. at_length: keys is instead a key cache
+    [B, Hkv, >= capacity, D] (last dim contiguous) whose row lengths[b] already holds the new key
+    (a cache the caller wrote first, as transformers' static cache is). The new key is in the
+    window (window >= 1): the selection does not read its code."""
 
     keys: torch.Tensor
     phi: torch.Tensor | None
     arrivals: torch.Tensor
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    at_length: bool = False

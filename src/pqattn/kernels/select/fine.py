@@ -266,6 +266,7 @@ def _lut_kernel(
     stride_cc,
     stride_kb,
     stride_kk,
+    stride_kn,
     stride_ob,
     stride_ok,
     stride_on,
@@ -297,6 +298,7 @@ def _lut_kernel(
     ENCODE: tl.constexpr,  # also encode the step's new key (AppendedKey)
     IP: tl.constexpr,  # the new key is augmented for the ip metric (centroids of DSUB + 1)
     STORE_KV: tl.constexpr,  # and store its key and value rows into the caches
+    KEY_AT_LENGTH: tl.constexpr,  # the new key is row lengths[b] of k (AppendedKey.at_length)
     PDL: tl.constexpr,
 ):
     """Program row * CHUNKS + chunk: LUT[m, c, t] = <q_t,m, centroid[m, c]> of every table t for
@@ -334,6 +336,8 @@ def _lut_kernel(
         encoder = r % G == 0
         kv_heads = ROWS_PER_B // G
     key = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kk
+    if KEY_AT_LENGTH:
+        key += tl.load(len_ptr + b).to(tl.int64) * stride_kn
     lut = tl.zeros([TABLES_P2, MB, C], tl.float32)
     dot = tl.zeros([MB, C], tl.float32)  # the new key's <x, c> and ||c||^2 (ENCODE)
     c_sq = tl.zeros([MB, C], tl.float32)
@@ -1046,6 +1050,7 @@ def pq_select_fine(
         enc_strides = (
             k_new.stride(0),
             k_new.stride(1),
+            k_new.stride(2),
             *codes.stride(),
             *k_cache.stride(),
             *v_cache.stride(),
@@ -1054,7 +1059,7 @@ def pq_select_fine(
             v_new.stride(3),
         )
     else:  # (not read)
-        enc_tensors, enc_strides = (q,) * 8, (0,) * 17
+        enc_tensors, enc_strides = (q,) * 8, (0,) * 18
     _lut_launch(
         (rows * lut_progs,),
         (q, centroids, workspace, *enc_tensors),
@@ -1080,6 +1085,7 @@ def pq_select_fine(
             ENCODE=appended is not None,
             IP=appended is not None and appended.phi is not None,
             STORE_KV=appended is not None and appended.kv_cache is not None,
+            KEY_AT_LENGTH=appended is not None and appended.at_length,
             num_warps=4,
             # behind the encode launch it starts early; encoding, it reads the step's new key
             **pdl_meta(q.device, early=appended is None),
@@ -1255,7 +1261,20 @@ def _check_appended(
             f"appended: the new key is coded at row lengths[b] inside the window; expected window >= 1 "
             f"and code_base 0, got window={params.window}, code_base={code_base}"
         )
-    rows = [("appended.keys", appended.keys)]
+    rows = [] if appended.at_length else [("appended.keys", appended.keys)]
+    if appended.at_length:
+        cache = appended.keys
+        if (
+            tuple(cache.shape[:2]) != (B, Hkv)
+            or cache.shape[3] != D
+            or cache.shape[2] < codes.shape[2]
+            or cache.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"appended.keys: expected a key cache [B, Hkv, >= {codes.shape[2]}, D] = "
+                f"[{B}, {Hkv}, >= {codes.shape[2]}, {D}] with a contiguous last dim (at_length), "
+                f"got {list(cache.shape)} with strides {cache.stride()}"
+            )
     if appended.kv_cache is not None:
         rows.append(("appended.kv_cache values", appended.kv_cache[2]))
         for name, cache in zip(("k_cache", "v_cache"), appended.kv_cache[:2], strict=True):
