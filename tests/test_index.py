@@ -562,3 +562,40 @@ def test_decode_steps_over_paged_caches(routes: str, device: torch.device, reque
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="block_table: expected blocks for the index's capacity"):
         paged.decode_step(q, k_new, v_new, k_paged, v_paged, block_table=table[:, :2])
+
+
+@pytest.mark.parametrize("rerank", [0, 2])
+def test_group_decode_steps_over_paged_caches(rerank: int, kernel_routes, device: torch.device) -> None:
+    """The default policy's route over paged caches: the step's key encoded inside the selection
+    (select(append=)), the same selection and output as the contiguous cache's step; a config that
+    re-ranks is refused before anything is written (it reads contiguous keys)."""
+    B, H, Hkv, N, D, steps, P = 2, 8, 2, 200, 32, 2, 16
+    config = PQConfig(subvectors=4, sink=4, window=8, heavy=12, iters=2, rerank=rerank)
+    keys = torch.randn(B, Hkv, N + steps, D, device=device)
+    values = torch.randn_like(keys)
+    lengths = [N, N - 40]
+    index, paged = (PQIndex.build(keys[:, :, :N], lengths, capacity=N + steps, config=config) for _ in "ab")
+    for name in ("centroids", "codes", "lengths"):
+        getattr(paged, name).copy_(getattr(index, name))
+    blocks = -(-(N + steps) // P)
+    table = torch.randperm(B * blocks, device=device).view(B, blocks)
+    k_paged = ref.to_pages(keys, table, B * blocks, P)
+    v_paged = ref.to_pages(values, table, B * blocks, P)
+    for _step in range(steps):
+        q = torch.randn(B, H, D, device=device)
+        k_new, v_new = (torch.randn(B, Hkv, 1, D, device=device) for _ in range(2))
+        if rerank:
+            before = k_paged.clone()
+            with pytest.raises(ValueError, match="block_table: a config that re-ranks"):
+                paged.decode_step(q, k_new, v_new, k_paged, v_paged, block_table=table)
+            assert paged.lengths.tolist() == lengths
+            torch.testing.assert_close(
+                k_paged, before, rtol=0, atol=0, equal_nan=True
+            )  # (NaN: unused blocks)
+            return
+        want = index.decode_step(q, k_new, v_new, keys, values).clone()
+        got = paged.decode_step(q, k_new, v_new, k_paged, v_paged, block_table=table).clone()
+        assert torch.equal(paged.lengths, index.lengths) and torch.equal(paged.codes, index.codes)
+        assert torch.equal(ref.unpage(k_paged, table)[:, :, : N + steps], keys)
+        assert rows_as_sets(*paged._selection) == rows_as_sets(*index._selection)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,12 @@ _MAX_PLANS = 16  # plans an index keeps (the least recently used goes first)
 DEFAULT_SAMPLE = 16  # keys per centroid of a euclidean build (docs/kernels/kmeans.md)
 
 
+_PAGED_RERANK = (
+    "block_table: a config that re-ranks reads contiguous keys in PQIndex.select; pass a selection "
+    "(select_topk(..., keys=k_cache, block_table=block_table) re-ranks paged keys)"
+)
+
+
 @dataclass(frozen=True)
 class PQConfig(SelectPolicy):
     """What to quantize, and what to select (the `SelectPolicy` fields: sink, window, heavy in
@@ -715,10 +721,7 @@ class PQIndex:
         """Select (appending step = (k_new, kv_cache) first, when given) unless given a
         selection, then attend."""
         if selection is None and block_table is not None and self.config.rerank:
-            raise ValueError(
-                "block_table: a config that re-ranks reads contiguous keys in PQIndex.select; pass a "
-                "selection (select_topk(..., keys=k_cache, block_table=block_table) re-ranks paged keys)"
-            )
+            raise ValueError(_PAGED_RERANK)
         sel = self._select(q, k_cache, *(step or (None, None))) if selection is None else selection
         paged = {} if block_table is None else {"block_table": block_table}
         if not dispatch.decode_kernel_path(q):
@@ -825,9 +828,11 @@ class PQIndex:
                 )
             self._check_paged(k_cache, v_cache, block_table)
             self._check_room(1, "k_new")
+            if self.config.rerank:  # (refused before anything is written)
+                raise ValueError(_PAGED_RERANK)
             ops.paged_append(k_cache, v_cache, block_table, self.lengths, k_new[:, :, 0], v_new[:, :, 0])
-            self.append(k_new)
-            return self.attend(q, k_cache, v_cache, scale=scale, block_table=block_table)
+            selection = self.select(q, append=k_new)
+            return self.attend(q, k_cache, v_cache, selection, scale=scale, block_table=block_table)
         inputs = (q, k_new, v_new, k_cache, v_cache)
         key = self._plan_key("step", *inputs, scale=scale)
         plan = self._plans.get(key)
