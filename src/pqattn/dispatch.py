@@ -334,9 +334,10 @@ def select(
     encodes the step's key in the same launch (pqattn.kernels.select.NewKey). share="group":
     one selection per KV head (rows [B, Hkv]) by the group scores of `group_rule`. rerank=R with
     keys [B, Hkv, N, D] (or paged [num_blocks, P, Hkv, D] with `block_table`): the top heavy
-    by exact score among the top R * heavy by PQ score. appended: the step's new key, encoded by
-    the fine route's first launch (pqattn.kernels.select.AppendedKey; `select_route` == "fine"
-    only: the caller appends through `encode` otherwise).
+    by exact score among the top R * heavy by PQ score. appended: the step's new key
+    (pqattn.kernels.select.AppendedKey; code_base 0), encoded by the fine route's first launch,
+    or by the encode launch ahead of the selection on the other routes, with a window of 0 and
+    for keys whose last dim is strided.
     """
     B, H, _ = q.shape
     Hkv, M, C = centroids.shape[1], centroids.shape[2], centroids.shape[3]
@@ -351,8 +352,6 @@ def select(
         kept_histogram=histogram is not None,
         buckets=buckets is not None,
     )
-    if appended is not None and route != "fine":
-        raise ValueError(f"appended: the {route!r} route does not encode; expected the fine route")
     R = Hkv if share == "group" else H  # selection rows per sequence
     if out is None:
         out = Selection(
@@ -403,6 +402,21 @@ def select(
         )
     q = q if q.stride(-1) == 1 else q.contiguous()
     centroids = centroids if centroids.stride(-1) == 1 else centroids.contiguous()
+    if appended is not None and not (route == "fine" and params.window >= 1 and _lut_reads(appended)):
+        encode(
+            appended.keys,
+            centroids,
+            appended.phi,
+            codes,
+            base=lengths,
+            hist=histogram,
+            window=params.window,
+            cand_lo=params.cand_lo,
+            kv_cache=appended.kv_cache,
+            advance=appended.arrivals,
+            key_at_base=appended.at_length,
+        )
+        appended = None
     common = dict(positions=out.positions, counts=out.counts, workspace=workspace, weights=weights)
     if route == "fine":
         from pqattn.kernels.select.fine import pq_select_fine
@@ -463,6 +477,12 @@ def select(
 
         pq_select(q, centroids, codes, lengths, params, n_tokens=N, code_base=code_base, **common)
     return out
+
+
+def _lut_reads(appended: AppendedKey) -> bool:
+    """Whether the fine LUT launch reads this key's layout (last dims contiguous)."""
+    values = appended.kv_cache[2] if appended.kv_cache is not None else appended.keys
+    return appended.keys.stride(-1) == 1 and values.stride(-1) == 1
 
 
 def sparse_decode(

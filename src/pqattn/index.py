@@ -9,7 +9,7 @@ import torch
 from pqattn import _validate as check
 from pqattn import dispatch, ops
 from pqattn.dispatch import AppendedKey, PQCodebook
-from pqattn.policy import SelectPolicy, clamp_row_heavy, select_route
+from pqattn.policy import SelectPolicy, clamp_row_heavy
 from pqattn.reference import Selection, SelectParams
 from pqattn.runtime.launch import PlanCache, recording, signature
 
@@ -408,10 +408,10 @@ class PQIndex:
                 f"lengths <= capacity={self.capacity}, got {self._max_length + T}"
             )
 
-    def _encode(self, keys: torch.Tensor, kv_cache: tuple | None = None, at_length: bool = False) -> None:
+    def _encode(self, keys: torch.Tensor, kv_cache: tuple | None = None) -> None:
         """The encode launch (kernel path): codes at each length, the histogram, the lengths
         advanced in the same launch, and with kv_cache (k_cache, v_cache, values) the new rows
-        stored into the caches. at_length: keys is a cache holding each new key at row lengths[b]."""
+        stored into the caches."""
         dispatch.encode(
             keys,
             self.centroids,
@@ -423,7 +423,6 @@ class PQIndex:
             cand_lo=self._cand_lo,
             kv_cache=kv_cache,
             advance=self._arrivals,
-            key_at_base=at_length,
         )
 
     def _plan_key(self, method: str, *inputs: torch.Tensor, scale: float | None = None) -> tuple:
@@ -601,26 +600,11 @@ class PQIndex:
                 rerank=c.rerank,
             )
             self._workspace = torch.zeros(n, dtype=torch.int32, device=self.device)
-        # the fine route's LUT launch encodes the new key from the centroids it reads anyway
-        route = select_route(
-            c.subvectors,
-            1 << c.bits,
-            heavy,
-            share=c.share,
-            rerank=c.rerank,
-            kept_histogram=self._hist is not None,
-            buckets=self._buckets is not None,
-        )
-        fused = (
-            k_new is not None
-            and route == "fine"
-            and c.window >= 1
-            and k_new.stride(-1) == 1
-            and (kv_cache is None or kv_cache[2].stride(-1) == 1)
-        )
+        # on the fine route the selection's first launch encodes the key, else the encode launch
+        appended = None
+        if k_new is not None:
+            appended = AppendedKey(k_new, self.phi, self._arrivals, kv_cache, at_length)
         with recording() as rec:
-            if k_new is not None and not fused:
-                self._encode(k_new, kv_cache=kv_cache, at_length=at_length)
             dispatch.select(
                 q,
                 self.centroids,
@@ -642,7 +626,7 @@ class PQIndex:
                 group_rule=c.group_rule,
                 rerank=c.rerank,
                 keys=keys,
-                appended=AppendedKey(k_new, self.phi, self._arrivals, kv_cache, at_length) if fused else None,
+                appended=appended,
             )
         if k_new is not None:
             self._max_length += 1

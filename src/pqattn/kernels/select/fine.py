@@ -172,80 +172,6 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _encode_chunk(
-    key,
-    phi_ptr,
-    codes_ptr,
-    len_ptr,
-    arrive_ptr,
-    kc_ptr,
-    vc_ptr,
-    vn_ptr,
-    cent,
-    dot,
-    c_sq,
-    x_sq,
-    b,
-    kvh,
-    chunk,
-    m,
-    c_idx,
-    stride_cm,
-    stride_cc,
-    stride_ob,
-    stride_ok,
-    stride_on,
-    stride_om,
-    stride_kcb,
-    stride_kck,
-    stride_kcn,
-    stride_kcd,
-    stride_vcb,
-    stride_vck,
-    stride_vcn,
-    stride_vcd,
-    stride_vnb,
-    stride_vnk,
-    stride_vnd,
-    Hkv,
-    M: tl.constexpr,
-    C: tl.constexpr,
-    DSUB: tl.constexpr,
-    MB: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    IP: tl.constexpr,
-    STORE_KV: tl.constexpr,
-):
-    """The encode launch's work for the chunk's MB sub-vectors of (b, kvh)'s new key, given
-    <x, c>, ||c||^2 and ||x||^2 from the LUT's centroid loads: the nearest centroids
-    (||c||^2 - 2 <x, c>, ip-augmented as pqattn.kernels.codes.sub_distances does) written at row
-    lengths[b], the chunk's elements of the key and value rows stored there, and the length
-    advanced by the last of the sequence's Hkv * CHUNKS programs to arrive."""
-    if IP:
-        c_extra = tl.load(cent + m[:, None] * stride_cm + c_idx[None, :] * stride_cc + DSUB).to(tl.float32)
-        phi = tl.load(phi_ptr + (b * Hkv + kvh) * M + m).to(tl.float32)
-        extra = tl.sqrt(tl.maximum(phi - x_sq, 0.0))
-        dot += extra[:, None] * c_extra
-        c_sq += c_extra * c_extra
-    code = tl.argmin(c_sq - 2.0 * dot, axis=1, tie_break_left=True)
-    row = tl.load(len_ptr + b).to(tl.int32)
-    b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
-    out = codes_ptr + b64 * stride_ob + kvh * stride_ok + row.to(tl.int64) * stride_on
-    tl.store(out + m * stride_om, code.to(codes_ptr.dtype.element_ty))
-    if STORE_KV:
-        d = chunk * (MB * DSUB) + tl.arange(0, MB * DSUB)
-        k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
-        v_dst = vc_ptr + b64 * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
-        v_src = vn_ptr + b64 * stride_vnb + kvh * stride_vnk
-        tl.store(k_dst + d * stride_kcd, tl.load(key + d).to(kc_ptr.dtype.element_ty))
-        tl.store(v_dst + d * stride_vcd, tl.load(v_src + d * stride_vnd).to(vc_ptr.dtype.element_ty))
-    arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
-    if arrived == Hkv * CHUNKS - 1:
-        tl.store(len_ptr + b, (row + 1).to(len_ptr.dtype.element_ty))
-        tl.store(arrive_ptr + b, 0)
-
-
-@triton.jit
 def _lut_kernel(
     q_ptr,
     cent_ptr,
@@ -359,13 +285,33 @@ def _lut_kernel(
     wait_prior(PDL)
     if ENCODE:  # noqa: SIM102 (compiled only with ENCODE; `encoder` is a runtime value)
         if encoder:
-            _encode_chunk(
-                key, phi_ptr, codes_ptr, len_ptr, arrive_ptr, kc_ptr, vc_ptr, vn_ptr, cent, dot, c_sq, x_sq,
-                b, kvh, chunk, m, c_idx, stride_cm, stride_cc, stride_ob, stride_ok, stride_on, stride_om,
-                stride_kcb, stride_kck, stride_kcn, stride_kcd, stride_vcb, stride_vck, stride_vcn,
-                stride_vcd, stride_vnb, stride_vnk, stride_vnd, kv_heads,
-                M, C, DSUB, MB, CHUNKS, IP, STORE_KV,
-            )  # fmt: skip
+            # the encode launch's work for the chunk's sub-vectors of the new key: the nearest
+            # centroids (ip-augmented as pqattn.kernels.codes.sub_distances does) at row lengths[b],
+            # the chunk's elements of the K/V rows there, and the length advanced by the last of
+            # the sequence's Hkv * CHUNKS programs to arrive
+            if IP:
+                c_extra = tl.load(cent + m[:, None] * stride_cm + c_idx[None, :] * stride_cc + DSUB)
+                c_extra = c_extra.to(tl.float32)
+                phi = tl.load(phi_ptr + (b * kv_heads + kvh) * M + m).to(tl.float32)
+                dot += tl.sqrt(tl.maximum(phi - x_sq, 0.0))[:, None] * c_extra
+                c_sq += c_extra * c_extra
+            code = tl.argmin(c_sq - 2.0 * dot, axis=1, tie_break_left=True)
+            row = tl.load(len_ptr + b).to(tl.int32)
+            b64 = b.to(tl.int64)  # a KV cache can pass 2**31 elements
+            out = codes_ptr + b64 * stride_ob + kvh * stride_ok + row.to(tl.int64) * stride_on
+            tl.store(out + m * stride_om, code.to(codes_ptr.dtype.element_ty))
+            if STORE_KV:
+                el = chunk * (MB * DSUB) + tl.arange(0, MB * DSUB)  # the chunk's elements of a row
+                k_dst = kc_ptr + b64 * stride_kcb + kvh * stride_kck + row.to(tl.int64) * stride_kcn
+                v_dst = vc_ptr + b64 * stride_vcb + kvh * stride_vck + row.to(tl.int64) * stride_vcn
+                v_src = vn_ptr + b64 * stride_vnb + kvh * stride_vnk
+                tl.store(k_dst + el * stride_kcd, tl.load(key + el).to(kc_ptr.dtype.element_ty))
+                v_row = tl.load(v_src + el * stride_vnd)
+                tl.store(v_dst + el * stride_vcd, v_row.to(vc_ptr.dtype.element_ty))
+            arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
+            if arrived == kv_heads * CHUNKS - 1:
+                tl.store(len_ptr + b, (row + 1).to(len_ptr.dtype.element_ty))
+                tl.store(arrive_ptr + b, 0)
     if LUT_BF16:
         rounded = _round_bf16(lut)
         tl.store(ws_row.to(tl.pointer_type(tl.bfloat16), bitcast=True) + at, rounded, mask=ok)
