@@ -158,15 +158,23 @@ class _Recorder:
 
 
 class _FakeAutotuner(_Recorder):
+    """Times the configs only for a key its cache lacks (its key: the `D` argument), as Triton's
+    autotuner does, and picks configs[pick]."""
+
     def __init__(self, configs: list[triton.Config], pick: int) -> None:
         self.log: list = []
         super().__init__(self.log, "autotuner")
         self.configs, self.pick, self.best_config = configs, pick, None
+        self.cache: dict = {}
         self.fn = _Recorder(self.log, "kernel")
 
     def __getitem__(self, grid):
         def run(*args, **kw):
-            self.best_config = self.configs[self.pick]
+            key = kw.get("D")
+            if key not in self.cache:
+                self.log.append(("timed",))
+                self.cache[key] = self.configs[self.pick]
+            self.best_config = self.cache[key]
             self.log.append(("autotuner", grid(self.best_config.kwargs), args, kw))
             return ("compiled", self.best_config)  # what Triton's autotuner returns: the kernel it ran
 
@@ -206,21 +214,40 @@ def test_autotunes_once_per_key_then_launches_the_choice() -> None:
     del tuner.log[-1]
     tuner.best_config = None  # the lab resets it before a call and reads it after
     launch((7, True), grid, (x,), (6,), {"D": 32})
-    assert [e[0] for e in tuner.log] == ["autotuner", "kernel"]
-    _, g, args, kw = tuner.log[1]
+    assert [e[0] for e in tuner.log] == ["timed", "autotuner", "kernel"]
+    _, g, args, kw = tuner.log[2]
     assert g == (1, 2) and args == (x, 6)
     assert kw == {"D": 32, "BLOCK": 64, "num_warps": 8, "num_ctas": 1, "num_stages": 2}
     assert tuner.best_config is CONFIGS[1]
     launch((8, True), grid, (x,), (6,), {"D": 32})  # another key
     launch((7, True), grid, (x.double(),), (6,), {"D": 32})  # another dtype: the autotuner's key has it
     assert [e[0] for e in tuner.log] == [
+        "timed",
         "autotuner",
         "kernel",
+        "timed",
         "autotuner",
         "remember",
+        "timed",
         "autotuner",
         "remember",
     ]
+
+
+def test_a_key_the_autotuner_cannot_tell_apart_is_timed_afresh() -> None:
+    """Two of the caller's keys (a grid of 1 and of 64 rows) with the same kernel arguments in
+    the autotuner's key: the second is timed too, and each keeps its own choice."""
+    tuner = _FakeAutotuner(CONFIGS, pick=0)
+    launch = TunedLauncher(tuner)
+    launch.launch = _FakeLauncher(tuner.log)
+    x = torch.zeros(3)
+    launch((7, 1), lambda c: (1, 1), (x,), (5,), {"D": 32})
+    tuner.pick = 1
+    launch((7, 64), lambda c: (1, 64), (x,), (5,), {"D": 32})
+    assert [e[0] for e in tuner.log].count("timed") == 2
+    launch((7, 1), lambda c: (1, 1), (x,), (5,), {"D": 32})
+    launch((7, 64), lambda c: (1, 64), (x,), (5,), {"D": 32})
+    assert [e[3]["BLOCK"] for e in tuner.log[-2:]] == [16, 64]
 
 
 def test_configs_with_a_pre_hook_are_refused() -> None:

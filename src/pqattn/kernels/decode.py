@@ -467,7 +467,18 @@ def sparse_decode(
         UNROLL_BLOCK=_UNROLL_BLOCK,
     )
     if config is None:
-        key = (width, D, H, H // Hkv, weights is not None, dense_weights, meta["PAGE"])
+        # tuned per width and per grid rows (to a power of two): a row's best split depends on how
+        # many programs the batch puts on the SMs
+        key = (
+            width,
+            D,
+            H,
+            H // Hkv,
+            weights is not None,
+            dense_weights,
+            meta["PAGE"],
+            triton.next_power_of_2(rows),
+        )
         _sparse_decode_tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), rows), tensors, scalars, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), rows)
@@ -524,7 +535,9 @@ def group_decode(
     meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page)
     meta |= dict(UNROLL_MAX=_UNROLL_MAX, UNROLL_BLOCK=_UNROLL_BLOCK)
     if config is None:
-        key = (width, D, gp, f32, page)
+        # tuned per width and per grid rows (to a power of two): a row's best split depends on how
+        # many programs the batch puts on the SMs
+        key = (width, D, gp, f32, page, triton.next_power_of_2(B * Hkv))
         _group_decode_tuned(
             key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta
         )

@@ -192,9 +192,10 @@ class Launcher:
 class TunedLauncher:
     """Wraps a `triton.autotune`d kernel whose configs have no pre-hook.
 
-    key: the autotuner's key values (the tensors' dtypes and the device are added here, as the
-    autotuner adds the dtypes to its own key); grid: config kwargs -> launch grid; tensors and
-    scalars as for Launcher. The autotuner's `best_config` is kept current, so the lab still
+    key: what the choice depends on (the autotuner's key values and whatever else the caller
+    tunes by, e.g. the grid's rows; the tensors' dtypes and the device are added here); each new
+    key is timed afresh, whatever the autotuner's own cache holds. grid: config kwargs -> launch
+    grid; tensors and scalars as for Launcher. The autotuner's `best_config` is kept current, so the lab still
     records the config each call ran.
     """
 
@@ -213,6 +214,9 @@ class TunedLauncher:
         if chosen is None:
             if _recording is not None:
                 _recording.complete = False  # the autotuner's trials are not a launch to repeat
+            # the caller's key decides: Triton's autotuner keys on kernel arguments only, which
+            # need not tell two of the caller's keys apart (a grid of other rows), so it re-times
+            self.autotuned.cache.clear()
             kernel = self.autotuned[grid](*tensors, *scalars, **meta)
             config = self.autotuned.best_config
             self.chosen[full_key] = (config, config.all_kwargs())

@@ -507,7 +507,9 @@ def pq_select(
     meta.update(HAS_W=weights is not None, K_PAD=kp, LUT_READY=lut_kernel)
     n_tok = max(n_tokens, 1)
     if config is None:
-        key = (n_bucket, H, M, C, weights is not None, kp, lut_kernel)
+        # tuned per token bucket and per grid rows (to a power of two): a row's best tile depends
+        # on how many programs the batch puts on the SMs
+        key = (n_bucket, H, M, C, weights is not None, kp, lut_kernel, triton.next_power_of_2(rows))
         _pq_select_tuned(key, lambda m: (rows, -(-n_tok // m["TILE"])), tensors, scalars, meta)
     else:
         grid = (rows, -(-n_tok // config.kwargs["TILE"]))
