@@ -91,7 +91,7 @@ INTERPRETER_SMS = 16  # the SM count assumed off the GPU (small test rows still 
 REG_LUT_MAX_C = 32
 REG_LUT_SUB = 128  # tokens per step of the register-LUT scores (a [M, SUB // C, C] tile)
 EXACT_BLOCK = 32  # shortlist entries per program of the exact scores (rows of D elements each)
-LUT_PROGRAM_ELEMENTS = 4096  # centroid elements a program of the LUT launch multiplies
+LUT_PROGRAM_ELEMENTS = 2048  # centroid elements a program of the LUT launch multiplies (at most)
 _CTR = 4  # per-row counters: heavy slots taken, boundary size, programs arrived, (spare)
 
 
