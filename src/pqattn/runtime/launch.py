@@ -195,8 +195,8 @@ class TunedLauncher:
     key: what the choice depends on (the autotuner's key values and whatever else the caller
     tunes by, e.g. the grid's rows; the tensors' dtypes and the device are added here); each new
     key is timed afresh, whatever the autotuner's own cache holds. grid: config kwargs -> launch
-    grid; tensors and scalars as for Launcher. The autotuner's `best_config` is kept current, so the lab still
-    records the config each call ran.
+    grid; tensors and scalars as for Launcher. The autotuner's `best_config` is kept current, so
+    the lab still records the config each call ran.
     """
 
     def __init__(self, autotuned: triton.runtime.Autotuner) -> None:
