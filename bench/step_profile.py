@@ -5,7 +5,7 @@ alone at several N (a cost that grows with N is a regression: the append must be
 Inputs rotate over enough sets (each its own index and caches) that no call finds its inputs in
 L2. Random centroids and codes (speed only: the selection's work does not depend on the values).
 
-Usage: PYTHONPATH=src python3 bench/step_profile.py [--shapes 1x32768,1x131072] [--json PATH]
+Usage: PYTHONPATH=src python3 bench/step_profile.py [--shapes 1x32768,1x131072] [--room 8192] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ CALLS = 16
 L2_BYTES = 50 * 2**20
 
 
-def make_index(B: int, N: int, config: PQConfig, g: torch.Generator) -> PQIndex:
+def make_index(B: int, N: int, config: PQConfig, g: torch.Generator, room: int = ROOM) -> PQIndex:
     M, C = config.subvectors, 1 << config.bits
     cent = torch.randn(B, HKV, M, C, D // M, device="cuda", generator=g)
     codes = torch.randint(0, C, (B, HKV, N, M), device="cuda", generator=g, dtype=torch.uint8)
-    return PQIndex.from_codebook(PQCodebook(cent, codes, None), [N] * B, capacity=N + ROOM, config=config)
+    return PQIndex.from_codebook(PQCodebook(cent, codes, None), [N] * B, capacity=N + room, config=config)
 
 
 def kernel_profile(fns, steps: int = 40) -> dict[str, float]:
@@ -52,7 +52,7 @@ def kernel_profile(fns, steps: int = 40) -> dict[str, float]:
     return {k: v / steps for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
 
 
-def run_shape(B: int, N: int, density: float, subvectors: int, bits: int) -> dict:
+def run_shape(B: int, N: int, density: float, subvectors: int, bits: int, room: int = ROOM) -> dict:
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + N)
     config = PQConfig(subvectors=subvectors, bits=bits, sink=64, window=64, heavy=max(1, round(density * N)))
     kv_bytes = 2 * B * HKV * N * D * 2
@@ -60,9 +60,9 @@ def run_shape(B: int, N: int, density: float, subvectors: int, bits: int) -> dic
     dt = torch.bfloat16
     xs = []
     for _ in range(sets):
-        cap = N + ROOM
+        cap = N + room
         x = {
-            "index": make_index(B, N, config, g),
+            "index": make_index(B, N, config, g, room),
             "kc": torch.randn(B, HKV, cap, D, device="cuda", generator=g).to(dt),
             "vc": torch.randn(B, HKV, cap, D, device="cuda", generator=g).to(dt),
             "q": torch.randn(B, H, D, device="cuda", generator=g).to(dt),
@@ -83,6 +83,7 @@ def run_shape(B: int, N: int, density: float, subvectors: int, bits: int) -> dic
         return lambda: baselines.sdpa_decode(x["q"], x["k"], x["v"])
 
     row = {"B": B, "N": N, "M": config.subvectors, "bits": config.bits, "heavy": config.heavy, "sets": sets}
+    row["capacity"] = N + room
     for name, make in (("step", step), ("append", append), ("sdpa", sdpa)):
         fns = [make(x) for x in xs]
         graph = capture(fns, dev, calls=CALLS)
@@ -101,12 +102,13 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.02)
     p.add_argument("--subvectors", type=int, default=PQConfig.subvectors)
     p.add_argument("--bits", type=int, default=PQConfig.bits)
+    p.add_argument("--room", type=int, default=ROOM, help="the capacity past N (at least the steps timed)")
     p.add_argument("--json")
     a = p.parse_args()
     rows = []
     for s in a.shapes.split(","):
         B, N = (int(v) for v in s.split("x"))
-        rows.append(run_shape(B, N, a.density, a.subvectors, a.bits))
+        rows.append(run_shape(B, N, a.density, a.subvectors, a.bits, a.room))
         r = rows[-1]
         top = ", ".join(f"{k[:40]} {v:.1f}" for k, v in list(r["kernels_us"].items())[:6])
         print(
