@@ -125,6 +125,21 @@ def test_fine_launch_tilings(
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("share,rule", [("head", "sum"), ("group", "max")])
+def test_fine_rows_far_shorter_than_the_token_axis(device, monkeypatch, share, rule):
+    """A token axis four times the rows' lengths (an index's capacity): the score programs split
+    the row's candidates, not the axis, several steps each, and the collect's programs split the
+    row's blocks, four each; the selection is the reference's."""
+    monkeypatch.setattr(fine, "SCORE_ELEMENTS", 256)
+    monkeypatch.setattr(fine, "SCORE_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(fine, "BLOCK_N", 256)
+    monkeypatch.setattr(fine, "collect_steps", lambda blocks, sms: 16)  # 2 programs a row
+    _run(
+        device, B=1, H=4, Hkv=2, N=8000, D=32, M=4, bits=8, lengths=[2000], sink=4, window=16,
+        heavy=120, share=share, rule=rule, calls=1,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("finish", FINISHES)
 def test_fine_selection_ties(device, monkeypatch, finish):
     monkeypatch.setattr(fine, "TIE_TILE", FINISHES[finish][0])

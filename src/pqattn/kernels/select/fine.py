@@ -9,19 +9,21 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    max rule), a code's entries of every table side by side (rounded to bfloat16 for a group,
    SPEC §7: half the bytes a lookup reads), and each chunk's share of the bounds of any score,
    lo = sum_m min_c LUT and hi = sum_m max_c LUT (maxed over the tables for the max rule).
-2. `_score_kernel`, grid (spans of tokens, rows): each program first scores a strided sample of
-   the row's candidates and takes from it the bins (`_pq_bins`; the program of the first
-   candidate stores them for the collect): NBINS equal bins of [t0, hi], with t0 a sample score
-   that the sample's expected count above the need-th score plus a margin reaches. Then
+2. `_score_kernel`, grid (programs, rows), a row's candidates split evenly over its programs
+   by its length (not by the token axis, the capacity, which may be far longer): each program
+   first scores a strided sample of the row's candidates and takes from it the bins
+   (`_pq_bins`; the program of the first candidate stores them for the collect): NBINS equal
+   bins of [t0, hi], with t0 a sample score that the sample's expected count above the need-th
+   score plus a margin reaches. Then
    each candidate's score (float32) into the workspace and a count per bin (a relaxed atomic a
    token at or above t0; the bulk of the scores, below t0, takes none). The bins are monotone
    in the score, so the need-th best score lies in one known bin; if fewer than need scores
    reach t0 (a sample far from the row), that bin is the one below t0, all of whose tokens are
    candidates for the rest. LUT entries are gathered from memory (L1; one vector load a code for
    the max rule's tables), or, for the max rule's G tables of at most 32 entries, from registers
-   (`tl.gather` along the token axis: a warp shuffle a code). Memory-gather programs split each
-   row evenly, about one program per SM in all: an SM then serves one row, whose tables stay in
-   its L1.
+   (`tl.gather` along the token axis: a warp shuffle a code). Memory-gather programs number
+   about SCORE_PROGRAMS_PER_SM an SM in all, so that an SM serves one row, whose tables stay in
+   its L1; register-LUT programs take a step each.
 3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part and those of that bin to a boundary list (both
    slots from one 64-bit atomic a block on the pair of counters), and writes its share of sink,
@@ -71,9 +73,10 @@ COLLECT_PROGRAMS_PER_SM = 4  # past this many collect programs, each takes sever
 
 
 def collect_steps(blocks: int, sms: int) -> int:
-    """Blocks of BLOCK_N candidates per collect program for `blocks` in all on `sms` SMs: one
-    while the programs fit COLLECT_PROGRAMS_PER_SM a SM, more past that, so that fewer programs
-    each read the row's bins."""
+    """Blocks of BLOCK_N candidates per collect program for `blocks` in all (the token axis's) on
+    `sms` SMs, which sets the launch's programs a row: one block a program while they fit
+    COLLECT_PROGRAMS_PER_SM a SM, more past that, so that fewer programs each read the row's bins.
+    A row shorter than the axis splits its own blocks evenly over those programs."""
     return max(-(-blocks // (sms * COLLECT_PROGRAMS_PER_SM)), 1)
 
 
@@ -476,7 +479,6 @@ def _score_kernel(
     PQ_BINS_AT,
     BINS_AT,
     SCORES_AT,
-    span,  # tokens a program covers
     GROUP: tl.constexpr,
     MAX_RULE: tl.constexpr,
     TABLES: tl.constexpr,
@@ -485,7 +487,7 @@ def _score_kernel(
     M: tl.constexpr,
     C: tl.constexpr,
     NBINS_: tl.constexpr,
-    BLOCK: tl.constexpr,  # tokens per step of the memory-gather loop
+    BLOCK: tl.constexpr,  # tokens per step (a program's span is a multiple of it)
     REG_LUT: tl.constexpr,  # the tables gathered from registers (C <= REG_LUT_MAX_C, tables > 1)
     SUB: tl.constexpr,  # tokens per step of the register-LUT loop
     SAMPLE: tl.constexpr,  # candidates scored for the bins' start (0: the bins span [lo, hi])
@@ -499,8 +501,11 @@ def _score_kernel(
     n = tl.load(len_ptr + b).to(tl.int32)
     _, _, cand_hi, need, _ = _row_sizes(n, sink, window, heavy, cand_lo, short_threshold)
     cand_end = tl.where(need > 0, cand_hi, cand_lo)
-    first = chunk * span
-    if (first + span > cand_lo) & (first < cand_end):
+    # the row's candidates (not the token axis, which may be far longer: the capacity) split
+    # evenly over the row's programs, in steps of BLOCK
+    span = tl.cdiv(cand_end - cand_lo, tl.num_programs(0) * BLOCK) * BLOCK
+    first = cand_lo + chunk * span
+    if first < cand_end:
         ws_row = ws_ptr + row.to(tl.int64) * ROW_WS
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
         lutp = ws_row.to(tl.pointer_type(tl.bfloat16 if LUT_BF16 else tl.float32), bitcast=True)
@@ -509,7 +514,7 @@ def _score_kernel(
             wsf, lutp, codes_row, stride_kn, stride_km, code_base, cand_lo, cand_hi - cand_lo, need,
             BOUNDS_AT, TABLES, TABLES_P2, CHUNKS, M, C, MAX_RULE, SAMPLE, NBINS_,
         )  # fmt: skip
-        if (cand_lo >= first) & (cand_lo < first + span):  # the first candidate's program
+        if chunk == 0:  # the first candidate's program
             tl.store(wsf + PQ_BINS_AT, lo)
             tl.store(wsf + PQ_BINS_AT + 1, inv)
         if REG_LUT:
@@ -596,7 +601,6 @@ def _collect_kernel(
     cand_lo,
     short_threshold,
     list_heavy,
-    steps,  # blocks of BLOCK candidates each program collects, one after the other
     ROW_WS,
     PQ_BINS_AT,
     LIST_BOUNDS_AT,
@@ -662,6 +666,9 @@ def _collect_kernel(
         # the next block's scores load while this block's atomic is in flight.
         tl.static_assert(BLOCK < 65536)
         ctr_pair = ctr.to(tl.pointer_type(tl.int64), bitcast=True)
+        # the blocks up to the row's last candidate (not the token axis, which may be far longer),
+        # split evenly over the row's programs, each taking its blocks one after the other
+        steps = tl.cdiv(tl.cdiv(src_hi, BLOCK), chunks)
         first = chunk * steps * BLOCK + tl.arange(0, BLOCK)
         own_hi = tl.minimum(src_hi, (chunk + 1) * steps * BLOCK)  # the end of this program's blocks
         s_next = tl.load(wsf + scores_at + first, mask=(first >= src_lo) & (first < own_hi), other=0.0)
@@ -1043,17 +1050,17 @@ def pq_select_fine(
     # programs cover a step each: a sample there would double their work, so they bin every score.
     gather_block = sample_size(M, tables)
     if reg_lut:
-        score_block = span = max(REG_LUT_ELEMENTS // M, sub)
+        score_block = max(REG_LUT_ELEMENTS // M, sub)
+        per_row = max(-(-N // score_block), 1)
         score_warps = 4
     else:
         score_block = gather_block
         # each row in the same number of programs, about SCORE_PROGRAMS_PER_SM an SM in all
         sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
-        per_row = max(SCORE_PROGRAMS_PER_SM * sms // rows, 1)
-        span = max(-(-N // (per_row * score_block)), 1) * score_block
+        per_row = min(max(SCORE_PROGRAMS_PER_SM * sms // rows, 1), max(-(-N // score_block), 1))
         score_warps = SCORE_WARPS
     _score_launch(
-        (max(-(-N // span), 1), rows),
+        (per_row, rows),
         (codes, lengths, workspace),
         (
             *codes.stride(),
@@ -1071,7 +1078,6 @@ def pq_select_fine(
             lay.pq_bins,
             lay.bins,
             lay.scores,
-            span,
         ),
         dict(
             GROUP=group,
@@ -1109,7 +1115,6 @@ def pq_select_fine(
                 cand_lo,
                 short_threshold,
                 list_heavy,
-                steps,
                 lay.size,
                 lay.pq_bins,
                 lay.list_bounds,
