@@ -88,25 +88,6 @@ def test_launcher_matches_the_jit_launch_for_every_specialisation(device: torch.
         assert len(launch.kernels) == 3 * 2 * 2 * 2
 
 
-def test_a_remembered_kernel_is_launched_and_recorded(device: torch.device) -> None:
-    """A kernel compiled elsewhere for a call's arguments (the autotuner's) and given to the
-    Launcher: the next such call launches it, recordable at once (no compilation first). Under the
-    interpreter there are no compiled kernels: nothing is kept."""
-    launch = Launcher(_affine)
-    x, y = torch.randn(40, device=device), torch.empty(40, device=device)
-    kernel = _affine[(3,)](x, y, 40, 2.0, BLOCK=16)
-    launch.remember((x, y), (40, 2.0), {"BLOCK": 16}, kernel)
-    if device.type != "cuda":
-        assert launch.kernels == {}
-        return
-    assert [entry[0] for entry in launch.kernels.values()] == [kernel]
-    y.fill_(float("nan"))
-    with recording() as rec:
-        launch((3,), (x, y), (40, 2.0), {"BLOCK": 16})
-    assert rec.complete and rec.launches[0].compiled[1][0] is kernel
-    torch.testing.assert_close(y, x * 2.0 + 40, rtol=0, atol=0)
-
-
 def test_launcher_refuses_missing_constexprs(device: torch.device) -> None:
     if interpreted():
         pytest.skip("the interpreter runs Triton's own launch, which reports this itself")
@@ -159,21 +140,35 @@ class _Recorder:
 
 class _FakeAutotuner(_Recorder):
     """Times the configs only for a key its cache lacks (its key: the `D` argument), as Triton's
-    autotuner does, and picks configs[pick]."""
+    autotuner does: each timing takes the next of `rounds` (a time per config) when given, else
+    configs[pick] is fastest. One config is not timed (no `configs_timings`), as in Triton."""
 
-    def __init__(self, configs: list[triton.Config], pick: int) -> None:
+    def __init__(
+        self, configs: list[triton.Config], pick: int, rounds: list[list[float]] | None = None
+    ) -> None:
         self.log: list = []
         super().__init__(self.log, "autotuner")
         self.configs, self.pick, self.best_config = configs, pick, None
+        self.rounds = list(rounds or [])
         self.cache: dict = {}
+        self.configs_timings: dict | None = None
         self.fn = _Recorder(self.log, "kernel")
 
     def __getitem__(self, grid):
         def run(*args, **kw):
             key = kw.get("D")
             if key not in self.cache:
-                self.log.append(("timed",))
-                self.cache[key] = self.configs[self.pick]
+                if len(self.configs) == 1:
+                    self.cache[key] = self.configs[0]
+                else:
+                    self.log.append(("timed",))
+                    times = (
+                        self.rounds.pop(0)
+                        if self.rounds
+                        else [float(i != self.pick) for i in range(len(self.configs))]
+                    )
+                    self.configs_timings = {c: [t, t, t] for c, t in zip(self.configs, times, strict=True)}
+                    self.cache[key] = min(self.configs_timings, key=lambda c: self.configs_timings[c][0])
             self.best_config = self.cache[key]
             self.log.append(("autotuner", grid(self.best_config.kwargs), args, kw))
             return ("compiled", self.best_config)  # what Triton's autotuner returns: the kernel it ran
@@ -182,16 +177,13 @@ class _FakeAutotuner(_Recorder):
 
 
 class _FakeLauncher:
-    """Stands in for TunedLauncher's Launcher: records launches and the kernels it is given."""
+    """Stands in for TunedLauncher's Launcher: records its launches."""
 
     def __init__(self, log: list) -> None:
         self.log = log
 
     def __call__(self, grid, tensors, scalars, kw) -> None:
         self.log.append(("kernel", grid, tensors + scalars, kw))
-
-    def remember(self, tensors, scalars, kw, kernel) -> None:
-        self.log.append(("remember", tensors + scalars, kw, kernel))
 
 
 CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 64}, num_warps=8, num_stages=2)]
@@ -204,34 +196,19 @@ def test_autotunes_once_per_key_then_launches_the_choice() -> None:
     x = torch.zeros(3)
     grid = lambda c: (100 // c["BLOCK"], 2)  # noqa: E731
     launch((7, True), grid, (x,), (5,), {"D": 32})
-    # the kernel the autotuner ran is the launcher's for the next such call
-    assert tuner.log[-1] == (
-        "remember",
-        (x, 5),
-        {"D": 32, **CONFIGS[1].all_kwargs()},
-        ("compiled", CONFIGS[1]),
-    )
-    del tuner.log[-1]
+    # the tuning call ends with a launch of the choice (through the Launcher: recordable next time)
+    assert [e[0] for e in tuner.log] == ["timed", "autotuner", "kernel"]
+    assert tuner.log[-1] == ("kernel", (1, 2), (x, 5), {"D": 32, **CONFIGS[1].all_kwargs()})
     tuner.best_config = None  # the lab resets it before a call and reads it after
     launch((7, True), grid, (x,), (6,), {"D": 32})
-    assert [e[0] for e in tuner.log] == ["timed", "autotuner", "kernel"]
-    _, g, args, kw = tuner.log[2]
+    assert [e[0] for e in tuner.log] == ["timed", "autotuner", "kernel", "kernel"]
+    _, g, args, kw = tuner.log[-1]
     assert g == (1, 2) and args == (x, 6)
     assert kw == {"D": 32, "BLOCK": 64, "num_warps": 8, "num_ctas": 1, "num_stages": 2}
     assert tuner.best_config is CONFIGS[1]
     launch((8, True), grid, (x,), (6,), {"D": 32})  # another key
     launch((7, True), grid, (x.double(),), (6,), {"D": 32})  # another dtype: the autotuner's key has it
-    assert [e[0] for e in tuner.log] == [
-        "timed",
-        "autotuner",
-        "kernel",
-        "timed",
-        "autotuner",
-        "remember",
-        "timed",
-        "autotuner",
-        "remember",
-    ]
+    assert [e[0] for e in tuner.log][4:] == ["timed", "autotuner", "kernel", "timed", "autotuner", "kernel"]
 
 
 def test_a_key_the_autotuner_cannot_tell_apart_is_timed_afresh() -> None:
@@ -248,6 +225,35 @@ def test_a_key_the_autotuner_cannot_tell_apart_is_timed_afresh() -> None:
     launch((7, 1), lambda c: (1, 1), (x,), (5,), {"D": 32})
     launch((7, 64), lambda c: (1, 64), (x,), (5,), {"D": 32})
     assert [e[3]["BLOCK"] for e in tuner.log[-2:]] == [16, 64]
+
+
+def test_rounds_pick_the_lowest_median_not_the_last_round() -> None:
+    """Three rounds, each timing both configs: configs[0] wins two rounds (the last among them)
+    on outliers, configs[1] has the lower median and is launched."""
+    tuner = _FakeAutotuner(CONFIGS, pick=0, rounds=[[1.0, 2.0], [5.0, 2.0], [5.0, 6.0]])
+    launch = TunedLauncher(tuner, rounds=3)
+    launch.launch = _FakeLauncher(tuner.log)
+    x = torch.zeros(3)
+    launch((7,), lambda c: (c["BLOCK"],), (x,), (5,), {"D": 32})
+    assert [e[0] for e in tuner.log].count("timed") == 3, "every round times afresh"
+    assert tuner.log[-1][0] == "kernel" and tuner.log[-1][1] == (64,)
+    assert tuner.best_config is CONFIGS[1]
+    launch((7,), lambda c: (c["BLOCK"],), (x,), (6,), {"D": 32})
+    assert [e[0] for e in tuner.log].count("timed") == 3, "tuned once per key"
+
+
+def test_one_config_is_launched_untimed() -> None:
+    tuner = _FakeAutotuner(CONFIGS[:1], pick=0)
+    launch = TunedLauncher(tuner, rounds=4)
+    launch.launch = _FakeLauncher(tuner.log)
+    launch((7,), lambda c: (1,), (torch.zeros(3),), (5,), {"D": 32})
+    assert [e[0] for e in tuner.log] == ["autotuner", "kernel"]
+    assert tuner.log[-1][3]["BLOCK"] == 16
+
+
+def test_rounds_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="rounds: expected at least 1, got 0"):
+        TunedLauncher(_FakeAutotuner(CONFIGS, pick=0), rounds=0)
 
 
 def test_configs_with_a_pre_hook_are_refused() -> None:

@@ -27,6 +27,7 @@ launcher asks the driver about every tensor it is given).
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -166,15 +167,6 @@ class Launcher:
             *constants,
         )
 
-    def remember(self, tensors: tuple, scalars: tuple, kwargs: dict, kernel) -> None:
-        """Take `kernel`, compiled elsewhere for these arguments (by the autotuner), as this
-        launcher's: the next such call launches it (and can be recorded) instead of compiling."""
-        if interpreted() or kernel is None:
-            return
-        head = (current_device(), *[(t.dtype, t.data_ptr() & 15 == 0) for t in tensors], *kwargs.items())
-        constexprs = self.fn.arg_names[len(tensors) + len(scalars) :]
-        self.kernels[(head, *map(arg_spec, scalars))] = (kernel, tuple(kwargs[n] for n in constexprs))
-
     def _compile_and_launch(
         self, key: tuple, grid: tuple, tensors: tuple, scalars: tuple, kwargs: dict
     ) -> None:
@@ -197,12 +189,20 @@ class TunedLauncher:
     key is timed afresh, whatever the autotuner's own cache holds. grid: config kwargs -> launch
     grid; tensors and scalars as for Launcher. The autotuner's `best_config` is kept current, so
     the lab still records the config each call ran.
+
+    rounds: how many times the autotuner times every config, the rounds interleaved; the config
+    with the lowest median over them wins. One round of microsecond kernels timed one config
+    after another can rank them by the clock or the neighbour's noise rather than by the config
+    (docs/kernels/launch.md).
     """
 
-    def __init__(self, autotuned: triton.runtime.Autotuner) -> None:
+    def __init__(self, autotuned: triton.runtime.Autotuner, rounds: int = 1) -> None:
         if any(c.pre_hook is not None for c in autotuned.configs):
             raise ValueError("autotuned: configs with a pre-hook must run through the autotuner")
+        if rounds < 1:
+            raise ValueError(f"rounds: expected at least 1, got {rounds}")
         self.autotuned = autotuned
+        self.rounds = rounds
         self.launch = Launcher(autotuned.fn)
         self.chosen: dict[tuple, tuple[triton.Config, dict]] = {}
 
@@ -214,20 +214,30 @@ class TunedLauncher:
         if chosen is None:
             if _recording is not None:
                 _recording.complete = False  # the autotuner's trials are not a launch to repeat
-            # the caller's key decides: Triton's autotuner keys on kernel arguments only, which
-            # need not tell two of the caller's keys apart (a grid of other rows), so it re-times
-            self.autotuned.cache.clear()
-            kernel = self.autotuned[grid](*tensors, *scalars, **meta)
-            config = self.autotuned.best_config
-            self.chosen[full_key] = (config, config.all_kwargs())
-            # the next call launches the kernel the autotuner ran (a recording sees it then)
-            self.launch.remember(tensors, scalars, {**meta, **config.all_kwargs()}, kernel)
-            return
+            config = self._tune(grid, tensors, scalars, meta)
+            chosen = self.chosen[full_key] = (config, config.all_kwargs())
         config, kwargs = chosen
         self.autotuned.best_config = config
         self.launch(grid(config.kwargs), tensors, scalars, {**meta, **kwargs})
         if _recording is not None and _recording.launches:
             _recording.launches[-1].tuned = (self.autotuned, config)
+
+    def _tune(
+        self, grid: Callable[[dict], tuple], tensors: tuple, scalars: tuple, meta: dict
+    ) -> triton.Config:
+        """The config with the lowest median time over the rounds. Each round clears the
+        autotuner's cache: the caller's key decides, and Triton's autotuner keys on kernel
+        arguments only, which need not tell two of the caller's keys apart (a grid of other rows)."""
+        times: dict[triton.Config, list[float]] = {}
+        for _ in range(self.rounds):
+            self.autotuned.cache.clear()
+            self.autotuned.configs_timings = None
+            self.autotuned[grid](*tensors, *scalars, **meta)
+            if self.autotuned.configs_timings is None:  # a single config: nothing was timed
+                return self.autotuned.best_config
+            for config, t in self.autotuned.configs_timings.items():
+                times.setdefault(config, []).append(t[0] if isinstance(t, list) else t)
+        return min(times, key=lambda c: statistics.median(times[c]))
 
 
 @dataclass(slots=True)
