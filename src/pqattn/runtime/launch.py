@@ -191,9 +191,8 @@ class TunedLauncher:
     the lab still records the config each call ran.
 
     rounds: how many times the autotuner times every config, the rounds interleaved; the config
-    with the lowest median over them wins. One round of microsecond kernels timed one config
-    after another can rank them by the clock or the neighbour's noise rather than by the config
-    (docs/kernels/launch.md).
+    with the lowest median over them wins: one round of microsecond kernels, timed one config
+    after another, can rank them by a passing disturbance rather than by the config.
     """
 
     def __init__(self, autotuned: triton.runtime.Autotuner, rounds: int = 1) -> None:
