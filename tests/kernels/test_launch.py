@@ -256,6 +256,38 @@ def test_rounds_below_one_are_refused() -> None:
         TunedLauncher(_FakeAutotuner(CONFIGS, pick=0), rounds=0)
 
 
+@triton.jit
+def _copy_checked(x_ptr, y_ptr, bad_ptr, n, want, BLOCK: tl.constexpr):
+    """y = x; counts in bad the elements that differ from `want` (an input read too early)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=want)
+    tl.store(y_ptr + i, x, mask=i < n)
+    tl.atomic_add(bad_ptr, tl.sum((x != want).to(tl.int32), axis=0))
+
+
+def test_tuning_by_graph_replay_waits_for_the_inputs(device: torch.device) -> None:
+    """The input is written on the caller's stream behind a long kernel when the first call tunes:
+    the trials (graph replay on a stream of their own) read it only once written."""
+    if device.type != "cuda" or not autotuning():
+        pytest.skip("autotuning runs on a GPU")
+    autotuned = triton.autotune(
+        configs=[triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})],
+        key=["n"],
+        do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=5, quantiles=quantiles),
+    )(_copy_checked)
+    tuned = TunedLauncher(autotuned, rounds=2)
+    n = 4096
+    x, y = torch.zeros(n, device=device), torch.empty(n, device=device)
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time ahead of the write
+    x.fill_(7.0)
+    tuned((n,), lambda c: (triton.cdiv(n, c["BLOCK"]),), (x, y, bad), (n, 7.0), {})
+    torch.cuda.synchronize(device)
+    assert bad.item() == 0, "a trial read the input before the caller's stream wrote it"
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
 def test_configs_with_a_pre_hook_are_refused() -> None:
     hooked = [triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: None)]
     with pytest.raises(ValueError, match="pre-hook"):

@@ -228,6 +228,9 @@ class TunedLauncher:
         autotuner's cache: the caller's key decides, and Triton's autotuner keys on kernel
         arguments only, which need not tell two of the caller's keys apart (a grid of other rows)."""
         times: dict[triton.Config, list[float]] = {}
+        # a timing on a stream of its own (graph replay) must not read inputs still being written
+        if tensors[0].is_cuda:
+            torch.cuda.synchronize(tensors[0].device)
         for _ in range(self.rounds):
             self.autotuned.cache.clear()
             self.autotuned.configs_timings = None
