@@ -288,6 +288,19 @@ def test_tuning_by_graph_replay_waits_for_the_inputs(device: torch.device) -> No
     torch.testing.assert_close(y, x, rtol=0, atol=0)
 
 
+def test_an_unrecorded_launch_tags_no_earlier_one() -> None:
+    """The tuned call's own launch is not recorded (a first launch compiles): the config is not
+    pinned on the launch recorded before it."""
+    tuner = _FakeAutotuner(CONFIGS, pick=1)
+    tuned = TunedLauncher(tuner)
+    tuned.launch = _FakeLauncher([])  # records nothing, as a compiling first launch
+    x = torch.zeros(3)
+    with recording() as rec:
+        rec.add(Launcher(_affine), (1,), (x,), (5,), {}, None)
+        tuned((1,), lambda c: (1,), (x,), (5,), {})
+    assert rec.launches[0].tuned is None
+
+
 def test_configs_with_a_pre_hook_are_refused() -> None:
     hooked = [triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: None)]
     with pytest.raises(ValueError, match="pre-hook"):

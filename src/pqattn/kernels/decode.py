@@ -388,7 +388,7 @@ def _finish_group(out_rows, lse_at, ok, acc, m, s_sum, D: tl.constexpr, HAS_LSE:
 
 
 # Each config timed by graph replay, in interleaved rounds: single timed calls after an L2 flush
-# ran up to 16 us high in some processes and misranked the configs (docs/kernels/decode.md).
+# misranked the configs in some processes (docs/kernels/decode.md).
 _TUNING_ROUNDS = 3
 
 

@@ -217,8 +217,9 @@ class TunedLauncher:
             chosen = self.chosen[full_key] = (config, config.all_kwargs())
         config, kwargs = chosen
         self.autotuned.best_config = config
+        before = len(_recording.launches) if _recording is not None else 0
         self.launch(grid(config.kwargs), tensors, scalars, {**meta, **kwargs})
-        if _recording is not None and _recording.launches:
+        if _recording is not None and len(_recording.launches) > before:  # (a first launch compiles)
             _recording.launches[-1].tuned = (self.autotuned, config)
 
     def _tune(
