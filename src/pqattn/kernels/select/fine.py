@@ -401,24 +401,28 @@ def _pq_scores(
     MAX_RULE: tl.constexpr,
 ):
     """The PQ scores of tokens [BLOCK] (candidates where cand) from the row's LUT in memory at
-    lutp (float32 or bfloat16 entries; float32 sums)."""
+    lutp (float32 or bfloat16 entries; float32 sums). A thread holds a token: each sub-quantizer's
+    lookups are one vector load of the code's entries of every table, a warp's lanes in one
+    sub-quantizer's table, and the sums and the max stay in the thread."""
     m = tl.arange(0, M)
     at = (tok - code_base).to(tl.int64)
     code = tl.load(
         codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
     ).to(tl.int32)
-    entry = (m[None, :] * C + code) * TABLES_P2
-    if MAX_RULE:
-        # a code's entries of every table side by side: one vector load serves them all
-        tt = tl.arange(0, TABLES_P2)[None, None, :]
-        lut_at = lutp + entry[:, :, None] + tt
+    tt = tl.arange(0, TABLES_P2)[None, :]
+    real = tt < TABLES
+    acc = tl.zeros([tok.shape[0], TABLES_P2], tl.float32)
+    for j in tl.static_range(M):
+        code_j = tl.sum(tl.where(m[None, :] == j, code, 0), axis=1)
+        entry = (j * C + code_j) * TABLES_P2
         if TABLES == TABLES_P2:
-            vals = tl.load(lut_at)
+            acc += tl.load(lutp + entry[:, None] + tt).to(tl.float32)
         else:
-            vals = tl.load(lut_at, mask=tt < TABLES, other=float("-inf"))
-        return tl.max(tl.sum(vals.to(tl.float32), axis=1), axis=1)
+            acc += tl.load(lutp + entry[:, None] + tt, mask=real, other=float("-inf")).to(tl.float32)
+    if MAX_RULE:
+        return tl.max(acc, axis=1)
     else:
-        return tl.sum(tl.load(lutp + entry).to(tl.float32), axis=1)
+        return tl.sum(acc, axis=1)
 
 
 @triton.jit
