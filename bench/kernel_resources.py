@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from pqattn.kernels.select import fine
 
 TARGET = GPUTarget("cuda", 90, 32)
-_POINTERS = {"codes_ptr": "*u8", "len_ptr": "*i64", "pos_ptr": "*i64", "cnt_ptr": "*i64"}
+POINTERS = {"codes_ptr": "*u8", "len_ptr": "*i64", "pos_ptr": "*i64", "cnt_ptr": "*i64"}
 
 
 def resources(kernel, constexprs: dict, num_warps: int = 4) -> dict:
@@ -32,15 +32,20 @@ def resources(kernel, constexprs: dict, num_warps: int = 4) -> dict:
     int32 pointers, the selection's typed ones as they are passed)."""
     names = kernel.arg_names
     signature = {
-        a: "constexpr" if a in constexprs else _POINTERS.get(a, "*i32" if a.endswith("_ptr") else "i32")
+        a: "constexpr" if a in constexprs else POINTERS.get(a, "*i32" if a.endswith("_ptr") else "i32")
         for a in names
     }
     src = ASTSource(
         fn=kernel, signature=signature, constexprs={(names.index(a),): v for a, v in constexprs.items()}
     )
     compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return cubin_usage(compiled.asm["cubin"])
+
+
+def cubin_usage(cubin: bytes) -> dict:
+    """{'registers', 'stack'} per thread of a compiled kernel, by `cuobjdump --dump-resource-usage`."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     try:
         out = subprocess.run(

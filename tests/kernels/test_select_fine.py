@@ -100,6 +100,17 @@ def test_fine_selection_matches_reference(device, monkeypatch, finish, share, ru
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fine_max_rule_of_a_group_not_a_power_of_two(device, bits):
+    """G = 3: the max rule's tables padded to 4 a code, the padding's entries never the max. Heavy
+    is all but 9% of the long row's candidates: its boundary falls among maxima below zero (all
+    three heads' sums negative: about 1 token in 8)."""
+    _run(
+        device, B=2, H=6, Hkv=2, N=2100, D=32, M=4, bits=bits, lengths=[2100, 1500], sink=4, window=16,
+        heavy=1900, share="group", rule="max",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "score_elements,kth_chunk,rank_chunk,block_n,steps,per_sm",
     [(256, 256, 8, 256, 2, 3), (1 << 14, 4096, 256, 1024, 3, 1)],  # (the defaults run in every other test)

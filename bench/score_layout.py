@@ -1,0 +1,79 @@
+"""The fine score launch compiled for sm_90 without a GPU, specialised as the device's JIT does
+it (codes with a unit last stride, 16-divisible pointers and strides): registers and stack per
+thread, warp shuffles in the PTX, and the layout of each LUT load (`tt.load` of bfloat16 in the
+TTGIR). Tells whether a Triton version spreads a token's lookups over lanes (and sums them by
+shuffles) or keeps them in one thread.
+
+Usage: PYTHONPATH=src python3 bench/score_layout.py [--tree LABEL] [--json PATH]
+(an existing JSON at PATH gets the row appended: run once per source tree)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import triton
+from kernel_resources import POINTERS, TARGET, cubin_usage, score_config
+from triton.compiler import ASTSource
+
+from pqattn.kernels.select import fine
+
+# the arguments the device's launch passes 16-divisible at the default shapes
+DIVISIBLE = (
+    "codes_ptr", "len_ptr", "ws_ptr", "stride_kb", "stride_kh", "stride_kn", "n_codes",
+    "ROW_WS", "BOUNDS_AT", "PQ_BINS_AT", "BINS_AT", "SCORES_AT",
+)  # fmt: skip
+
+
+def compile_score(M: int, C: int, tables: int, block: int, num_warps: int) -> dict:
+    kernel = fine._score_kernel
+    names = kernel.arg_names
+    constexprs = score_config(M, C, tables, block) | {"stride_km": 1}
+    signature = {
+        a: "constexpr" if a in constexprs else POINTERS.get(a, "*i32" if a.endswith("_ptr") else "i32")
+        for a in names
+    }
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE}
+    src = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(a),): v for a, v in constexprs.items()},
+        attrs=attrs,
+    )
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    layouts = dict(re.findall(r"^(#blocked\d*) = (#ttg\.blocked<.*>)$", ttgir, re.M))
+    lut_loads = sorted(
+        {layouts[m] for m in re.findall(r"tt\.load .*: tensor<[\dx]+x!tt\.ptr<bf16>, (#blocked\d*)>", ttgir)}
+    )
+    return cubin_usage(compiled.asm["cubin"]) | {
+        "shuffles": ptx.count("shfl.sync"),
+        "lut_load_layouts": lut_loads,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tree", default="", help="a label for the source tree (e.g. its commit)")
+    p.add_argument("--json")
+    args = p.parse_args()
+    block = fine.sample_size(16, 4)
+    config = f"M16 C256 max x4, {block} tokens a step, {fine.SCORE_WARPS} warps (default)"
+    row = {"tree": args.tree, "config": config}
+    row |= compile_score(16, 256, 4, block, fine.SCORE_WARPS)
+    print(json.dumps(row, indent=1))
+    if args.json:
+        out = {"target": "sm_90", "triton": triton.__version__, "rows": []}
+        if os.path.exists(args.json):
+            with open(args.json) as f:
+                out = json.load(f)
+        out["rows"].append(row)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
