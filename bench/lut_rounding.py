@@ -1,8 +1,9 @@
 """The default policy's attention mass with its PQ lookup tables rounded: float32 (SPEC §2's
-score) against bfloat16 (SPEC §7's group tables), float16, and uint8 / uint4 entries with one scale
-a table (each entry `lo[m] + scale * round((entry - lo[m]) / scale)`, scale the table's widest
-sub-quantizer range over 255 or 15 levels: the sum over sub-quantizers exact in integers), on both
-synthetic generators.
+score) against bfloat16 (SPEC §7's group tables), float16, and 8- or 4-bit entries (each entry
+`lo[m] + scale * round((entry - lo[m]) / scale)`, lo[m] the sub-quantizer's minimum): uint8 and
+uint4 with one scale a table (its widest sub-quantizer range over 255 or 15 levels: the sum over
+sub-quantizers exact in integers), uint8-m with a scale a sub-quantizer (its own range over 255),
+on both synthetic generators.
 
 The selection runs the reference path (a CPU) with `pqattn.reference.pq.pq_scores`, which the
 group scores call for each query head, replaced by the rounded one: what a score launch reading
@@ -26,15 +27,17 @@ from pqattn.reference import pq as ref_pq
 
 POLICY = "pq-M16-b8-group-max-x4-s16"
 FLOAT_LUTS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LEVELS = {"uint8": 255, "uint4": 15}
+LEVELS = {"uint8": 255, "uint4": 15, "uint8-m": 255}
 EXACT_SCORES = ref_pq.pq_scores  # (the name the runs below replace)
 
 
-def table_quantized(lut: torch.Tensor, levels: int) -> torch.Tensor:
-    """lut [..., M, C] rounded to `levels` steps of one scale over its M sub-quantizers, each
-    from its own minimum."""
+def table_quantized(lut: torch.Tensor, levels: int, per_subquantizer: bool) -> torch.Tensor:
+    """lut [..., M, C] rounded to `levels` steps from each sub-quantizer's minimum: of one scale
+    over its M sub-quantizers, or of each sub-quantizer's own."""
     lo = lut.amin(-1, keepdim=True)
-    scale = (lut.amax(-1, keepdim=True) - lo).amax(-2, keepdim=True) / levels
+    scale = (lut.amax(-1, keepdim=True) - lo) / levels
+    if not per_subquantizer:
+        scale = scale.amax(-2, keepdim=True)
     return torch.round((lut - lo) / scale) * scale + lo
 
 
@@ -49,7 +52,8 @@ def rounded_scores(name: str) -> Callable:
         Hkv, M = centroids.shape[1], centroids.shape[2]
         g, dsub = H // Hkv, D // M
         qm = q.to(centroids.dtype).reshape(B, Hkv, g, M, dsub)
-        lut = table_quantized(torch.einsum("bkgmd,bkmcd->bkgmc", qm, centroids[..., :dsub]), LEVELS[name])
+        lut = torch.einsum("bkgmd,bkmcd->bkgmc", qm, centroids[..., :dsub])
+        lut = table_quantized(lut, LEVELS[name], per_subquantizer=name.endswith("-m"))
         idx = codes.long().permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, M, codes.shape[2])
         return lut.gather(-1, idx).sum(3).reshape(B, H, -1)
 
