@@ -23,22 +23,13 @@ import torch
 
 from pqattn.lab import fidelity
 from pqattn.lab.env import environment
+from pqattn.lab.tasks import leveled_lut
 from pqattn.reference import pq as ref_pq
 
 POLICY = "pq-M16-b8-group-max-x4-s16"
 FLOAT_LUTS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LEVELS = {"uint8": 255, "uint4": 15, "uint8-m": 255}
 EXACT_SCORES = ref_pq.pq_scores  # (the name the runs below replace)
-
-
-def table_quantized(lut: torch.Tensor, levels: int, per_subquantizer: bool) -> torch.Tensor:
-    """lut [..., M, C] rounded to `levels` steps from each sub-quantizer's minimum: of one scale
-    over its M sub-quantizers, or of each sub-quantizer's own."""
-    lo = lut.amin(-1, keepdim=True)
-    scale = (lut.amax(-1, keepdim=True) - lo) / levels
-    if not per_subquantizer:
-        scale = scale.amax(-2, keepdim=True)
-    return torch.round((lut - lo) / scale) * scale + lo
 
 
 def rounded_scores(name: str) -> Callable:
@@ -53,7 +44,7 @@ def rounded_scores(name: str) -> Callable:
         g, dsub = H // Hkv, D // M
         qm = q.to(centroids.dtype).reshape(B, Hkv, g, M, dsub)
         lut = torch.einsum("bkgmd,bkmcd->bkgmc", qm, centroids[..., :dsub])
-        lut = table_quantized(lut, LEVELS[name], per_subquantizer=name.endswith("-m"))
+        lut = leveled_lut(lut, per_subquantizer=name.endswith("-m"), levels=LEVELS[name])
         idx = codes.long().permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, M, codes.shape[2])
         return lut.gather(-1, idx).sum(3).reshape(B, H, -1)
 

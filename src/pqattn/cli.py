@@ -579,7 +579,8 @@ def _add_tasks(sub: argparse._SubParsersAction) -> None:
         default=t.lut_dtype,
         choices=LUT_DTYPES,
         help="the dtype PQ scores round each LUT entry to (kernel: as the kernels do, bfloat16 for a "
-        "group and float32 per head; float32: SPEC §2's sums everywhere)",
+        "group and float32 per head; float32: SPEC §2's sums everywhere; uint8 / uint8-m: 256 levels "
+        "of one scale a table / a sub-quantizer, a lab measurement)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--json", metavar="PATH", help="write the results document here")

@@ -263,6 +263,53 @@ def test_a_rounded_lut_scores_as_pq_scores_with_that_lut(dtype: str) -> None:
         tasks.TaskSettings(lut_dtype="int8")
 
 
+@pytest.mark.parametrize("per_subquantizer", [True, False])
+def test_leveled_lut_rounds_each_entry_to_its_subquantizers_levels(per_subquantizer: bool) -> None:
+    """Each entry becomes lo + scale * j for an integer j in [0, 255], within half a step of the
+    entry, lo its sub-quantizer's minimum (kept exactly) and scale its own range or the table's
+    widest over 255; a flat sub-quantizer keeps its entries."""
+    lut = torch.randn(2, 3, 4, 64, dtype=torch.float64) * torch.tensor([1.0, 4.0, 0.5, 2.0])[:, None]
+    lut[1, 2, 3] = 0.75  # a flat sub-quantizer
+    got = tasks.leveled_lut(lut, per_subquantizer)
+    lo = lut.amin(-1, keepdim=True)
+    scale = (lut.amax(-1, keepdim=True) - lo) / 255
+    if not per_subquantizer:
+        scale = scale.amax(-2, keepdim=True).expand_as(lo)
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    j = (got - lo) / step
+    assert torch.allclose(j, j.round(), atol=1e-6) and j.min() >= 0 and j.max() <= 255 + 1e-6
+    assert ((got - lut).abs() <= step / 2 + 1e-9).all()
+    assert torch.equal(got.amin(-1), lut.amin(-1))
+    assert torch.equal(got[1, 2, 3], lut[1, 2, 3])
+    if per_subquantizer:  # every sub-quantizer spans all 256 levels
+        assert torch.allclose(got.amax(-1), lut.amax(-1))
+    else:  # one scale a table: narrower sub-quantizers use fewer levels
+        assert (j.amax(-1) < 250).any()
+
+
+def test_a_leveled_lut_scores_as_pq_scores_with_that_lut() -> None:
+    """lut_dtype="uint8-m": the pq policies' scores are sums over sub-quantizers of the leveled
+    LUT's entries (and differ from the float32 sums)."""
+    ev = _tiny_evaluator(tasks.TaskSettings(sink=2, window=16, iters=2, lut_dtype="uint8-m"))
+    k = torch.randn(1, 2, 200, 16) * 4
+    q = torch.randn(1, 4, 3, 16) * 4
+    policy = Policy("pq", 0.1, subvectors=4, bits=4)
+    ev.policy, ev.prefilled = policy, tasks._Prefilled()
+    got = ev.row_scores(0, k, 180)(q)
+    book = ev.prefilled.books[(0, 4, 4, 0)]
+    codes = torch.cat([book.codes, ops.encode_keys(k[:, :, 180:], book.centroids)], dim=2)
+    qm = q.double().reshape(1, 2, 2, 3, 4, 4)
+    lut = torch.einsum("bkgrmd,bkmcd->bkgrmc", qm, book.centroids[..., :4].double())
+    leveled = tasks.leveled_lut(lut, per_subquantizer=True)
+    idx = codes.long().permute(0, 1, 3, 2)[:, :, None, None].expand(1, 2, 2, 3, 4, codes.shape[2])
+    want = leveled.gather(-1, idx).sum(4).reshape(1, 4, 3, -1).float()
+    # an entry may take the next level where the float32 and float64 products round apart
+    step = float(((lut.amax(-1) - lut.amin(-1)) / 255).max())
+    assert_close(got, want, atol=1.01 * step, rtol=0)
+    exact = torch.stack([ref.pq_scores(q[:, :, r], book.centroids, codes) for r in range(3)], dim=2)
+    assert not torch.allclose(got, exact, atol=1e-6, rtol=0)
+
+
 class _Uniform:
     """An evaluator stand-in whose logits are all equal: 8 bits per byte everywhere."""
 

@@ -40,7 +40,11 @@ from pqattn.runtime.progress import Progress
 NAME = "pqattn_task"
 LOG2 = math.log(2.0)
 POSITION_EDGES = (0, 1024, 2048, 4096, 8192, 16384, 32768)
-LUT_DTYPES = ("kernel", "float32", "bfloat16", "float16")
+LUT_DTYPES = ("kernel", "float32", "bfloat16", "float16", "uint8", "uint8-m")
+# 8-bit LUTs (a lab measurement, not SPEC): each entry rounded to one of 256 levels from its
+# sub-quantizer's minimum, of one scale a table ("uint8": the sum over sub-quantizers exact in
+# integers) or of a scale a sub-quantizer ("uint8-m")
+LUT_LEVELS = {"uint8": False, "uint8-m": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +224,9 @@ class PolicyEvaluator:
             return rounded_lut_scores(book.centroids, codes, ref.GROUP_LUT_DTYPE, group_rule=pol.group_rule)
         elif pol.kind == "pq" and self.settings.lut_dtype not in ("kernel", "float32"):
             book, codes = self.pq_codes(layer, k, prefill, pol)
-            return rounded_lut_scores(book.centroids, codes, getattr(torch, self.settings.lut_dtype))
+            name = self.settings.lut_dtype
+            dtype = name if name in LUT_LEVELS else getattr(torch, name)
+            return rounded_lut_scores(book.centroids, codes, dtype)
         elif pol.kind == "pq":
             keys = self.pq_keys(layer, k, prefill, pol)
         else:
@@ -313,11 +319,25 @@ class PolicyEvaluator:
         return out
 
 
+def leveled_lut(lut: torch.Tensor, per_subquantizer: bool, levels: int = 255) -> torch.Tensor:
+    """lut [..., M, C] with each entry rounded to one of levels + 1 values, lo + scale *
+    round((entry - lo) / scale) with lo its sub-quantizer's minimum and scale that sub-quantizer's
+    range over `levels` (per_subquantizer) or the widest of the table's M ranges over `levels`; a
+    flat range keeps lo."""
+    lo = lut.amin(-1, keepdim=True)
+    scale = (lut.amax(-1, keepdim=True) - lo) / levels
+    if not per_subquantizer:
+        scale = scale.amax(-2, keepdim=True)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return lo + torch.round((lut - lo) / safe) * scale
+
+
 def rounded_lut_scores(
-    centroids: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype, group_rule: str | None = None
+    centroids: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype | str, group_rule: str | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """PQ scores from LUTs whose entries <q_m, centroid> are rounded to `dtype` before the sum
-    over sub-quantizers (`reference.pq_scores(lut_dtype=)` for many query rows): centroids [B,
+    """PQ scores from LUTs whose entries <q_m, centroid> are rounded to `dtype` (or leveled as the
+    LUT_LEVELS name `dtype` says, `leveled_lut`) before the sum over sub-quantizers
+    (`reference.pq_scores(lut_dtype=)` for many query rows): centroids [B,
     Hkv, M, C, dsub(+1)], codes [B, Hkv, T, M]; q [B, H, R, D] -> [B, H, R, T] float32, or with
     a group_rule the group scores [B, Hkv, R, T] as `reference.group_pq_scores` takes them (the
     summed query's LUT for "sum", the max of the heads' scores for "max")."""
@@ -330,7 +350,8 @@ def rounded_lut_scores(
         if group_rule == "sum":
             qm = qm.sum(2, keepdim=True)
         g = qm.shape[2]
-        lut = torch.einsum("bkgrmd,bkmcd->bkgrmc", qm, cents[..., : D // M]).to(dtype).float()
+        lut = torch.einsum("bkgrmd,bkmcd->bkgrmc", qm, cents[..., : D // M])
+        lut = leveled_lut(lut, LUT_LEVELS[dtype]) if isinstance(dtype, str) else lut.to(dtype).float()
         out = torch.zeros(B, Hkv, g, R, T, device=q.device)
         for m in range(M):
             idx = codes[:, :, None, None, :, m].long().expand(B, Hkv, g, R, T)
