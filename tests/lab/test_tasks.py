@@ -241,18 +241,24 @@ def test_pq_keys_score_as_pq_scores() -> None:
     assert_close(ref.exact_scores(q, approx), ref.pq_scores(q, book.centroids, codes), atol=1e-5, rtol=1e-5)
 
 
+def _rounded_row_scores(lut_dtype: str) -> tuple:
+    """(q [1, 4, 3, 16], the pq policy's row scores under lut_dtype, its codebook, the codes of
+    its 200 tokens) for random keys, the first 180 prefilled."""
+    ev = _tiny_evaluator(tasks.TaskSettings(sink=2, window=16, iters=2, lut_dtype=lut_dtype))
+    k = torch.randn(1, 2, 200, 16) * 4
+    q = torch.randn(1, 4, 3, 16) * 4
+    ev.policy, ev.prefilled = Policy("pq", 0.1, subvectors=4, bits=4), tasks._Prefilled()
+    got = ev.row_scores(0, k, 180)(q)
+    book = ev.prefilled.books[(0, 4, 4, 0)]
+    codes = torch.cat([book.codes, ops.encode_keys(k[:, :, 180:], book.centroids)], dim=2)
+    return q, got, book, codes
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_rounded_lut_scores_as_pq_scores_with_that_lut(dtype: str) -> None:
     """lut_dtype: the pq policies' scores of every query row are reference.pq_scores with each LUT
     entry rounded to that dtype (and differ from the float32 sums)."""
-    ev = _tiny_evaluator(tasks.TaskSettings(sink=2, window=16, iters=2, lut_dtype=dtype))
-    k = torch.randn(1, 2, 200, 16) * 4
-    q = torch.randn(1, 4, 3, 16) * 4
-    policy = Policy("pq", 0.1, subvectors=4, bits=4)
-    ev.policy, ev.prefilled = policy, tasks._Prefilled()
-    got = ev.row_scores(0, k, 180)(q)
-    book = ev.prefilled.books[(0, 4, 4, 0)]
-    codes = torch.cat([book.codes, ops.encode_keys(k[:, :, 180:], book.centroids)], dim=2)
+    q, got, book, codes = _rounded_row_scores(dtype)
     # an entry may round the other way where the two float32 products differ in their last bit
     ulp = 2.0 ** -(8 if dtype == "bfloat16" else 11) * float(q.abs().max() * book.centroids.abs().max() * 4)
     for r in range(3):
@@ -290,14 +296,7 @@ def test_leveled_lut_rounds_each_entry_to_its_subquantizers_levels(per_subquanti
 def test_a_leveled_lut_scores_as_pq_scores_with_that_lut() -> None:
     """lut_dtype="uint8-m": the pq policies' scores are sums over sub-quantizers of the leveled
     LUT's entries (and differ from the float32 sums)."""
-    ev = _tiny_evaluator(tasks.TaskSettings(sink=2, window=16, iters=2, lut_dtype="uint8-m"))
-    k = torch.randn(1, 2, 200, 16) * 4
-    q = torch.randn(1, 4, 3, 16) * 4
-    policy = Policy("pq", 0.1, subvectors=4, bits=4)
-    ev.policy, ev.prefilled = policy, tasks._Prefilled()
-    got = ev.row_scores(0, k, 180)(q)
-    book = ev.prefilled.books[(0, 4, 4, 0)]
-    codes = torch.cat([book.codes, ops.encode_keys(k[:, :, 180:], book.centroids)], dim=2)
+    q, got, book, codes = _rounded_row_scores("uint8-m")
     qm = q.double().reshape(1, 2, 2, 3, 4, 4)
     lut = torch.einsum("bkgrmd,bkmcd->bkgrmc", qm, book.centroids[..., :4].double())
     leveled = tasks.leveled_lut(lut, per_subquantizer=True)
