@@ -1,6 +1,8 @@
 """Registers and stack (spills) per thread of the fine selection's kernels at chosen configs,
 compiled for sm_90 without a GPU: `triton.compile` to a cubin, then `cuobjdump
---dump-resource-usage` (both ship with Triton's NVIDIA backend).
+--dump-resource-usage` (both ship with Triton's NVIDIA backend). The integer arguments compile
+unspecialised (the device's JIT also specialises 16-divisible values and unit strides, which can
+change the layouts and the registers: `bench/score_layout.py` compiles the score launch that way).
 
 At 4 warps a program, a kernel of more than 128 registers a thread fits at most 3 programs on an
 SM of 64K registers, and 255 with stack means spills to local memory.
