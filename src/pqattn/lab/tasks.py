@@ -337,10 +337,10 @@ def rounded_lut_scores(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """PQ scores from LUTs whose entries <q_m, centroid> are rounded to `dtype` (or leveled as the
     LUT_LEVELS name `dtype` says, `leveled_lut`) before the sum over sub-quantizers
-    (`reference.pq_scores(lut_dtype=)` for many query rows): centroids [B,
-    Hkv, M, C, dsub(+1)], codes [B, Hkv, T, M]; q [B, H, R, D] -> [B, H, R, T] float32, or with
-    a group_rule the group scores [B, Hkv, R, T] as `reference.group_pq_scores` takes them (the
-    summed query's LUT for "sum", the max of the heads' scores for "max")."""
+    (`reference.pq_scores(lut_dtype=)` for many query rows): centroids [B, Hkv, M, C, dsub(+1)],
+    codes [B, Hkv, T, M]; q [B, H, R, D] -> [B, H, R, T] float32, or with a group_rule the group
+    scores [B, Hkv, R, T] as `reference.group_pq_scores` takes them (the summed query's LUT for
+    "sum", the max of the heads' scores for "max")."""
     B, Hkv, T, M = codes.shape
     cents = centroids.float()
 
