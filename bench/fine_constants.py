@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import torch
-from step_profile import CALLS, HKV, L2_BYTES, ROOM, D, H, kernel_profile, make_index
+from step_profile import CALLS, HKV, ROOM, D, H, input_sets, kernel_profile, make_index
 
 from pqattn import PQConfig
 from pqattn.kernels.select import fine
@@ -53,7 +52,7 @@ def main() -> None:
         B, N = (int(v) for v in s.split("x"))
         g = torch.Generator(device="cuda").manual_seed(B * 1000 + N)
         config = PQConfig(sink=64, window=64, heavy=round(0.02 * N))
-        sets = max(2, min(8, math.ceil(2 * L2_BYTES / (2 * B * HKV * N * D * 2))))
+        sets = input_sets(B, N, config)
         xs = []
         for _ in range(sets):
             x = {"index": make_index(B, N, config, g)}

@@ -3,7 +3,8 @@ with the default policy, beside SDPA over the whole cache, each launch's GPU tim
 alone at several N (a cost that grows with N is a regression: the append must be O(1)).
 
 Inputs rotate over enough sets (each its own index and caches) that no call finds its inputs in
-L2. Random centroids and codes (speed only: the selection's work does not depend on the values).
+L2: sized by the smaller side's bytes (`input_sets`), the sparse step's at B=1. Random centroids
+and codes (speed only: the selection's work does not depend on the values).
 
 Usage: PYTHONPATH=src python3 bench/step_profile.py [--shapes 1x32768,1x131072] [--room 8192] [--json PATH]
 """
@@ -20,13 +21,23 @@ import torch
 from pqattn import PQConfig, PQIndex
 from pqattn.dispatch import PQCodebook
 from pqattn.lab import baselines
-from pqattn.lab.env import environment
+from pqattn.lab.env import environment, l2_bytes
 from pqattn.lab.timing import capture, sync, time_graph
 
 H, HKV, D = 32, 8, 128
 ROOM = 8192  # decode steps each index has room for (graph replays advance the lengths)
 CALLS = 16
-L2_BYTES = 50 * 2**20
+
+
+def input_sets(B: int, N: int, config: PQConfig) -> int:
+    """Input sets to rotate through so that neither side finds its inputs in L2: at least twice
+    the L2 over the bytes the smaller side reads a call (the sparse step: the codes once per KV
+    head and its selected K and V rows; SDPA: the whole cache), 2 to 8."""
+    l2 = l2_bytes(torch.device("cuda"))
+    rows = config.width(H // HKV) if config.share == "group" else config.width() * (H // HKV)
+    sparse_bytes = B * HKV * (N * config.subvectors + rows * 2 * D * 2)
+    kv_bytes = 2 * B * HKV * N * D * 2
+    return max(2, min(8, math.ceil(2 * l2 / min(sparse_bytes, kv_bytes))))
 
 
 def make_index(B: int, N: int, config: PQConfig, g: torch.Generator, room: int = ROOM) -> PQIndex:
@@ -55,8 +66,7 @@ def kernel_profile(fns, steps: int = 40) -> dict[str, float]:
 def run_shape(B: int, N: int, density: float, subvectors: int, bits: int, room: int = ROOM) -> dict:
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + N)
     config = PQConfig(subvectors=subvectors, bits=bits, sink=64, window=64, heavy=max(1, round(density * N)))
-    kv_bytes = 2 * B * HKV * N * D * 2
-    sets = max(2, min(8, math.ceil(2 * L2_BYTES / kv_bytes)))
+    sets = input_sets(B, N, config)
     dt = torch.bfloat16
     xs = []
     for _ in range(sets):
