@@ -29,19 +29,27 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"codes_ptr": "*u8", "len_ptr": "*i64", "pos_ptr": "*i64", "cnt_ptr": "*i64"}
 
 
-def resources(kernel, constexprs: dict, num_warps: int = 4) -> dict:
-    """{'registers', 'stack'} of `kernel` compiled at `constexprs` (other arguments int32 or
-    int32 pointers, the selection's typed ones as they are passed)."""
+def compile_sm90(kernel, constexprs: dict, num_warps: int = 4, divisible: tuple[str, ...] = ()):
+    """`kernel` compiled for sm_90 at `constexprs` (other arguments int32 or int32 pointers, the
+    selection's typed ones as they are passed; those named in `divisible` specialised as
+    16-divisible, as the device's JIT does for such values)."""
     names = kernel.arg_names
     signature = {
         a: "constexpr" if a in constexprs else POINTERS.get(a, "*i32" if a.endswith("_ptr") else "i32")
         for a in names
     }
     src = ASTSource(
-        fn=kernel, signature=signature, constexprs={(names.index(a),): v for a, v in constexprs.items()}
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(a),): v for a, v in constexprs.items()},
+        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in divisible},
     )
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
-    return cubin_usage(compiled.asm["cubin"])
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def resources(kernel, constexprs: dict, num_warps: int = 4) -> dict:
+    """{'registers', 'stack'} of `kernel` compiled at `constexprs` (`compile_sm90`)."""
+    return cubin_usage(compile_sm90(kernel, constexprs, num_warps).asm["cubin"])
 
 
 def cubin_usage(cubin: bytes) -> dict:

@@ -16,8 +16,7 @@ import os
 import re
 
 import triton
-from kernel_resources import POINTERS, TARGET, cubin_usage, score_config
-from triton.compiler import ASTSource
+from kernel_resources import compile_sm90, cubin_usage, score_config
 
 from pqattn.kernels.select import fine
 
@@ -29,21 +28,8 @@ DIVISIBLE = (
 
 
 def compile_score(M: int, C: int, tables: int, block: int, num_warps: int) -> dict:
-    kernel = fine._score_kernel
-    names = kernel.arg_names
     constexprs = score_config(M, C, tables, block) | {"stride_km": 1}
-    signature = {
-        a: "constexpr" if a in constexprs else POINTERS.get(a, "*i32" if a.endswith("_ptr") else "i32")
-        for a in names
-    }
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE}
-    src = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(names.index(a),): v for a, v in constexprs.items()},
-        attrs=attrs,
-    )
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    compiled = compile_sm90(fine._score_kernel, constexprs, num_warps, DIVISIBLE)
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
     layouts = dict(re.findall(r"^(#blocked\d*) = (#ttg\.blocked<.*>)$", ttgir, re.M))
     lut_loads = sorted(
