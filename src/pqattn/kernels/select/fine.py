@@ -368,9 +368,8 @@ def _pq_bins(
     if SAMPLE > 0:
         i = tl.arange(0, SAMPLE)
         tok = cand_lo + (i.to(tl.int64) * tl.maximum(n_cand, 1) // SAMPLE).to(tl.int32)
-        s = _pq_scores(
-            lutp, codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M, C, TABLES, TABLES_P2, MAX_RULE
-        )
+        codes = _pq_codes(codes_row, tok, i >= 0, stride_kn, stride_km, code_base, M)
+        s = _pq_scores_of(lutp, codes, M, C, TABLES, TABLES_P2, MAX_RULE)
         expect = SAMPLE * need.to(tl.float32) / tl.maximum(n_cand, 1).to(tl.float32)
         k = expect + SAMPLE_SIGMAS * tl.sqrt(expect) + SAMPLE_SLACK
         t0 = tl.min(s, axis=0)  # invariant: at least k sample scores reach t0
@@ -386,32 +385,32 @@ def _pq_bins(
 
 
 @triton.jit
-def _pq_scores(
+def _pq_codes(codes_row, tok, cand, stride_kn, stride_km, code_base, M: tl.constexpr):
+    """The codes [BLOCK, M] of tokens [BLOCK] (0 where not cand), as stored (uint8)."""
+    at = (tok - code_base).to(tl.int64)
+    m = tl.arange(0, M)
+    return tl.load(codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0)
+
+
+@triton.jit
+def _pq_scores_of(
     lutp,
-    codes_row,
-    tok,
-    cand,
-    stride_kn,
-    stride_km,
-    code_base,
+    codes,
     M: tl.constexpr,
     C: tl.constexpr,
     TABLES: tl.constexpr,
     TABLES_P2: tl.constexpr,
     MAX_RULE: tl.constexpr,
 ):
-    """The PQ scores of tokens [BLOCK] (candidates where cand) from the row's LUT in memory at
-    lutp (float32 or bfloat16 entries; float32 sums). A thread holds a token: each sub-quantizer's
-    lookups are one vector load of the code's entries of every table, a warp's lanes in one
-    sub-quantizer's table, and the sums and the max stay in the thread."""
+    """The PQ scores [BLOCK] of codes [BLOCK, M] from the row's LUT in memory at lutp (float32
+    or bfloat16 entries; float32 sums). A thread holds a token: each sub-quantizer's lookups are
+    one vector load of the code's entries of every table, a warp's lanes in one sub-quantizer's
+    table, and the sums and the max stay in the thread."""
     m = tl.arange(0, M)
-    at = (tok - code_base).to(tl.int64)
-    code = tl.load(
-        codes_row + at[:, None] * stride_kn + m[None, :] * stride_km, mask=cand[:, None], other=0
-    ).to(tl.int32)
+    code = codes.to(tl.int32)
     tt = tl.arange(0, TABLES_P2)[None, :]
     real = tt < TABLES
-    acc = tl.zeros([tok.shape[0], TABLES_P2], tl.float32)
+    acc = tl.zeros([codes.shape[0], TABLES_P2], tl.float32)
     for j in tl.static_range(M):
         code_j = tl.sum(tl.where(m[None, :] == j, code, 0), axis=1)
         entry = (j * C + code_j) * TABLES_P2
@@ -514,6 +513,14 @@ def _score_kernel(
         wsf = ws_row.to(tl.pointer_type(tl.float32), bitcast=True)
         lutp = ws_row.to(tl.pointer_type(tl.bfloat16 if LUT_BF16 else tl.float32), bitcast=True)
         codes_row = codes_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh
+        own_end = tl.minimum(cand_end, first + span)  # the end of this program's candidates
+        if not REG_LUT:
+            # a step's codes load while the step before is scored (the first's with the sample)
+            tok_next = first + tl.arange(0, BLOCK)
+            codes_next = _pq_codes(
+                codes_row, tok_next, (tok_next >= cand_lo) & (tok_next < own_end), stride_kn, stride_km,
+                code_base, M,
+            )  # fmt: skip
         lo, inv = _pq_bins(
             wsf, lutp, codes_row, stride_kn, stride_km, code_base, cand_lo, cand_hi - cand_lo, need,
             BOUNDS_AT, TABLES, TABLES_P2, CHUNKS, M, C, MAX_RULE, SAMPLE, NBINS_,
@@ -548,20 +555,13 @@ def _score_kernel(
             for step in range(0, span, BLOCK):
                 tok = first + step + tl.arange(0, BLOCK)
                 cand = (tok >= cand_lo) & (tok < cand_end)
-                s = _pq_scores(
-                    lutp,
-                    codes_row,
-                    tok,
-                    cand,
-                    stride_kn,
-                    stride_km,
-                    code_base,
-                    M,
-                    C,
-                    TABLES,
-                    TABLES_P2,
-                    MAX_RULE,
-                )
+                codes = codes_next
+                tok_next = tok + BLOCK
+                codes_next = _pq_codes(
+                    codes_row, tok_next, (tok_next >= cand_lo) & (tok_next < own_end), stride_kn, stride_km,
+                    code_base, M,
+                )  # fmt: skip
+                s = _pq_scores_of(lutp, codes, M, C, TABLES, TABLES_P2, MAX_RULE)
                 _bin_scores(ws_row, wsf, tok, cand, s, lo, inv, SCORES_AT, BINS_AT, NBINS_)
 
 
