@@ -25,7 +25,7 @@ from pqattn.lab.env import environment, l2_bytes
 from pqattn.lab.timing import capture, sync, time_graph
 
 H, HKV, D = 32, 8, 128
-ROOM = 8192  # decode steps each index has room for (graph replays advance the lengths)
+ROOM = 8192  # the capacity past N (every set is rewound to N before each timed replay)
 CALLS = 16
 
 
@@ -92,15 +92,19 @@ def run_shape(B: int, N: int, density: float, subvectors: int, bits: int, room: 
     def sdpa(x):
         return lambda: baselines.sdpa_decode(x["q"], x["k"], x["v"])
 
+    def rewind() -> None:  # every set back to N tokens (outside the timed replays)
+        for x in xs:
+            x["index"].truncate([N] * B)
+
     row = {"B": B, "N": N, "M": config.subvectors, "bits": config.bits, "heavy": config.heavy, "sets": sets}
     row["capacity"] = N + room
     for name, make in (("step", step), ("append", append), ("sdpa", sdpa)):
         fns = [make(x) for x in xs]
+        rewind()
         graph = capture(fns, dev, calls=CALLS)
-        row[name + "_us"] = time_graph(graph, dev, repeats=20, calls=CALLS)["median_us"]
+        row[name + "_us"] = time_graph(graph, dev, repeats=20, calls=CALLS, between=rewind)["median_us"]
         del graph
-    for x in xs:
-        x["index"].sync_lengths()
+    rewind()
     row["kernels_us"] = kernel_profile([step(x) for x in xs])
     row["step_vs_sdpa"] = row["sdpa_us"] / row["step_us"]
     return row
@@ -112,7 +116,7 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.02)
     p.add_argument("--subvectors", type=int, default=PQConfig.subvectors)
     p.add_argument("--bits", type=int, default=PQConfig.bits)
-    p.add_argument("--room", type=int, default=ROOM, help="the capacity past N (at least the steps timed)")
+    p.add_argument("--room", type=int, default=ROOM, help="the capacity past N (at least one replay's calls)")
     p.add_argument("--json")
     a = p.parse_args()
     rows = []
