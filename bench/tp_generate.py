@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import pqattn.integrations.hf as pq_hf
+from pqattn.integrations import tensor_parallel
 from pqattn.lab.bench import profile_calls
 from pqattn.lab.env import environment
 from pqattn.lab.suites import LLAMA3_8B_LAYERS, llama_config
@@ -42,20 +43,6 @@ def _save_random(path: str) -> None:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
-
-
-def _tensor_parallel() -> dict:
-    """from_pretrained's tensor-parallel arguments: a DistributedConfig where this transformers takes
-    one (passing `tp_plan` alone is deprecated there), else `tp_plan`."""
-    import inspect
-
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        return {"tp_plan": "auto"}
-    if "tp_plan" not in inspect.signature(DistributedConfig).parameters:
-        return {"tp_plan": "auto"}
-    return {"distributed_config": DistributedConfig(tp_plan="auto")}
 
 
 def _timed(fn) -> tuple[torch.Tensor, float]:
@@ -136,6 +123,12 @@ def main() -> None:
         help="rank 0's kernels over a few replayed steps of the static loop (compiled with --compile): "
         "GPU time by kernel and by family (weights, attention, other), launches and idle time",
     )
+    p.add_argument(
+        "--one-shot-all-reduce",
+        action="store_true",
+        help="the row-parallel linears sum by the one-shot all-reduce over symmetric memory "
+        "(pqattn.integrations.tensor_parallel; a one-rank run has no all-reduce), else by NCCL's",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     if args.save_random:
@@ -151,8 +144,12 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     one = {"device_map": "cuda" if torch.cuda.is_available() else "cpu"}  # one process: its own device
-    place = _tensor_parallel() if world > 1 else one
+    place = tensor_parallel.from_pretrained_kwargs() if world > 1 else one
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **place).eval()
+    all_reduce = "none" if world == 1 else "process-group"
+    if world > 1 and args.one_shot_all_reduce:
+        tensor_parallel.use_one_shot_all_reduce(model)
+        all_reduce = "one-shot"
     vocab = model.config.vocab_size
     if args.corpus:
         from pqattn.lab import corpus
@@ -171,6 +168,7 @@ def main() -> None:
     size = {"heavy": args.heavy} if args.heavy is not None else {"heavy_fraction": args.heavy_fraction}
     config = pq_hf.HFConfig(**given, **size, rerank=args.rerank, capacity=args.new + 8)
     doc: dict = {"world_size": world, "prompt": args.prompt, "batch": args.batch, "new": args.new}
+    doc["all_reduce"] = all_reduce
     doc |= {"model": args.model, "corpus_prompts": args.corpus, "heavy": config.heavy_for(args.prompt)}
     doc |= {name: getattr(config, name) for name in ("sink", "window", "subvectors", "bits", "share")}
     doc |= {
