@@ -1,8 +1,8 @@
 """The fine score launch compiled for sm_90 without a GPU, specialised as the device's JIT does
 it (codes with a unit last stride, 16-divisible pointers and strides): registers and stack per
 thread, warp shuffles in the PTX, and the layout of each LUT load (`tt.load` of bfloat16 in the
-TTGIR). Tells whether a Triton version spreads a token's lookups over lanes (and sums them by
-shuffles) or keeps them in one thread.
+TTGIR), and the instructions of its token loop's SASS a lookup. Tells whether a Triton version
+spreads a token's lookups over lanes (and sums them by shuffles) or keeps them in one thread.
 
 Usage: PYTHONPATH=src python3 bench/score_layout.py [--tree LABEL] [--json PATH]
 (an existing JSON at PATH gets the row appended: run once per source tree)
@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import re
+import subprocess
+import tempfile
 
 import triton
 from kernel_resources import compile_sm90, cubin_usage, score_config
@@ -35,9 +37,34 @@ def compile_score(M: int, C: int, tables: int, block: int, num_warps: int) -> di
     lut_loads = sorted(
         {layouts[m] for m in re.findall(r"tt\.load .*: tensor<[\dx]+x!tt\.ptr<bf16>, (#blocked\d*)>", ttgir)}
     )
-    return cubin_usage(compiled.asm["cubin"]) | {
-        "shuffles": ptx.count("shfl.sync"),
-        "lut_load_layouts": lut_loads,
+    return (
+        cubin_usage(compiled.asm["cubin"])
+        | {"shuffles": ptx.count("shfl.sync"), "lut_load_layouts": lut_loads}
+        | longest_loop(compiled.asm["cubin"])
+    )
+
+
+def longest_loop(cubin: bytes) -> dict:
+    """The SASS of the kernel's longest loop (the body of its longest backward branch): its
+    instructions a thread and its 8-byte loads (a code's G = 4 bfloat16 entries: its lookups)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    back = [
+        (at, int(t, 16)) for at, op in code for t in re.findall(r"\bBRA (0x[0-9a-f]+)", op) if int(t, 16) < at
+    ]
+    end, start = max(back, key=lambda b: b[0] - b[1])
+    body = [op for at, op in code if start <= at <= end]
+    loads = sum("LDG.E.64" in op for op in body)
+    return {
+        "loop_instructions": len(body),
+        "loop_lookups": loads,
+        "instructions_a_lookup": len(body) / max(loads, 1),
     }
 
 
