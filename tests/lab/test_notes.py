@@ -55,6 +55,21 @@ def test_a_figure_tied_to_nothing_is_an_error(tmp_path, marker: str, match: str)
         render_figures(root, f"see {marker}", "note.md")
 
 
+def test_a_tie_that_does_not_parse_is_a_problem(tmp_path) -> None:
+    """A comment naming a results file that ties no figure (a space in its path, no number before
+    it) would go unchecked: it is reported; one in a code span (the syntax shown) is not."""
+    note = (
+        "spaced 38.25<!-- run-NVIDIA_H100.json parts/large/case=a b/ms .2f -->, "
+        "bare <!-- run-NVIDIA_H100.json parts/large/0/ms .2f -->, "
+        "tied 38.25<!-- run-NVIDIA_H100.json parts/large/0/ms .2f -->, "
+        "shown `<!-- FILE.json path/to/value .1f -->`.\n"
+    )
+    current, problems = update_notes(_checkout(tmp_path, note), check=True)
+    assert current
+    assert len(problems) == 2 and all("ties no figure" in p for p in problems), problems
+    assert "case=a b" in problems[0] and "parts/large/0/ms" in problems[1]
+
+
 def test_cited_files_must_exist(tmp_path) -> None:
     root = _checkout(tmp_path, "")
     (root / "bench" / "tool.py").write_text("")

@@ -26,6 +26,9 @@ CITATION = re.compile(
     r"(?<![\w/.}-])(?P<path>(?:bench|docs|src|tests|models|pqattn)/[\w/.-]*\w\.(?:py|json|md|sh|png))"
     r"|(?<![\w/.}-])(?P<name>[\w.-]+-NVIDIA_H[12]00\.(?:json|png))"
 )
+# every comment that names a results file (not in a code span), parsed or not: one that FIGURE
+# does not match is an error
+TIE = re.compile(r"(?<!`)<!-- [\w.-]+\.json\b.*?-->")
 RESULTS_DIRS = ("bench/results", "bench/quality")
 
 
@@ -91,6 +94,13 @@ def render_figures(root: Path, text: str, where: str) -> str:
     return FIGURE.sub(figure, text)
 
 
+def malformed_ties(text: str) -> list[str]:
+    """The comments naming a results file that tie no figure (a space in the path, no number
+    right before): `pqattn report` would otherwise leave them unchecked."""
+    tied = {m.start("file") - len("<!-- ") for m in FIGURE.finditer(text)}
+    return [m.group(0) for m in TIE.finditer(text) if m.start() not in tied]
+
+
 def missing_citations(root: Path, text: str) -> list[str]:
     """The files `text` cites that do not exist (wildcard and brace patterns are not citations)."""
     missing = []
@@ -122,4 +132,8 @@ def update_notes(root: str | Path, *, check: bool) -> tuple[bool, list[str]]:
             if not check:
                 path.write_text(new)
         problems += [f"{where} cites {p}, which does not exist" for p in missing_citations(root, text)]
+        problems += [
+            f"{where}: {tie} ties no figure (NUMBER<!-- FILE.json PATH FORMAT -->, no space in PATH)"
+            for tie in malformed_ties(text)
+        ]
     return current, problems
