@@ -31,11 +31,11 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)
     with torch.no_grad():
-        want_prompt = model(ids).logits
-        want_token = model(ids[:, :1]).logits
+        want_prompt = model(ids, use_cache=False).logits
+        want_token = model(ids[:, :1], use_cache=False).logits
         changed = tensor_parallel.use_one_shot_all_reduce(model, max_bytes=MAX_BYTES if gpu else 0)
-        got_prompt = model(ids).logits
-        got_token = model(ids[:, :1]).logits
+        got_prompt = model(ids, use_cache=False).logits
+        got_token = model(ids[:, :1], use_cache=False).logits
         doc = {
             "world_size": torch.distributed.get_world_size(),
             "changed": changed,
@@ -47,14 +47,14 @@ def main() -> None:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                model(static)
+                model(static, use_cache=False)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                replayed = model(static).logits
+                replayed = model(static, use_cache=False).logits
             static.copy_(ids[:, 1:2])
             graph.replay()
-            doc["graph_max_diff"] = (replayed - model(ids[:, 1:2]).logits).abs().max().item()
+            doc["graph_max_diff"] = (replayed - model(ids[:, 1:2], use_cache=False).logits).abs().max().item()
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(doc, f)
