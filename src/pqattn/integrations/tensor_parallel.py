@@ -36,7 +36,7 @@ def from_pretrained_kwargs() -> dict:
 
 class OneShotAllReduce:
     """The sum over a process group's ranks, in place, of tensors of up to `max_numel` elements of
-    `dtype` on `device`, by `torch.ops.symm_mem.one_shot_all_reduce_copy_out`: the partial is
+    `dtype` on `device`, by torch's one-shot all-reduce (`torch.ops.symm_mem`): the partial is
     copied into this rank's symmetric buffer, and each rank reads every peer's buffer. Larger
     tensors, or another dtype, take the group's all-reduce (`dist.all_reduce`).
 
@@ -51,8 +51,10 @@ class OneShotAllReduce:
             raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32 (the kernel's), got {dtype}")
         if max_numel < 1:
             raise ValueError(f"max_numel: expected at least 1, got {max_numel}")
-        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-            raise RuntimeError(f"torch {torch.__version__} lacks symm_mem.one_shot_all_reduce_copy_out")
+        # the copy into the buffer inside the kernel where this torch has it, else a copy first
+        self.copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        if not self.copy_in and not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            raise RuntimeError(f"torch {torch.__version__} lacks symm_mem.one_shot_all_reduce_out")
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group = group
@@ -66,8 +68,12 @@ class OneShotAllReduce:
         if n > self.buffer.numel() or x.dtype != self.buffer.dtype or not x.is_contiguous():
             dist.all_reduce(x, group=self.group)
             return x
-        flat = x.view(-1)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(self.buffer[:n], flat, "sum", self.group_name, flat)
+        flat, buffer = x.view(-1), self.buffer[:n]
+        if self.copy_in:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, flat, "sum", self.group_name, flat)
+        else:
+            buffer.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", self.group_name, flat)
         return x
 
 
