@@ -52,18 +52,20 @@ def resources(kernel, constexprs: dict, num_warps: int = 4) -> dict:
     return cubin_usage(compile_sm90(kernel, constexprs, num_warps).asm["cubin"])
 
 
-def cubin_usage(cubin: bytes) -> dict:
-    """{'registers', 'stack'} per thread of a compiled kernel, by `cuobjdump --dump-resource-usage`."""
+def cuobjdump(cubin: bytes, option: str) -> str:
+    """The output of Triton's bundled `cuobjdump OPTION` on a compiled kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     try:
-        out = subprocess.run(
-            [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        )
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    got = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+
+
+def cubin_usage(cubin: bytes) -> dict:
+    """{'registers', 'stack'} per thread of a compiled kernel, by `cuobjdump --dump-resource-usage`."""
+    got = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(cubin, "--dump-resource-usage"))
     return {"registers": int(got[1]), "stack": int(got[2])}
 
 

@@ -14,11 +14,9 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import tempfile
 
 import triton
-from kernel_resources import compile_sm90, cubin_usage, score_config
+from kernel_resources import compile_sm90, cubin_usage, cuobjdump, score_config
 
 from pqattn.kernels.select import fine
 
@@ -47,13 +45,7 @@ def compile_score(M: int, C: int, tables: int, block: int, num_warps: int) -> di
 def longest_loop(cubin: bytes) -> dict:
     """The SASS of the kernel's longest loop (the body of its longest backward branch): its
     instructions a thread and its 8-byte loads (a code's G = 4 bfloat16 entries: its lookups)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    sass = cuobjdump(cubin, "-sass")
     code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     back = [
         (at, int(t, 16)) for at, op in code for t in re.findall(r"\bBRA (0x[0-9a-f]+)", op) if int(t, 16) < at
