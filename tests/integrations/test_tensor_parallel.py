@@ -106,46 +106,14 @@ def test_sparse_settings_give_the_one_process_tokens(tmp_path: pathlib.Path) -> 
         num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None,
     )  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
-    env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     docs = []
     for world in (1, 2):
         out = tmp_path / f"tp{world}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-        cmd += [
-            "--master-port",
-            str(_free_port()),
-            str(ROOT / "bench" / "tp_generate.py"),
-            "--model",
-            str(tmp_path / "model"),
-        ]
-        cmd += [
-            "--prompt",
-            "120",
-            "--batch",
-            "2",
-            "--new",
-            "8",
-            "--heavy",
-            "12",
-            "--sink",
-            "4",
-            "--window",
-            "8",
-        ]
-        cmd += [
-            "--subvectors",
-            "4",
-            "--bits",
-            "3",
-            "--share",
-            "group",
-            "--group-rule",
-            "max",
-            "--rerank",
-            "2",
-        ]
-        cmd += ["--dtype", "float32", "--samples", "1", "--steps", "1", "--json", str(out)]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        args = ["--model", str(tmp_path / "model"), "--prompt", "120", "--batch", "2", "--new", "8"]
+        args += ["--heavy", "12", "--sink", "4", "--window", "8", "--subvectors", "4", "--bits", "3"]
+        args += ["--share", "group", "--group-rule", "max", "--rerank", "2"]
+        args += ["--dtype", "float32", "--samples", "1", "--steps", "1", "--json", str(out)]
+        run = _torchrun(world, ROOT / "bench" / "tp_generate.py", args, "gloo")
         assert run.returncode == 0, run.stderr[-3000:]
         docs.append(json.loads(out.read_text()))
     one, two = docs
