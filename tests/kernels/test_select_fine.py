@@ -129,7 +129,7 @@ def test_fine_launch_tilings(
     monkeypatch.setattr(fine, "KTH_CHUNK", kth_chunk)
     monkeypatch.setattr(fine, "RANK_CHUNK", rank_chunk)
     monkeypatch.setattr(fine, "BLOCK_N", block_n)
-    monkeypatch.setattr(fine, "collect_steps", lambda blocks, sms: steps)
+    monkeypatch.setattr(fine, "collect_programs", lambda blocks, rows, sms: -(-blocks // steps))
     _run(
         device, B=2, H=4, Hkv=2, N=1200, D=32, M=4, bits=4, lengths=[1200, 900], sink=4, window=16,
         heavy=60, share=share, rule=rule, ties=rule == "max", calls=1,
@@ -144,7 +144,7 @@ def test_fine_rows_far_shorter_than_the_token_axis(device, monkeypatch, share, r
     monkeypatch.setattr(fine, "SCORE_ELEMENTS", 256)
     monkeypatch.setattr(fine, "SCORE_PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(fine, "BLOCK_N", 256)
-    monkeypatch.setattr(fine, "collect_steps", lambda blocks, sms: 16)  # 2 programs a row
+    monkeypatch.setattr(fine, "collect_programs", lambda blocks, rows, sms: 2)
     _run(
         device, B=1, H=4, Hkv=2, N=8000, D=32, M=4, bits=8, lengths=[2000], sink=4, window=16,
         heavy=120, share=share, rule=rule, calls=1,
@@ -368,20 +368,22 @@ def test_fine_launch_refuses_tables_its_rule_does_not_use(share, rule, tables):
         launch_fine_on_toy_inputs(share, rule, tables, H=8)
 
 
-def test_fine_collect_steps() -> None:
-    """One collect program a block while they fit COLLECT_PROGRAMS_PER_SM a SM, then as many
-    blocks a program as keeps them within it."""
+def test_fine_collect_programs() -> None:
+    """COLLECT_PROGRAMS_PER_SM collect programs a SM over all rows, at least one a row and at most
+    one a block; the room past the rows (more blocks) does not change the count."""
     per_sm = fine.COLLECT_PROGRAMS_PER_SM
-    assert fine.collect_steps(1, 132) == 1 and fine.collect_steps(132 * per_sm, 132) == 1
-    assert fine.collect_steps(132 * per_sm + 1, 132) == 2
-    assert fine.collect_steps(4096, 132) == -(-4096 // (132 * per_sm))
+    assert fine.collect_programs(40, 256, 132) == 132 * per_sm // 256
+    assert fine.collect_programs(33, 256, 132) == fine.collect_programs(40, 256, 132)
+    assert fine.collect_programs(40, 8, 132) == 40 and fine.collect_programs(136, 8, 132) == 132 * per_sm // 8
+    assert fine.collect_programs(40, 132 * per_sm + 1, 132) == 1
+    assert fine.collect_programs(0, 1, 132) == 1
 
 
 def test_fine_rerank_collects_several_blocks_a_program(device, monkeypatch):
     """Both collects of a re-rank (the tokens into the shortlist, the shortlist into the output)
     with three blocks a program, past the row's end in the last."""
     monkeypatch.setattr(fine, "BLOCK_N", 256)
-    monkeypatch.setattr(fine, "collect_steps", lambda blocks, sms: 3)
+    monkeypatch.setattr(fine, "collect_programs", lambda blocks, rows, sms: -(-blocks // 3))
     _rerank_case(
         device, B=2, H=8, Hkv=2, N=1500, D=32, M=4, bits=8, lengths=[1500, 700], sink=4, window=16,
         heavy=60, rerank=4, share="group", rule="max", ties=False,

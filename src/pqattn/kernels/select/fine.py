@@ -72,12 +72,13 @@ BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and coll
 COLLECT_PROGRAMS_PER_SM = 4  # past this many collect programs, each takes several blocks
 
 
-def collect_steps(blocks: int, sms: int) -> int:
-    """Blocks of BLOCK_N candidates per collect program for `blocks` in all (the token axis's) on
-    `sms` SMs, which sets the launch's programs a row: one block a program while they fit
-    COLLECT_PROGRAMS_PER_SM a SM, more past that, so that fewer programs each read the row's bins.
-    A row shorter than the axis splits its own blocks evenly over those programs."""
-    return max(-(-blocks // (sms * COLLECT_PROGRAMS_PER_SM)), 1)
+def collect_programs(blocks: int, rows: int, sms: int) -> int:
+    """Collect programs a row for `rows` rows of `blocks` blocks of BLOCK_N on the token axis (the
+    capacity) on `sms` SMs: COLLECT_PROGRAMS_PER_SM a SM in all, at least one a row, at most one a
+    block. A row splits its own blocks (up to its length) evenly over them, so the count follows
+    the SMs and the rows, not the capacity: one block more of room must not add a program a row
+    that re-reads the row's bins."""
+    return min(max(COLLECT_PROGRAMS_PER_SM * sms // rows, 1), max(blocks, 1))
 
 
 # The score launch: memory-gather programs of SCORE_WARPS warps loop over SCORE_ELEMENTS codes
@@ -1102,10 +1103,8 @@ def pq_select_fine(
     )
 
     def collect(blocks: int, stage_heavy: int, from_list: bool, to_list: bool) -> None:
-        steps = collect_steps(
-            blocks * rows, sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
-        )
-        grid_chunks = -(-blocks // steps)
+        sms = sm_count(q.device) if q.device.type == "cuda" else INTERPRETER_SMS
+        grid_chunks = collect_programs(blocks, rows, sms)
         _collect_launch(
             (grid_chunks, rows),
             (lengths, positions, counts, workspace),
