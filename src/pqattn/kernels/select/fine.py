@@ -24,7 +24,8 @@ heads (share="group"). Three launches, none of which waits on one program's chai
    (`tl.gather` along the token axis: a warp shuffle a code). Memory-gather programs number
    about SCORE_PROGRAMS_PER_SM an SM in all, so that an SM serves one row, whose tables stay in
    its L1; register-LUT programs take a step each.
-3. `_collect_kernel`, grid (chunks, rows): each program finds that bin from the counts, writes
+3. `_collect_kernel`, grid (chunks, rows), about COLLECT_PROGRAMS_PER_SM programs an SM over the
+   rows, each a share of its row's blocks: each program finds that bin from the counts, writes
    its tokens of higher bins to the heavy part and those of that bin to a boundary list (both
    slots from one 64-bit atomic a block on the pair of counters), and writes its share of sink,
    window and padding. The last program of a row to arrive takes the rest from the boundary list:
