@@ -70,7 +70,7 @@ SAMPLE_SLACK: tl.constexpr = tl.constexpr(6.0)
 # sample score, which only moves how many candidates are binned, never the selection.
 THRESHOLD_STEPS: tl.constexpr = tl.constexpr(8)
 BLOCK_N = 1024  # tokens (or shortlist entries) per program of the bins and collect launches
-COLLECT_PROGRAMS_PER_SM = 4  # past this many collect programs, each takes several blocks
+COLLECT_PROGRAMS_PER_SM = 4  # collect programs an SM over the rows, each a share of its row's blocks
 
 
 def collect_programs(blocks: int, rows: int, sms: int) -> int:
