@@ -118,3 +118,24 @@ def select_hist_launches(monkeypatch, H: int, Hkv: int) -> dict[str, tuple]:
         histogram=torch.zeros(B, Hkv, C**M, dtype=torch.int32),
     )
     return launched
+
+
+def small_causal_lm(
+    kind: str, device: torch.device, *, layers: int = 3, intermediate: int = 128
+) -> torch.nn.Module:
+    """A small randomly initialised GQA causal LM of transformers' `kind` ("llama", "mistral",
+    "qwen2": H=4, Hkv=2, hidden 64, vocab 128), on `device`, in eval mode."""
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[kind]
+    config = getattr(transformers, f"{names}Config")(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=None,  # a random model may greedily emit token 2 and end generation early
+    )
+    return getattr(transformers, f"{names}ForCausalLM")(config).to(device).eval()

@@ -8,27 +8,13 @@ import transformers
 
 import pqattn.integrations.hf as pq_hf
 from pqattn.lab.kernel_checks import group_selection_scores, selection_problem
+from tests.helpers import small_causal_lm
 
-MODELS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-}
+MODELS = ("llama", "mistral", "qwen2")
 
 
 def _model(kind: str, device: torch.device) -> torch.nn.Module:
-    config_cls, model_cls = (getattr(transformers, n) for n in MODELS[kind])
-    config = config_cls(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=None,  # a random model may greedily emit token 2 and end generation early
-    )
-    return model_cls(config).to(device).eval()
+    return small_causal_lm(kind, device)
 
 
 def _states(model) -> list:

@@ -40,6 +40,7 @@ from pqattn import ops
 from pqattn import reference as ref
 from pqattn.host import HostCache
 from pqattn.index import PQConfig, PQIndex
+from pqattn.integrations import projections
 
 NAME = "pqattn"
 
@@ -442,6 +443,11 @@ class StaticDecoder:
     attention runs eagerly between the compiled graphs, and the capture then holds fewer, larger
     launches.
 
+    `fuse_projections=True` (the default) runs each layer's q/k/v projections as one GEMM and
+    its MLP's gate/up projections as another (`pqattn.integrations.projections.fuse`: the
+    model's parameters become views of one buffer a group, at no memory cost) until `close()`,
+    which gives them their own storage back (`generate` closes its decoder).
+
     Ragged batches: `prompt_lengths` gives each sequence's length; the prompts are right-padded in
     `input_ids` and each sequence decodes at its own positions (its cache slots, rotary
     positions and index length), so a short prompt is never padded at the front. Its dense
@@ -460,6 +466,7 @@ class StaticDecoder:
             the prefill stays eager). Dynamo keeps an entry per layer, and its recompile limit is
             raised to hold them; decoders of other models, attention implementations or batch
             shapes in the same process add as many: call `torch._dynamo.reset()` between them.
+        fuse_projections: fuse the model's q/k/v and gate/up projections until `close()`.
 
     Example:
         >>> import transformers
@@ -483,6 +490,7 @@ class StaticDecoder:
         capture: bool | None = None,
         prefill_tokens: int = 131072,
         compile: bool = False,
+        fuse_projections: bool = True,
     ) -> None:
         check.tensor("input_ids", input_ids, shape=(None, None), dims="[B, P]", dtypes=(torch.int64,))
         check.positive_int("max_new_tokens", max_new_tokens)
@@ -525,8 +533,15 @@ class StaticDecoder:
         self._states = [
             m._pqattn_state for m in model.modules() if getattr(m, "_pqattn_state", None) is not None
         ]
-        with torch.no_grad():
-            first = self._prefill(input_ids, lengths, prefill_tokens)
+        self._fused, self._closed = fuse_projections, False
+        if fuse_projections:
+            projections.fuse(model)
+        try:
+            with torch.no_grad():
+                first = self._prefill(input_ids, lengths, prefill_tokens)
+        except BaseException:
+            self.close()
+            raise
         self.ids = first[:, None]  # [B, 1]: the token each decode step reads and overwrites
         self.eos = None if eos_token_id is None else torch.full_like(self.ids, eos_token_id)
         self.done = None if self.eos is None else self.ids == self.eos  # [B, 1] sequences that emitted eos
@@ -585,6 +600,8 @@ class StaticDecoder:
 
     def step(self) -> None:
         """One decode step of the batch (asynchronous once the graph is captured)."""
+        if self._closed:
+            raise ValueError("step: the decoder is closed")
         if self.steps_left <= 0:
             raise ValueError(f"step: all max_new_tokens={self.max_new_tokens} tokens are generated")
         if not self.capture or self._made == 1:
@@ -612,6 +629,16 @@ class StaticDecoder:
             self.step()
         self.sync_lengths()
         return torch.cat([self.input_ids, self.tokens], dim=1)
+
+    def close(self) -> None:
+        """Drop the captured graph and unfuse the model's projections (fuse_projections); the
+        decoder takes no more steps. The tokens made so far stay in `tokens`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._graph = None
+        if self._fused:
+            projections.unfuse(self.model)
 
 
 def _compiled_forward(model: torch.nn.Module):
@@ -787,6 +814,7 @@ def generate(
     eos_token_id: int | None = None,
     capture: bool | None = None,
     compile: bool = False,
+    fuse_projections: bool = True,
 ) -> torch.Tensor:
     """Greedy decoding through a StaticCache, the decode step captured as one CUDA graph and
     replayed: `StaticDecoder(...).run()`, whose arguments these are.
@@ -811,8 +839,12 @@ def generate(
         eos_token_id=eos_token_id,
         capture=capture,
         compile=compile,
+        fuse_projections=fuse_projections,
     )
-    return decoder.run()
+    try:
+        return decoder.run()
+    finally:
+        decoder.close()
 
 
 def disable(model: torch.nn.Module, implementation: str = "sdpa") -> None:
