@@ -118,6 +118,21 @@ def test_a_linear_called_on_another_input_gets_its_own_product(device: torch.dev
     projections.unfuse(parent)
 
 
+def test_with_gradients_each_linear_computes_its_own_product(device: torch.device) -> None:
+    """With gradients enabled for the parameters, a fused model's parameters get the gradients of
+    the unfused model's (the group's product, made without them, is not used)."""
+    model = _model("qwen2", device)
+    ids = torch.randint(0, 128, (2, 9), device=device)
+    model(ids).logits.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    projections.fuse(model)
+    model(ids).logits.square().mean().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-4, msg=n)
+    projections.unfuse(model)
+
+
 def test_static_decoder_fuses_until_closed(device: torch.device) -> None:
     """StaticDecoder fuses the projections by default and generates the tokens of the unfused
     loop; close() unfuses and ends the decoder; generate leaves the model unfused."""

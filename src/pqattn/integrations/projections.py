@@ -8,7 +8,8 @@ and makes every linear's parameters views of it: the model keeps its parameters'
 and values, and no memory. The first linear of a group called on an input computes the group's
 product and keeps it; the group's others take their slices of it when called on the same input
 (a linear called on another input computes the group's product for it); the parent module's
-forward drops it on return. `unfuse(model)` gives every parameter its own storage back (while
+forward drops it on return (with gradients enabled for the parameters, each linear computes its
+own product, as before). `unfuse(model)` gives every parameter its own storage back (while
 fused, safetensors refuses to save parameters that share storage, and the parameters must not be
 moved or converted: the product reads the fused buffer). Calls nest: a model fused twice is
 restored by its second `unfuse`.
@@ -46,6 +47,8 @@ class FusedLinear(torch.nn.Linear):
     _pqattn_span: tuple[int, int]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)  # the group's product carries no gradient
         group = self._pqattn_group
         if group.x is not x:
             group.x, group.out = x, F.linear(x, group.weight, group.bias)
