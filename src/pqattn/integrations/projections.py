@@ -5,7 +5,7 @@ no split-K reduce of the small k/v products.
 
 `fuse(model)` concatenates each group's weights (and biases) along the outputs into one buffer
 and makes every linear's parameters views of it: the model keeps its parameters' names, shapes
-and values, and no memory. The first linear of a group called on an input computes the group's
+and values, and its memory does not grow. The first linear of a group called on an input computes the group's
 product and keeps it; the group's others take their slices of it when called on the same input
 (a linear called on another input computes the group's product for it); the parent module's
 forward drops it on return (with gradients enabled for the parameters, each linear computes its
