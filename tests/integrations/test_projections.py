@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -52,7 +54,9 @@ def test_fused_model_computes_the_same_logits_and_restores(kind: str, device: to
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     group = model.model.layers[0].self_attn.q_proj._pqattn_group
     assert group.x is None and group.out is None, "the product is dropped when the parent returns"
+    buffer = weakref.ref(group.weight)
     assert projections.unfuse(model) == 0
+    assert buffer() is None, "unfuse frees each group's buffer"
     assert all(type(m) is torch.nn.Linear for m in _linears(model).values())
     storages = [_storage(p) for n, p in model.named_parameters() if "proj" in n]
     assert len(set(storages)) == len(storages), "every parameter its own storage"

@@ -122,18 +122,21 @@ def unfuse(model: torch.nn.Module) -> int:
     if count > 1:
         model._pqattn_fused = count - 1
         return _fused_groups(model)
-    groups = {}
+    groups: dict[int, tuple[_Group, list[FusedLinear]]] = {}
     for module in model.modules():
         if type(module) is FusedLinear:
+            group = module._pqattn_group
+            groups.setdefault(id(group), (group, []))[1].append(module)
+    for group, parts in groups.values():  # a group's buffer is freed before the next is copied
+        for module in parts:
             module.weight = _view(module.weight, module.weight.clone())
             if module.bias is not None:
                 module.bias = _view(module.bias, module.bias.clone())
-            groups[id(module._pqattn_group)] = module._pqattn_group
             module.__class__ = torch.nn.Linear
             del module._pqattn_group, module._pqattn_span
-    for group in groups.values():
         group.hook.remove()
         group.drop()
+        group.weight = group.bias = None
     if count:
         del model._pqattn_fused
     return 0
