@@ -147,6 +147,41 @@ def test_row_parallel_sums_replaced_give_transformers_logits(
         assert doc["graph_max_diff"] <= 1e-6, doc
 
 
+@needs_accelerate
+@pytest.mark.parametrize(
+    "kind,backend,ranks", [("llama", b, n) for b, n in RUNS] + [("qwen2", b, n) for b, n in RUNS if n == 2]
+)
+def test_ranks_fuse_their_local_projections(
+    kind: str, backend: str, ranks: int, tmp_path: pathlib.Path, device: torch.device
+) -> None:
+    """`projections.fuse` on a tensor-parallel model: each rank's colwise q/k/v and gate/up shards
+    become views of one local buffer (the parameters stay DTensors, qwen2's biases too), the calls
+    take the group's product, the logits stay transformers' own, and unfuse restores each
+    parameter's storage and transformers' forward."""
+    if backend == "gloo" and device.type == "cuda":
+        pytest.skip("the CPU run: the GPUs take the NCCL case")
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=512, eos_token_id=None,
+    )  # fmt: skip
+    if kind == "llama":
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(tmp_path / "model")
+    else:
+        transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).save_pretrained(tmp_path / "model")
+    out = tmp_path / "fused.json"
+    worker = pathlib.Path(__file__).with_name("tp_projections_worker.py")
+    run = _torchrun(ranks, worker, [str(tmp_path / "model"), str(out)], backend)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == ranks and doc["fused"] == 4  # q/k/v and gate/up of 2 layers
+    assert doc["dtensors"] and doc["shared_storage"] and doc["sharded_forward"]
+    assert doc["group_products"] == [True]
+    assert doc["with_bias"] == (kind == "qwen2") and doc.get("bias_shared_storage", True)
+    assert doc["fused_max_diff"] <= 1e-5 and doc["unfused_max_diff"] == 0.0, doc
+    assert doc["unfused"] == 0 and doc["own_storage"] and doc["forwards_restored"]
+
+
 def test_one_shot_all_reduce_refuses_what_it_cannot_serve() -> None:
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(

@@ -9,12 +9,10 @@ Usage: torchrun --nproc-per-node N tests/integrations/tp_all_reduce_worker.py MO
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
-import transformers
+from tp_worker import finish, load
 
 from pqattn.integrations import tensor_parallel
 
@@ -24,12 +22,7 @@ MAX_BYTES = 4096  # the prompt's sums (2 x 16 x 64 float32: 8 KiB) past it, a to
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
     gpu = torch.cuda.is_available()
-    if gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    kwargs = tensor_parallel.from_pretrained_kwargs()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(model.device)
+    model, ids = load(path)
     with torch.no_grad():
         want_prompt = model(ids, use_cache=False).logits
         want_token = model(ids[:, :1], use_cache=False).logits
@@ -55,10 +48,7 @@ def main() -> None:
             static.copy_(ids[:, 1:2])
             graph.replay()
             doc["graph_max_diff"] = (replayed - model(ids[:, 1:2], use_cache=False).logits).abs().max().item()
-    if torch.distributed.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(doc, f)
-    torch.distributed.destroy_process_group()
+    finish(doc, out)
 
 
 if __name__ == "__main__":
