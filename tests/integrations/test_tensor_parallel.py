@@ -149,15 +149,18 @@ def test_row_parallel_sums_replaced_give_transformers_logits(
 
 @needs_accelerate
 @pytest.mark.parametrize(
-    "kind,backend,ranks", [("llama", b, n) for b, n in RUNS] + [("qwen2", b, n) for b, n in RUNS if n == 2]
+    "kind,backend,ranks,plan",
+    [("llama", b, n, "auto") for b, n in RUNS]
+    + [(k, b, n, p) for b, n in RUNS if n == 2 for k, p in (("qwen2", "auto"), ("llama", "gathered"))],
 )
 def test_ranks_fuse_their_local_projections(
-    kind: str, backend: str, ranks: int, tmp_path: pathlib.Path, device: torch.device
+    kind: str, backend: str, ranks: int, plan: str, tmp_path: pathlib.Path, device: torch.device
 ) -> None:
     """`projections.fuse` on a tensor-parallel model: each rank's colwise q/k/v and gate/up shards
     become views of one local buffer (the parameters stay DTensors, qwen2's biases too), the calls
     take the group's product, the logits stay transformers' own, and unfuse restores each
-    parameter's storage and transformers' forward."""
+    parameter's storage and transformers' forward. With gate/up outputs gathered ("colwise_rep",
+    the worker's "gathered" plan) the MLP's groups stay unfused."""
     if backend == "gloo" and device.type == "cuda":
         pytest.skip("the CPU run: the GPUs take the NCCL case")
     torch.manual_seed(0)
@@ -171,10 +174,11 @@ def test_ranks_fuse_their_local_projections(
         transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).save_pretrained(tmp_path / "model")
     out = tmp_path / "fused.json"
     worker = pathlib.Path(__file__).with_name("tp_projections_worker.py")
-    run = _torchrun(ranks, worker, [str(tmp_path / "model"), str(out)], backend)
+    run = _torchrun(ranks, worker, [str(tmp_path / "model"), str(out), plan], backend)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["world_size"] == ranks and doc["fused"] == 4  # q/k/v and gate/up of 2 layers
+    assert doc["world_size"] == ranks
+    assert doc["fused"] == (4 if plan == "auto" else 2)  # q/k/v and gate/up of 2 layers
     assert doc["dtensors"] and doc["shared_storage"] and doc["sharded_forward"]
     assert doc["group_products"] == [True]
     assert doc["with_bias"] == (kind == "qwen2") and doc.get("bias_shared_storage", True)

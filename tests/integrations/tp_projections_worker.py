@@ -3,7 +3,8 @@ model loaded with tp_plan="auto", its logits with transformers' colwise q/k/v an
 then with each rank's local shards fused (`projections.fuse`), then unfused. Rank 0 writes the
 JSON at argv[2].
 
-Usage: torchrun --nproc-per-node N tests/integrations/tp_projections_worker.py MODEL_DIR OUT.json
+Usage: torchrun --nproc-per-node N tests/integrations/tp_projections_worker.py MODEL_DIR OUT.json PLAN
+(PLAN: auto, or gathered)
 """
 
 from __future__ import annotations
@@ -21,9 +22,18 @@ def _storage(t: torch.Tensor) -> int:
     return t.to_local().untyped_storage().data_ptr()
 
 
+# argv[3] "gathered": the MLP's gate/up outputs gathered ("colwise_rep"), its down projection
+# splitting its replicated input: those groups must stay unfused
+GATHERED = {
+    "layers.*.mlp.gate_proj": "colwise_rep",
+    "layers.*.mlp.up_proj": "colwise_rep",
+    "layers.*.mlp.down_proj": "rowwise_split_input",
+}
+
+
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
-    model, ids = load(path)
+    model, ids = load(path, GATHERED if sys.argv[3] == "gathered" else None)
     attn = model.model.layers[0].self_attn
     forwards = {n: getattr(attn, n).__dict__.get("forward") for n in ("q_proj", "k_proj", "v_proj")}
     with torch.no_grad():

@@ -11,13 +11,17 @@ import transformers
 from pqattn.integrations import tensor_parallel
 
 
-def load(path: str) -> tuple[transformers.PreTrainedModel, torch.Tensor]:
-    """(the model at `path` loaded with tp_plan="auto" in float32 on this rank's device, a fixed
-    prompt [2, 16] of its vocabulary)."""
+def load(path: str, plan: dict[str, str] | None = None) -> tuple[transformers.PreTrainedModel, torch.Tensor]:
+    """(the model at `path` loaded with tp_plan="auto" in float32 on this rank's device, its plan's
+    entries replaced by `plan`; a fixed prompt [2, 16] of its vocabulary)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     kwargs = tensor_parallel.from_pretrained_kwargs()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.base_model_tp_plan = {**config.base_model_tp_plan, **(plan or {})}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, **kwargs
+    ).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     return model, ids.to(model.device)
 

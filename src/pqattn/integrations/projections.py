@@ -22,8 +22,9 @@ one-dimensional mesh ("colwise"). A rank's sharded group fuses its local shards:
 keeps its DTensor parameters (views of the rank's fused buffer) and transformers' own forward,
 and is called through a forward that takes the slice of the group's local product, which is what
 a colwise linear returns on a replicated input (there is no communication to skip). A DTensor
-input, extra arguments or gradients take transformers' forward; a sharded linear with a forward
-hook is not fused.
+input, extra arguments or gradients take transformers' forward. A sharded group is fused only if
+each linear's own call returns its local product (probed once, at `fuse`): not for a forward hook,
+nor for styles that gather the output ("colwise_rep").
 """
 
 from __future__ import annotations
@@ -115,7 +116,20 @@ def _fusion(parts: list[torch.nn.Module], uses: dict[int, int]) -> str | None:
         and t.placements[0].dim % t.ndim == 0  # along the outputs (a bias's Shard(-1) too)
         for t in params
     )
-    return "sharded" if colwise else None
+    return "sharded" if colwise and all(_gives_local_product(p) for p in parts) else None
+
+
+def _gives_local_product(linear: torch.nn.Linear) -> bool:
+    """Whether a sharded linear's own call (transformers' forward and hooks) returns its local
+    product on a replicated input: a plain tensor equal to F.linear with its local shards. Not so
+    for the styles that gather the output ("colwise_rep") or keep it a DTensor. Every rank probes
+    its linears in the same order (a gathering style's call is a collective)."""
+    weight = linear.weight.to_local()
+    x = torch.ones(1, linear.in_features, dtype=weight.dtype, device=weight.device)
+    got = linear(x)
+    want = F.linear(x, weight, None if linear.bias is None else _local(linear.bias))
+    local = type(got) is torch.Tensor and got.shape == want.shape
+    return local and torch.allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
 def _view(parameter: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
