@@ -7,7 +7,8 @@ up (colwise: their output rows / tp) and o, down (rowwise: their input columns /
 own GEMM ("unfused"), or q/k/v and gate/up as one GEMM each ("fused", what
 `pqattn.integrations.projections` runs on each rank). One CUDA graph holds the step's products
 over `layers` layers of distinct weights (more than twice the L2); GPU time per step by graph
-replay, beside the weights' bytes at the measured copy rate.
+replay, beside the weights' bytes at the measured copy rate; then each of the fused step's
+products alone over the layers.
 
 Usage: PYTHONPATH=src python3 bench/tp_rank_gemms.py [--tp 1,2,4] [--batch 8] [--layers 8] [--json PATH]
 """
@@ -80,10 +81,23 @@ def main() -> None:
             row[name + "_launches"] = len(ops) * a.layers
             del graph
         row["saved_us"] = row["unfused_us"] - row["fused_us"]
+        row["ops"] = {}  # the fused step's products one at a time: us over the layers, and floor
+        for k, inp in steps["fused"]:
+
+            def op(k=k, inp=inp, layers=layers) -> None:
+                for w in layers:
+                    F.linear(inp, w[k])
+
+            graph = capture([op], dev, calls=1)
+            nbytes = sum(w[k].numel() * w[k].element_size() for w in layers)
+            us = time_graph(graph, dev, repeats=30, calls=1)["median_us"]
+            row["ops"][k] = {"us": us, "floor_us": nbytes / (ceilings["copy_gbps"] * 1e3)}
+            del graph
         rows.append(row)
         print(
             f"tp {tp}: unfused {row['unfused_us']:.1f} us, fused {row['fused_us']:.1f} us "
-            f"(saves {row['saved_us']:.1f}), floor {row['floor_us']:.1f} us for {a.layers} layers",
+            f"(saves {row['saved_us']:.1f}), floor {row['floor_us']:.1f} us for {a.layers} layers | "
+            + ", ".join(f"{k} {v['us']:.1f} ({v['floor_us']:.1f})" for k, v in row["ops"].items()),
             flush=True,
         )
         del layers
