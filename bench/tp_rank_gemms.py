@@ -81,6 +81,8 @@ def main() -> None:
             row[name + "_launches"] = len(ops) * a.layers
             del graph
         row["saved_us"] = row["unfused_us"] - row["fused_us"]
+        for name in steps:
+            row[name + "_x"] = row[name + "_us"] / row["floor_us"]
         row["ops"] = {}  # the fused step's products one at a time: us over the layers, and floor
         for k, inp in steps["fused"]:
 
