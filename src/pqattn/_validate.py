@@ -210,12 +210,12 @@ def checking_values(t: torch.Tensor) -> bool:
     return not t.is_cuda or not torch.cuda.is_current_stream_capturing()
 
 
-def length_values(lengths: torch.Tensor, n_tokens: int) -> None:
+def length_values(lengths: torch.Tensor, n_tokens: int, name: str = "lengths") -> None:
     if not checking_values(lengths):
         return
     host = lengths.detach().cpu()
     if bool(((host < 0) | (host > n_tokens)).any()):
-        raise ValueError(f"lengths: expected token counts in [0, {n_tokens}] (N), got {host.tolist()}")
+        raise ValueError(f"{name}: expected token counts in [0, {n_tokens}] (N), got {host.tolist()}")
 
 
 def selection_values(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:

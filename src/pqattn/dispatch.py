@@ -513,6 +513,30 @@ def sparse_decode(
         decode.sparse_decode(*qkv, positions, counts, weights=weights, dense_weights=dense_weights, **common)
 
 
+def dense_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    lse: torch.Tensor | None,
+    scale: float | None,
+    block_table: torch.Tensor | None = None,
+) -> None:
+    """The dense decode launch on validated inputs (the group decode kernel over the cache's first
+    counts[b] tokens, no positions): counts [B]."""
+    from pqattn.kernels import decode
+
+    Hkv = k.shape[2] if block_table is not None else k.shape[1]
+    per_head = counts[:, None].expand(counts.shape[0], Hkv)
+    qkv = (_last_contiguous(q), _last_contiguous(k), _last_contiguous(v))
+    decode.group_decode(
+        *qkv, None, per_head, out=out, workspace=workspace, lse=lse, scale=scale, block_table=block_table
+    )
+
+
 def row_lookup_workspace_numel(rows: int, L: int, S: int) -> int:
     """int32 elements of row_lookup's workspace for `rows` lists of width L over S slots."""
     from pqattn.kernels.rows import lookup_workspace_numel

@@ -577,13 +577,7 @@ def sparse_decode(
             plan(*tensors)
             return out
     scale = check.scale(scale)
-    if block_table is None:
-        check.key_cache("k", k)
-        B, Hkv, N, D = k.shape
-        check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
-    else:
-        B, Hkv, N, D = check.paged_cache(k, v, block_table, q.shape[0] if q.dim() == 3 else None)
-    check.query(q, B, Hkv, D, k.device)
+    B, Hkv, N, D = _decode_cache(q, k, v, block_table)
     H = q.shape[1]
     shared = positions.dim() == 3 and positions.shape[1] == Hkv != H  # one selection per KV head
     R, dims = (Hkv, "[B, Hkv, L]") if shared else (H, "[B, H, L]")
@@ -606,10 +600,7 @@ def sparse_decode(
             dtypes=check.FLOAT_DTYPES,
             device=k.device,
         )
-    if out is not None:
-        check.tensor("out", out, shape=(B, H, D), dims="[B, H, D]", dtypes=(q.dtype,), device=q.device)
-        if out.stride(-1) != 1:
-            raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
+    _decode_out(out, q, B, H, D)
     _selection_values(positions, counts, N)
     if not decode_kernel_path(q):
         if block_table is not None:
@@ -619,10 +610,7 @@ def sparse_decode(
         if dense_weights and weights is not None:
             weights = weights.gather(-1, positions.long().clamp(0, N - 1))
         res = ref.sparse_decode(q, k, v, positions, counts, weights, scale=scale, return_lse=True)
-        if out is not None:
-            out.copy_(res[0])
-        res = (res[0] if out is None else out, res[1].float())
-        return res if return_lse else res[0]
+        return _reference_result(res, out, return_lse)
     if out is None:
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     need = (
@@ -630,14 +618,9 @@ def sparse_decode(
         if shared
         else decode_workspace_numel(B * H, positions.shape[-1], D)
     )
-    if workspace is None:
-        workspace = torch.zeros(need, dtype=torch.int32, device=q.device)
-    elif workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != q.device:
-        raise ValueError(
-            f"workspace: expected a zero-filled int32 tensor on {q.device} of at least "
-            f"decode_workspace_numel(B*H, L, D) (group: (B*Hkv, L, D, group=G))={need} elements, "
-            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
-        )
+    workspace = _decode_workspace(
+        workspace, need, q.device, "decode_workspace_numel(B*H, L, D) (group: (B*Hkv, L, D, group=G))"
+    )
     lse = torch.empty(B * H, dtype=torch.float32, device=q.device) if return_lse else None
     with recording() as rec:
         dispatch.sparse_decode(
@@ -657,6 +640,114 @@ def sparse_decode(
     if tensors is not None:
         dispatch.PLANS.keep(key, rec, tensors)
     return (out, lse.view(B, H)) if return_lse else out
+
+
+def dense_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense decode attention of one query per sequence over the first counts[b] tokens of its
+    cache: `sparse_decode` over positions 0 .. counts[b] - 1, without the positions (split-K flash
+    decoding; each key and value row read once for a KV head's G query heads). pqattn's dense
+    fallbacks (`HFConfig.dense_layers`, decoding past the capacity) and the dense baselines run it.
+
+    Args:
+        q: [B, H, D] in any floating dtype, H a multiple of Hkv.
+        k, v: [B, Hkv, N, D], one floating dtype; or paged with `block_table` (as sparse_decode).
+        counts: [B] int32/int64 in [0, N]: each sequence's tokens (a static cache's slots past
+            them are not read).
+        scale: default 1/sqrt(D). return_lse: also return the log-sum-exp.
+        out: [B, H, D] in q's dtype, last dim contiguous, to write into.
+        workspace: zero-filled int32 of `decode_workspace_numel(B * Hkv, N, D, group=H // Hkv)`
+            elements (N: the cache's tokens, max_blocks * P when paged). With `out`, the call
+            allocates nothing and later calls of its signature replay its launch.
+
+    Returns:
+        out [B, H, D] in q's dtype, and lse [B, H] float32 when `return_lse`.
+    """
+    key = tensors = None
+    if out is not None and workspace is not None and not return_lse:
+        tensors = (q, k, v, counts, out, workspace) + ((block_table,) if block_table is not None else ())
+        key = dispatch.PLANS.key("dense_decode", tensors, scale)
+        plan = dispatch.PLANS.get(key)
+        if plan is not None:
+            plan(*tensors)
+            return out
+    scale = check.scale(scale)
+    B, Hkv, N, D = _decode_cache(q, k, v, block_table)
+    H = q.shape[1]
+    check.tensor("counts", counts, shape=(B,), dims="[B]", dtypes=check.INT_DTYPES, device=k.device)
+    _decode_out(out, q, B, H, D)
+    check.length_values(counts, N, "counts")
+    if not decode_kernel_path(q):
+        if block_table is not None:
+            k, v = ref.unpage(k, block_table), ref.unpage(v, block_table)
+        res = ref.dense_decode(q, k, v, counts, scale=scale, return_lse=True)
+        return _reference_result(res, out, return_lse)
+    if out is None:
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    need = decode_workspace_numel(B * Hkv, N, D, group=H // Hkv)
+    workspace = _decode_workspace(workspace, need, q.device, "decode_workspace_numel(B*Hkv, N, D, group=G)")
+    lse = torch.empty(B * H, dtype=torch.float32, device=q.device) if return_lse else None
+    with recording() as rec:
+        dispatch.dense_decode(
+            q, k, v, counts, out=out, workspace=workspace, lse=lse, scale=scale, block_table=block_table
+        )
+    if tensors is not None:
+        dispatch.PLANS.keep(key, rec, tensors)
+    return (out, lse.view(B, H)) if return_lse else out
+
+
+def _decode_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None
+) -> tuple[int, int, int, int]:
+    """A decode call's cache (contiguous, or paged with its table) and query checked; returns
+    (B, Hkv, N, D)."""
+    if block_table is None:
+        check.key_cache("k", k)
+        B, Hkv, N, D = k.shape
+        check.tensor("v", v, shape=(B, Hkv, N, D), dims="[B, Hkv, N, D]", dtypes=(k.dtype,), device=k.device)
+    else:
+        B, Hkv, N, D = check.paged_cache(k, v, block_table, q.shape[0] if q.dim() == 3 else None)
+    check.query(q, B, Hkv, D, k.device)
+    return B, Hkv, N, D
+
+
+def _decode_out(out: torch.Tensor | None, q: torch.Tensor, B: int, H: int, D: int) -> None:
+    if out is not None:
+        check.tensor("out", out, shape=(B, H, D), dims="[B, H, D]", dtypes=(q.dtype,), device=q.device)
+        if out.stride(-1) != 1:
+            raise ValueError(f"out: expected a contiguous last dimension, got strides {tuple(out.stride())}")
+
+
+def _decode_workspace(
+    workspace: torch.Tensor | None, need: int, device: torch.device, what: str
+) -> torch.Tensor:
+    """The given workspace checked (int32, at least `need` elements, on `device`), or a new one."""
+    if workspace is None:
+        return torch.zeros(need, dtype=torch.int32, device=device)
+    if workspace.dtype != torch.int32 or workspace.numel() < need or workspace.device != device:
+        raise ValueError(
+            f"workspace: expected a zero-filled int32 tensor on {device} of at least {what}={need} elements, "
+            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
+        )
+    return workspace
+
+
+def _reference_result(res: tuple, out: torch.Tensor | None, return_lse: bool):
+    """A reference route's (out, lse) as the kernel route returns them (into `out` when given)."""
+    if out is not None:
+        out.copy_(res[0])
+    res = (res[0] if out is None else out, res[1].float())
+    return res if return_lse else res[0]
 
 
 # Signatures of paged_append calls whose values were checked (bounded: a serving loop has few).

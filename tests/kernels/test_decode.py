@@ -17,6 +17,7 @@ from pqattn import reference as ref
 from pqattn.kernels import decode
 from pqattn.kernels.decode import (
     DECODE_CONFIGS,
+    DENSE_DECODE_CONFIGS,
     GROUP_DECODE_CONFIGS,
     group_decode,
     group_workspace_numel,
@@ -233,6 +234,63 @@ def test_group_decode_bf16_full_shape_cuda(config):
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
+DENSE_IDS = [f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in DENSE_DECODE_CONFIGS]
+
+
+@pytest.mark.parametrize("config", DENSE_DECODE_CONFIGS, ids=DENSE_IDS)
+@pytest.mark.parametrize("G", [4, 1])
+def test_dense_decode_matches_reference(device, config, G, monkeypatch):
+    """The group kernel without positions (dense decoding over each row's first counts tokens)
+    against the reference: every config, a full row over several splits, an empty row, counts
+    inside a split and just past one; the slots past each count hold NaN, so a read past it
+    fails. G=1 combines its splits in a loop of two at a time."""
+    if G == 1:
+        monkeypatch.setattr(decode, "_UNROLL_MAX", 1)
+        monkeypatch.setattr(decode, "_UNROLL_BLOCK", 2)
+    block = config.kwargs["BLOCK_L"]
+    B, Hkv, D, N = 2, 2, 16, 2 * block + 37
+    H = G * Hkv
+    counts = torch.tensor([[N, 0], [17, block + 3]], dtype=torch.int32)
+    k = 3 * torch.randn(B, Hkv, N, D)
+    v = torch.randn(B, Hkv, N, D)
+    past = torch.arange(N) >= counts[..., None]
+    k[past], v[past] = float("nan"), float("nan")
+    q = torch.randn(B, H, D)
+    positions = torch.arange(N, dtype=torch.int32).expand(B, H, N)
+    want, want_lse = ref.sparse_decode(
+        q.double(), k.nan_to_num().double(), v.nan_to_num().double(), positions,
+        counts.repeat_interleave(G, 1), None, return_lse=True,
+    )  # fmt: skip
+    q, k, v, counts = q.to(device), k.to(device), v.to(device), counts.to(device)
+    out = torch.full((B, H, D), float("nan"), device=device)
+    lse = torch.full((B * H,), float("nan"), device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D), dtype=torch.int32, device=device)
+    for _ in range(2):  # the counters are left at zero for the next call
+        group_decode(q, k, v, None, counts, out=out, workspace=ws, lse=lse, config=config)
+        torch.testing.assert_close(out.double().cpu(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse.view(B, H).double().cpu(), want_lse, atol=1e-4, rtol=1e-4)
+        assert not ws[: B * Hkv].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tensor-core products on the GPU")
+@pytest.mark.parametrize("config", DENSE_DECODE_CONFIGS, ids=DENSE_IDS)
+def test_dense_decode_bf16_full_shape_cuda(config):
+    B, H, Hkv, N, D = 2, 32, 8, 131072 + 512, 128
+    q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(B, Hkv, N, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(B, Hkv, N, D, dtype=torch.bfloat16, device="cuda")
+    counts = torch.tensor([131073, 70001], dtype=torch.int32, device="cuda")
+    out = torch.full((B, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws = torch.zeros(group_workspace_numel(B * Hkv, H // Hkv, N, D), dtype=torch.int32, device="cuda")
+    group_decode(q, k, v, None, counts[:, None].expand(B, Hkv), out=out, workspace=ws, config=config)
+    for b in range(B):
+        n = int(counts[b])
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b, :, None].float(), k[b, :, :n].float(), v[b, :, :n].float(), enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
+
+
 def _paged_case(device, *, B, H, Hkv, N, L, D, page, dtype=torch.float32, shared=False):
     max_blocks = -(-N // page)
     blocks = B * max_blocks + 3
@@ -288,6 +346,61 @@ def test_paged_group_decode_matches_the_contiguous_cache(device, config):
         q.double(), k.double(), v.double(), positions.repeat_interleave(G, 1), counts.repeat_interleave(G, 1)
     )
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", DENSE_DECODE_CONFIGS, ids=DENSE_IDS)
+def test_paged_dense_decode_matches_the_contiguous_cache(device, config):
+    """Dense decoding over a paged cache (shuffled blocks, a page that does not divide the
+    tokens, NaN in the unused blocks) gives the contiguous cache's answer."""
+    B, H, Hkv, D, page = 2, 8, 2, 16, 48
+    N = config.kwargs["BLOCK_L"] + 100
+    q, k, v, kp, vp, table, _, _ = _paged_case(
+        device, B=B, H=H, Hkv=Hkv, N=N, L=1, D=D, page=page, shared=True
+    )
+    counts = torch.tensor([N, 700], dtype=torch.int32, device=device)[:, None].expand(B, Hkv)
+    out = torch.full_like(q, float("nan"))
+    width = table.shape[1] * page
+    ws = torch.zeros(group_workspace_numel(B * Hkv, 4, width, D), dtype=torch.int32, device=device)
+    group_decode(q, kp, vp, None, counts, out=out, workspace=ws, block_table=table, config=config)
+    want = ref.dense_decode(q.double(), k.double(), v.double(), counts[:, 0])
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("route", ["reference", "kernel"])
+def test_dense_decode_through_the_api(device, route, request):
+    """ops.dense_decode: the reference route and the kernel (a kept plan replayed into the given
+    buffers) agree with SDPA over each sequence's first counts tokens; bad inputs are refused
+    naming the argument."""
+    if route == "kernel":
+        request.getfixturevalue("kernel_routes")
+    B, H, Hkv, N, D = 2, 8, 2, 300, 32
+    q = torch.randn(B, H, D, device=device)
+    k, v = torch.randn(B, Hkv, N, D, device=device), torch.randn(B, Hkv, N, D, device=device)
+    counts = torch.tensor([N, 123], dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+    ws = torch.zeros(pqattn.ops.decode_workspace_numel(B * Hkv, N, D, group=H // Hkv), dtype=torch.int32,
+                     device=device)  # fmt: skip
+    for _ in range(2):
+        got = pqattn.dense_decode(q, k, v, counts, scale=0.2, out=out, workspace=ws)
+        assert got.data_ptr() == out.data_ptr()
+        for b in range(B):
+            n = int(counts[b])
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[b, :, None], k[b, :, :n], v[b, :, :n], scale=0.2, enable_gqa=True
+            )[:, 0]
+            torch.testing.assert_close(out[b], want, atol=1e-5, rtol=1e-5)
+    _, lse = pqattn.dense_decode(q, k, v, counts, return_lse=True)
+    want_lse = ref.sparse_decode(
+        q, k, v, torch.arange(N, device=device).expand(B, H, N), counts[:, None].expand(B, H), return_lse=True
+    )[1]
+    torch.testing.assert_close(lse, want_lse.float(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"counts: expected token counts in \[0, 300\]"):
+        pqattn.dense_decode(q, k, v, torch.tensor([N + 1, 5], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="counts"):
+        pqattn.dense_decode(q, k, v, counts[:, None].expand(B, Hkv))
+    if route == "kernel":  # (the reference route reads no workspace)
+        with pytest.raises(ValueError, match="workspace"):
+            pqattn.dense_decode(q, k, v, counts, workspace=ws[:10])
 
 
 @pytest.mark.parametrize("route", ["reference", "kernel"])

@@ -266,8 +266,8 @@ def test_the_split_k_dense_baseline_decodes_as_sdpa() -> None:
     want = pq_hf.generate(model, ids, 8, prompt_lengths=[60, 41])
     model.set_attn_implementation(baselines.register_dense_decode())
     assert torch.equal(pq_hf.generate(model, ids, 8, prompt_lengths=[60, 41]), want)
-    counted = next(iter(model.model.layers[0].self_attn._dense_decode_buffers.values()))[0]
-    assert counted.shape == (2, 2, 68) and torch.equal(counted[1, 1], torch.arange(68, dtype=torch.int32))
+    counts = next(iter(model.model.layers[0].self_attn._dense_decode_buffers.values()))[0]
+    assert counts.tolist() == [67, 48], "the last step reads each row's tokens up to its position"
 
 
 @pytest.mark.parametrize("route", ["reference", "kernel"])

@@ -302,7 +302,7 @@ def split_k_decode(
     buffers: dict,
 ) -> torch.Tensor:
     """Dense decode attention of one query token over every cached token up to its position,
-    through pqattn's group decode kernel (split-K flash decoding; each K/V row read once for a KV
+    through `pqattn.ops.dense_decode` (split-K flash decoding; each K/V row read once for a KV
     head's G query heads; no mask).
 
     Args:
@@ -321,21 +321,18 @@ def split_k_decode(
     if at not in buffers:
         device = query.device
         buffers[at] = (
-            torch.arange(S, dtype=torch.int32, device=device).expand(B, Hkv, S).contiguous(),
-            torch.empty(B, Hkv, dtype=torch.int32, device=device),
+            torch.empty(B, dtype=torch.int32, device=device),
             torch.empty(B, H, D, dtype=query.dtype, device=device),
             torch.zeros(
                 ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv), dtype=torch.int32, device=device
             ),
         )
-    positions, counts, out, workspace = buffers[at]
+    counts, out, workspace = buffers[at]
     if position_ids is None:
         counts.fill_(S)
     else:
-        counts.copy_((position_ids[:, -1:] + 1).expand(B, Hkv))
-    ops.sparse_decode(
-        query[:, :, 0], key, value, positions, counts, scale=scaling, out=out, workspace=workspace
-    )
+        counts.copy_(position_ids[:, -1] + 1)
+    ops.dense_decode(query[:, :, 0], key, value, counts, scale=scaling, out=out, workspace=workspace)
     return out[:, None]
 
 

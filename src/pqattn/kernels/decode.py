@@ -221,10 +221,20 @@ GROUP_DECODE_CONFIGS = [
 ]
 
 
+# The dense space (entries per split, rows a step, warps): with DENSE a split is a contiguous run
+# of the cache's rows, so its loads are issued without waiting on positions, and the longer splits
+# a whole cache needs keep the last program's merge short (docs/kernels/decode.md).
+DENSE_DECODE_CONFIGS = [
+    triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
+    for bl, bn, w in ((2048, 128, 8), (2048, 64, 4), (4096, 64, 4), (4096, 128, 8))
+]
+
+
 def group_workspace_numel(groups: int, G: int, width: int, D: int) -> int:
     """int32 elements of the group decode workspace: a counter per group, then float32 partials
     (D values, max, sum per query row) for every split of the smallest BLOCK_L."""
-    splits = split_count(width, min(c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS))
+    smallest = min(c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS + DENSE_DECODE_CONFIGS)
+    splits = split_count(width, smallest)
     return groups + groups * splits * max(triton.next_power_of_2(G), 16) * (D + 2)
 
 
@@ -263,6 +273,7 @@ def _group_decode_kernel(
     F32_DOTS: tl.constexpr,  # products in float32 (a float32 cache, or q of another dtype)
     HAS_LSE: tl.constexpr,
     PAGE: tl.constexpr,
+    DENSE: tl.constexpr,  # the first counts tokens of the cache, in order (no positions read)
     UNROLL_MAX: tl.constexpr,
     UNROLL_BLOCK: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -270,7 +281,8 @@ def _group_decode_kernel(
 ):
     """Sparse decode over a selection shared by a KV head's G query heads (SPEC §7 group): each
     gathered key and value row serves the G heads, as split-K flash decoding with the combine of
-    `_sparse_decode_kernel`."""
+    `_sparse_decode_kernel`. With DENSE the list is the cache itself (entry e is token e): dense
+    decoding, whose rows' addresses need no load."""
     SPLITS: tl.constexpr = (WIDTH + BLOCK_L - 1) // BLOCK_L + (WIDTH == 0)
     split = tl.program_id(0)
     row = tl.program_id(1)
@@ -296,7 +308,7 @@ def _group_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         e = start + tl.arange(0, BLOCK_N)
         ok = e < hi
-        at = tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
+        at = e.to(tl.int64) if DENSE else tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
         ko, vo = paged.kv_offsets(at, ok, bt_row, stride_kb, stride_kn, stride_vb, stride_vn, PAGE)
         kt = tl.load(k_row + ko[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         vt = tl.load(v_row + vo[:, None] + d[None, :], mask=ok[:, None], other=0.0)
@@ -405,6 +417,10 @@ group_decode_autotuned = triton.autotune(
     configs=GROUP_DECODE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS", "PAGE"], do_bench=_bench_round
 )(_group_decode_kernel)
 group_decode_tuned = TunedLauncher(group_decode_autotuned, rounds=_TUNING_ROUNDS)
+dense_decode_autotuned = triton.autotune(
+    configs=DENSE_DECODE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS", "PAGE"], do_bench=_bench_round
+)(_group_decode_kernel)
+dense_decode_tuned = TunedLauncher(dense_decode_autotuned, rounds=_TUNING_ROUNDS)
 _group_decode_launch = Launcher(_group_decode_kernel)
 
 
@@ -499,7 +515,7 @@ def group_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     counts: torch.Tensor,
     *,
     out: torch.Tensor,
@@ -511,29 +527,38 @@ def group_decode(
 ) -> None:
     """Launch on validated inputs: as `sparse_decode`, with positions [B, Hkv, L] and counts
     [B, Hkv] shared by each KV head's G query heads; workspace at least
-    `group_workspace_numel(B * Hkv, G, L, D)` int32 elements, zero-filled once."""
+    `group_workspace_numel(B * Hkv, G, L, D)` int32 elements, zero-filled once. positions None:
+    dense decoding over the first counts[b, kvh] tokens of the cache (L = the cache's tokens;
+    DENSE_DECODE_CONFIGS)."""
     B, H, D = q.shape
-    Hkv = k.shape[2] if block_table is not None else k.shape[1]
+    paged_cache = block_table is not None
+    Hkv = k.shape[2] if paged_cache else k.shape[1]
     G = H // Hkv
-    width = positions.shape[-1]
+    dense = positions is None
+    if dense:
+        width = block_table.shape[1] * k.shape[1] if paged_cache else k.shape[2]
+    else:
+        width = positions.shape[-1]
     need = group_workspace_numel(B * Hkv, G, width, D)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
             f"with {workspace.numel()}"
         )
+    space = DENSE_DECODE_CONFIGS if dense else GROUP_DECODE_CONFIGS
     if config is None and not autotuning():
-        config = GROUP_DECODE_CONFIGS[0]
+        config = space[0]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     gp = max(triton.next_power_of_2(G), 16)
     f32 = k.dtype == torch.float32 or q.dtype != k.dtype
     bt = block_table if block_table is not None else counts  # (not read unpaged)
-    tensors = (q, k, v, positions, counts, out, lse if lse is not None else workspace, workspace, bt)
+    pos = counts if dense else positions  # (not read dense)
+    tensors = (q, k, v, pos, counts, out, lse if lse is not None else workspace, workspace, bt)
     scalars = (
         *q.stride()[:2],
         *paged.cache_strides(k, block_table),
         *paged.cache_strides(v, block_table),
-        *positions.stride()[:2],
+        *((0, 0) if dense else positions.stride()[:2]),
         *counts.stride(),
         *out.stride()[:2],
         bt.stride(0),
@@ -542,13 +567,14 @@ def group_decode(
         scale * _LOG2E,
     )
     page = k.shape[1] if block_table is not None else 0
-    meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page)
+    meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page, DENSE=dense)
     meta |= dict(UNROLL_MAX=_UNROLL_MAX, UNROLL_BLOCK=_UNROLL_BLOCK)
     if config is None:
         # tuned per width and per grid rows (to a power of two): a row's best split depends on how
         # many programs the batch puts on the SMs
         key = (width, D, gp, f32, page, triton.next_power_of_2(B * Hkv))
-        group_decode_tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta)
+        tuned = dense_decode_tuned if dense else group_decode_tuned
+        tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), B * Hkv)
         _group_decode_launch(grid, tensors, scalars, {**meta, **config.all_kwargs()})

@@ -1008,7 +1008,7 @@ def _generate_case(
     sparse, dense = weights + sparse_kv_bytes, weights + kv_bytes
     pq_loop = "pqattn.integrations.hf.StaticDecoder: SDPA prefill + PQ index, sparse decode"
     split_k = (
-        "the same static loop, decode attention over every token through pqattn's group decode kernel "
+        "the same static loop, decode attention over every token through pqattn.ops.dense_decode "
         "(a flash-decoding stand-in: lab.baselines.dense_decode_attention)"
     )
     if host:

@@ -4,7 +4,14 @@ Kernels are tested against these; the public API in `pqattn.ops` routes here whe
 exists for a case.
 """
 
-from pqattn.reference.attention import dense_attention, paged_append, sparse_decode, to_pages, unpage
+from pqattn.reference.attention import (
+    dense_attention,
+    dense_decode,
+    paged_append,
+    sparse_decode,
+    to_pages,
+    unpage,
+)
 from pqattn.reference.pq import (
     GROUP_LUT_DTYPE,
     KMeansResult,
@@ -59,6 +66,7 @@ __all__ = [
     "code_combinations",
     "decode_rows",
     "dense_attention",
+    "dense_decode",
     "dense_weights",
     "encode",
     "encode_rows",

@@ -112,6 +112,26 @@ def sparse_decode(
     return (out, lse.squeeze(-1)) if return_lse else out
 
 
+def dense_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense decode: out[b, h] = softmax(a) v over the first counts[b] tokens of the cache, that
+    is `sparse_decode` over positions 0 .. counts[b] - 1.
+
+    q: [B, H, D]; k, v: [B, Hkv, N, D]; counts: [B] in [0, N]. Returns out [B, H, D] in q's dtype
+    (and lse [B, H] when asked; a sequence with no tokens gives a zero row and lse -inf)."""
+    B, H, _ = q.shape
+    N = k.shape[2]
+    positions = torch.arange(N, device=q.device).expand(B, H, N)
+    return sparse_decode(q, k, v, positions, counts[:, None].expand(B, H), scale=scale, return_lse=return_lse)
+
+
 def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
