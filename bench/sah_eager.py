@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pqattn import reference as ref
 from pqattn.integrations.sparse_attention_hub import codebook_buffer, indexer_next, sparse_attention
 from pqattn.lab.env import environment
+from pqattn.lab.roofline import copy_gbps
 
 B, H, HKV, N, D = 1, 32, 8, 32000, 128
 M, BITS, SINK, WINDOW, HEAVY, IO = 2, 6, 128, 128, 128, 128
@@ -73,21 +74,6 @@ def _time(fn: Callable[[dict], object], sets: list[dict], calls: int) -> dict:
     return {"wall_us": statistics.median(wall), "gpu_us": statistics.median(gpu)}
 
 
-def _copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), median of 20 copies of 1 GiB."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(22):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.numel() / statistics.median(times[2:])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=300, help="timed calls per row (default: 300)")
@@ -102,7 +88,7 @@ def main() -> None:
         sparse_list, sparse_len, weights, *_ = _index(x)
         x["lists"] = (sparse_list, sparse_len, weights)
     L = SINK + WINDOW + HEAVY
-    bandwidth = _copy_bandwidth()
+    bandwidth = copy_gbps(torch.device("cuda"), 1 << 30) * 1e9
     fp32 = 4
     floors = {  # bytes each call must move
         "indexer_next": B * HKV * N * M * 8 + B * H * N * fp32 + B * H * L * 8,  # int64 codes, weights, list

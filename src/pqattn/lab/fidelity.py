@@ -19,6 +19,7 @@ from pqattn import ops
 from pqattn.lab import baselines, quality
 from pqattn.lab.env import environment
 from pqattn.lab.policies import Policy, from_family, group_select, head_select, yardsticks
+from pqattn.lab.roofline import copy_gbps
 from pqattn.lab.timing import capture, sync, time_graph, wall_us
 from pqattn.lab.workload import WorkloadSpec, make_workload
 from pqattn.policy import lookup_tables
@@ -134,11 +135,9 @@ def _graph_us(fn, device: torch.device, repeats: int) -> float:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy of `nbytes` (read + write counted)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    us = _graph_us(lambda: dst.copy_(src), device, 20)
-    return nbytes / (us * 1e-6)
+    """Bytes per second of a device-to-device copy of `nbytes` (read + write counted): the
+    generate and step suites' ceiling (`lab.roofline.copy_gbps`)."""
+    return copy_gbps(device, nbytes // 2) * 1e9
 
 
 def step_rows(

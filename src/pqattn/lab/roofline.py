@@ -35,14 +35,19 @@ def _median_us(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def copy_gbps(device: torch.device, copy_bytes: int, repeats: int = 20) -> float:
+    """GB/s (read + write) of a device-to-device copy of `copy_bytes` bytes of float32 elements
+    (a copy of 1-byte elements runs well below the memory's rate on Hopper)."""
+    src = torch.randn(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * copy_bytes / _median_us(lambda: dst.copy_(src), device, repeats=repeats) / 1e3
+
+
 def measure_ceilings(device: torch.device, *, small: bool = False) -> dict:
     """Copy bandwidth (GB/s, read + write) and matmul rate (TFLOP/s) of `device`."""
     gpu = device.type == "cuda"
     copy_bytes = (2**30 if gpu else 2**26) // (16 if small else 1)
-    src = torch.randn(copy_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    copy_us = _median_us(lambda: dst.copy_(src), device, repeats=5 if small else 20)
-    src = dst = None  # free before the matmul operands
+    copy = copy_gbps(device, copy_bytes, repeats=5 if small else 20)
 
     n = (8192 if gpu else 1024) // (4 if small else 1)
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -50,7 +55,7 @@ def measure_ceilings(device: torch.device, *, small: bool = False) -> dict:
     b = torch.randn(n, n, device=device, dtype=dtype)
     mm_us = _median_us(lambda: a @ b, device, repeats=5 if small else 20)
     return {
-        "copy_gbps": 2 * copy_bytes / copy_us / 1e3,
+        "copy_gbps": copy,
         "matmul_tflops": 2 * n**3 / mm_us / 1e6,
         "copy_bytes": copy_bytes,
         "matmul_n": n,
