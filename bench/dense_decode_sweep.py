@@ -44,7 +44,7 @@ CANDIDATES = [
 
 
 def name(c: triton.Config) -> str:
-    return f"{c.kwargs['BLOCK_L']}/{c.kwargs['BLOCK_N']}/w{c.num_warps}/s{c.num_stages}"
+    return f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}"
 
 
 def time_calls(fns: list, dev: torch.device) -> float:
