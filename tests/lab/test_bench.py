@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -76,6 +78,29 @@ def test_speedups_are_ratios_of_same_mode_medians(tiny_doc) -> None:
     want = sdpa["timings"]["eager"]["median_us"] / pq["timings"]["eager"]["median_us"]
     assert pq["vs"]["sdpa"] == {"mode": "eager", "speedup": pytest.approx(want)}
     assert "vs" not in sdpa
+    # a model loop also against its baselines' back-to-back steps (as StaticDecoder.run() takes them)
+    loop, dense = rows[("generate", "tiny", "pqattn")], rows[("generate", "tiny", "sdpa")]
+    want = dense["timings"]["pipelined"]["median_us"] / loop["timings"]["pipelined"]["median_us"]
+    assert loop["vs"]["sdpa"]["pipelined_speedup"] == pytest.approx(want)
+    assert loop["replay_ms_per_token"] == pytest.approx(loop["timings"]["pipelined"]["median_us"] / 1e3)
+
+
+def test_the_estimate_waits_past_a_loops_build_and_capture() -> None:
+    """A model loop's first call builds its decoder and the second captures its step: the calls
+    per pipelined sample come from a later call's time."""
+    calls = []
+
+    def step(x: dict) -> None:
+        calls.append(1)
+        if len(calls) <= 2:
+            time.sleep(0.05)
+
+    case = suites.Case("generate", "slow-start", {"B": 1}, lambda seed: {})
+    impl = suites.Impl("loop", "pqattn", step, 1, 1, no_graph="replays its own graph")
+    settings = dataclasses.replace(Settings.for_size("tiny"), graph_target_us=1e4)
+    row = run_impl(case, impl, [{}], torch.device("cpu"), settings, profile=False)
+    assert row["estimate_us"] < 2e4
+    assert row["timings"]["pipelined"]["calls_per_sample"] > 1
 
 
 def test_rates_follow_bytes_and_time(tiny_doc) -> None:

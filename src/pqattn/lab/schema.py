@@ -9,9 +9,9 @@
             timings: {graph: null | T, eager: T, pipelined: T}, primary: graph|pipelined,
             host_sync: null | message, graph_error: null | message,
             gbps, pct_copy, tflops, pct_matmul, floor_us,
-            vs: {baseline: {mode, speedup}}   (pqattn rows), profile: {...} (with --profile),
+            vs: {baseline: {mode, speedup, pipelined_speedup?}} (pqattn rows), profile: {...} (--profile),
             # model loops (generate, host suites):
-            ms_per_token, tokens_per_s, tokens_per_s_pipelined, kernel_ms_per_token?,
+            ms_per_token, tokens_per_s, tokens_per_s_pipelined, replay_ms_per_token, kernel_ms_per_token?,
             latency_over_kernels?, breakdown?: {weights|attention|other|idle: {ms, floor_ms}}}]}
 T = {median_us, iqr_us, min_us, repeats, samples_us: [...], calls_per_sample?}
 profile = {calls, kernels: [{name, launches_per_call, gpu_us_per_call, idle_before_us_per_call}],
