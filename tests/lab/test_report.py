@@ -98,3 +98,11 @@ def test_model_loop_rows_show_their_step_by_family(tmp_path) -> None:
     assert "| generate/llama-B1 | pqattn | 2.00 | 1.50 (1.40) | 0.30 (0.05) | 0.15 | 0.05 |" in text
     by_family = text.split("A step's kernels by family")[1]
     assert "select/llama-B1 | dense" not in by_family, "rows without a split stay out of it"
+
+
+def test_model_loop_speedups_show_back_to_back_steps(tmp_path) -> None:
+    """A loop's speed-up against a baseline shows its back-to-back figure beside the latency one."""
+    doc = make_doc([("llama-B1", "pqattn", [2000.0]), ("llama-B1", "dense", [3000.0])])
+    doc["results"][0]["vs"] = {"dense": {"mode": "eager", "speedup": 1.5, "pipelined_speedup": 1.25}}
+    (tmp_path / "bench-x.json").write_text(json.dumps(doc))
+    assert "| 1.50x vs dense (back to back 1.25x) |" in render(tmp_path)

@@ -80,7 +80,11 @@ def _bench_section(name: str, doc: dict) -> list[str]:
             continue
         t = r["timings"]
         graph = _fmt(t["graph"]["median_us"]) if t["graph"] else "n/a"
-        vs = ", ".join(f"{v['speedup']:.2f}x vs {k}" for k, v in r.get("vs", {}).items())
+        vs = ", ".join(
+            f"{v['speedup']:.2f}x vs {k}"
+            + (f" (back to back {v['pipelined_speedup']:.2f}x)" if "pipelined_speedup" in v else "")
+            for k, v in r.get("vs", {}).items()
+        )
         name_cell = f"**{r['impl']}**" if r["role"] == "pqattn" else r["impl"]
         lines.append(
             f"| {case} | {name_cell} | {graph} | {_fmt(t['eager']['median_us'])} | "
