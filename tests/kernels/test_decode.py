@@ -18,6 +18,7 @@ from pqattn.kernels import decode
 from pqattn.kernels.decode import (
     DECODE_CONFIGS,
     DENSE_DECODE_CONFIGS,
+    DENSE_WIDE_CONFIGS,
     GROUP_DECODE_CONFIGS,
     group_decode,
     group_workspace_numel,
@@ -234,10 +235,13 @@ def test_group_decode_bf16_full_shape_cuda(config):
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
-DENSE_IDS = [f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}" for c in DENSE_DECODE_CONFIGS]
+DENSE_SPACES = DENSE_DECODE_CONFIGS + DENSE_WIDE_CONFIGS
+DENSE_IDS = [
+    f"L{c.kwargs['BLOCK_L']}-N{c.kwargs['BLOCK_N']}-w{c.num_warps}-s{c.num_stages}" for c in DENSE_SPACES
+]
 
 
-@pytest.mark.parametrize("config", DENSE_DECODE_CONFIGS, ids=DENSE_IDS)
+@pytest.mark.parametrize("config", DENSE_SPACES, ids=DENSE_IDS)
 @pytest.mark.parametrize("G", [4, 1])
 def test_dense_decode_matches_reference(device, config, G, monkeypatch):
     """The group kernel without positions (dense decoding over each row's first counts tokens)
@@ -273,7 +277,7 @@ def test_dense_decode_matches_reference(device, config, G, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tensor-core products on the GPU")
-@pytest.mark.parametrize("config", DENSE_DECODE_CONFIGS, ids=DENSE_IDS)
+@pytest.mark.parametrize("config", DENSE_SPACES, ids=DENSE_IDS)
 def test_dense_decode_bf16_full_shape_cuda(config):
     B, H, Hkv, N, D = 2, 32, 8, 131072 + 512, 128
     q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
@@ -289,6 +293,22 @@ def test_dense_decode_bf16_full_shape_cuda(config):
             q[b, :, None].float(), k[b, :, :n].float(), v[b, :, :n].float(), enable_gqa=True
         )[:, 0]
         torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled: the configs' shared memory on the GPU")
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 256), (torch.float32, 128), (torch.bfloat16, 256)])
+def test_dense_decode_of_wide_rows_cuda(dtype, D):
+    """Float32 and D=256 rows through the autotuned route: every config tried compiles or is
+    skipped, and the one chosen is right."""
+    B, H, Hkv, N = 2, 8, 2, 9000
+    q = torch.randn(B, H, D, dtype=dtype, device="cuda")
+    k = torch.randn(B, Hkv, N, D, dtype=dtype, device="cuda")
+    v = torch.randn(B, Hkv, N, D, dtype=dtype, device="cuda")
+    counts = torch.tensor([N, 4321], dtype=torch.int32, device="cuda")
+    got = pqattn.dense_decode(q, k, v, counts)
+    want = ref.dense_decode(q.double(), k.double(), v.double(), counts)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
 def _paged_case(device, *, B, H, Hkv, N, L, D, page, dtype=torch.float32, shared=False):
@@ -348,7 +368,7 @@ def test_paged_group_decode_matches_the_contiguous_cache(device, config):
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", DENSE_DECODE_CONFIGS, ids=DENSE_IDS)
+@pytest.mark.parametrize("config", DENSE_SPACES, ids=DENSE_IDS)
 def test_paged_dense_decode_matches_the_contiguous_cache(device, config):
     """Dense decoding over a paged cache (shuffled blocks, a page that does not divide the
     tokens, NaN in the unused blocks) gives the contiguous cache's answer."""
@@ -364,6 +384,29 @@ def test_paged_dense_decode_matches_the_contiguous_cache(device, config):
     group_decode(q, kp, vp, None, counts, out=out, workspace=ws, block_table=table, config=config)
     want = ref.dense_decode(q.double(), k.double(), v.double(), counts[:, 0])
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtype,D,space",
+    [(torch.bfloat16, 128, DENSE_DECODE_CONFIGS), (torch.float32, 128, DENSE_WIDE_CONFIGS),
+     (torch.bfloat16, 256, DENSE_DECODE_CONFIGS), (torch.float32, 256, DENSE_WIDE_CONFIGS)],
+)  # fmt: skip
+def test_dense_decode_takes_the_space_its_rows_fit(device, dtype, D, space, monkeypatch):
+    """Float32 products take the two-stage space (the three-stage configs would not fit an SM's
+    shared memory, bench/decode_smem.py): without autotuning the launch is that space's first
+    config."""
+    launched = []
+    monkeypatch.setattr(decode, "autotuning", lambda: False)
+    monkeypatch.setattr(decode, "_group_decode_launch", lambda grid, t, s, meta: launched.append(meta))
+    B, Hkv, N = 1, 2, 64
+    q = torch.randn(B, 8, D, device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
+    counts = torch.full((B, Hkv), N, dtype=torch.int32, device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, 4, N, D), dtype=torch.int32, device=device)
+    decode.group_decode(q, k, k, None, counts, out=torch.empty_like(q), workspace=ws)
+    assert [(m["BLOCK_N"], m["num_stages"]) for m in launched] == [
+        (space[0].kwargs["BLOCK_N"], space[0].num_stages)
+    ]
 
 
 @pytest.mark.parametrize("route", ["reference", "kernel"])

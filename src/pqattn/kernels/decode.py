@@ -228,12 +228,19 @@ DENSE_DECODE_CONFIGS = [
     triton.Config({"BLOCK_L": bl, "BLOCK_N": bn}, num_warps=w)
     for bl, bn, w in ((2048, 128, 8), (2048, 64, 4), (4096, 64, 4), (4096, 128, 8))
 ]
+# Float32 products: the three-stage configs above stage more contiguous rows than an SM's shared
+# memory holds; two stages of 64 rows fit up to D=256 (bench/decode_smem.py).
+DENSE_WIDE_CONFIGS = [
+    triton.Config({"BLOCK_L": bl, "BLOCK_N": 64}, num_warps=4, num_stages=2) for bl in (2048, 4096)
+]
 
 
 def group_workspace_numel(groups: int, G: int, width: int, D: int) -> int:
     """int32 elements of the group decode workspace: a counter per group, then float32 partials
     (D values, max, sum per query row) for every split of the smallest BLOCK_L."""
-    smallest = min(c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS + DENSE_DECODE_CONFIGS)
+    smallest = min(
+        c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS + DENSE_DECODE_CONFIGS + DENSE_WIDE_CONFIGS
+    )
     splits = split_count(width, smallest)
     return groups + groups * splits * max(triton.next_power_of_2(G), 16) * (D + 2)
 
@@ -421,6 +428,10 @@ dense_decode_autotuned = triton.autotune(
     configs=DENSE_DECODE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS", "PAGE"], do_bench=_bench_round
 )(_group_decode_kernel)
 dense_decode_tuned = TunedLauncher(dense_decode_autotuned, rounds=_TUNING_ROUNDS)
+dense_wide_autotuned = triton.autotune(
+    configs=DENSE_WIDE_CONFIGS, key=["WIDTH", "D", "GP", "F32_DOTS", "PAGE"], do_bench=_bench_round
+)(_group_decode_kernel)
+dense_wide_tuned = TunedLauncher(dense_wide_autotuned, rounds=_TUNING_ROUNDS)
 _group_decode_launch = Launcher(_group_decode_kernel)
 
 
@@ -529,7 +540,7 @@ def group_decode(
     [B, Hkv] shared by each KV head's G query heads; workspace at least
     `group_workspace_numel(B * Hkv, G, L, D)` int32 elements, zero-filled once. positions None:
     dense decoding over the first counts[b, kvh] tokens of the cache (L = the cache's tokens;
-    DENSE_DECODE_CONFIGS)."""
+    DENSE_DECODE_CONFIGS, or DENSE_WIDE_CONFIGS for float32 products)."""
     B, H, D = q.shape
     paged_cache = block_table is not None
     Hkv = k.shape[2] if paged_cache else k.shape[1]
@@ -545,12 +556,13 @@ def group_decode(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
             f"with {workspace.numel()}"
         )
-    space = DENSE_DECODE_CONFIGS if dense else GROUP_DECODE_CONFIGS
+    f32 = k.dtype == torch.float32 or q.dtype != k.dtype
+    wide = dense and f32
+    tuned = dense_wide_tuned if wide else dense_decode_tuned if dense else group_decode_tuned
     if config is None and not autotuning():
-        config = space[0]
+        config = tuned.autotuned.configs[0]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     gp = max(triton.next_power_of_2(G), 16)
-    f32 = k.dtype == torch.float32 or q.dtype != k.dtype
     bt = block_table if block_table is not None else counts  # (not read unpaged)
     pos = counts if dense else positions  # (not read dense)
     tensors = (q, k, v, pos, counts, out, lse if lse is not None else workspace, workspace, bt)
@@ -573,7 +585,6 @@ def group_decode(
         # tuned per width and per grid rows (to a power of two): a row's best split depends on how
         # many programs the batch puts on the SMs
         key = (width, D, gp, f32, page, triton.next_power_of_2(B * Hkv))
-        tuned = dense_decode_tuned if dense else group_decode_tuned
         tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), B * Hkv)
