@@ -742,7 +742,9 @@ def _decode_workspace(
     return workspace
 
 
-def _reference_result(res: tuple, out: torch.Tensor | None, return_lse: bool):
+def _reference_result(
+    res: tuple, out: torch.Tensor | None, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A reference route's (out, lse) as the kernel route returns them (into `out` when given)."""
     if out is not None:
         out.copy_(res[0])
