@@ -83,6 +83,23 @@ def test_speedups_are_ratios_of_same_mode_medians(tiny_doc) -> None:
     want = dense["timings"]["pipelined"]["median_us"] / loop["timings"]["pipelined"]["median_us"]
     assert loop["vs"]["sdpa"]["pipelined_speedup"] == pytest.approx(want)
     assert loop["replay_ms_per_token"] == pytest.approx(loop["timings"]["pipelined"]["median_us"] / 1e3)
+    assert loop["timings"]["pipelined"]["calls_per_sample"] >= Settings.for_size("tiny").loop_calls
+
+
+def test_a_loop_is_timed_back_to_back_within_its_decoders_room() -> None:
+    """A model loop's decoder has room for GENERATE_TOKENS steps: the full settings time it in
+    fewer, with pipelined samples of loop_calls steps back to back."""
+    calls = []
+
+    def step(x: dict) -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    case = suites.Case("generate", "loop", {"B": 1}, lambda seed: {})
+    impl = suites.Impl("loop", "pqattn", step, 1, 1, no_graph="replays its own graph")
+    row = run_impl(case, impl, [{}], torch.device("cpu"), Settings(), profile=True)
+    assert row["timings"]["pipelined"]["calls_per_sample"] >= Settings().loop_calls
+    assert len(calls) <= suites.GENERATE_TOKENS
 
 
 def test_the_estimate_waits_past_a_loops_build_and_capture() -> None:

@@ -28,6 +28,7 @@ from pqattn.lab.schema import BENCH_SCHEMA
 from pqattn.lab.suites import SWEEP, Case, Impl, make_cases, rotation
 
 MODES = ("graph", "eager", "pipelined")
+LOOP_SUITES = ("generate", "host")  # a call is a decode step of a model loop
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,16 @@ class Settings:
     min_repeats: int = 20
     max_repeats: int = 200
     graph_target_us: float = 500.0  # calls per graph replay / pipelined sample: about this long
+    # a model loop's steps per pipelined sample at least: back to back, as StaticDecoder.run()
+    # takes them (a step and a sync each would time the sync too)
+    loop_calls: int = 16
 
     @staticmethod
     def for_size(size: str) -> Settings:
         if size == "tiny":
-            return Settings(warmup_ms=0.0, target_ms=5.0, min_repeats=3, max_repeats=5, graph_target_us=50.0)
+            return Settings(
+                warmup_ms=0.0, target_ms=5.0, min_repeats=3, max_repeats=5, graph_target_us=50.0, loop_calls=4
+            )
         return Settings()
 
 
@@ -170,6 +176,9 @@ def run_impl(
     )
     calls = math.ceil(max(1.0, settings.graph_target_us / max(est, 1e-3)) / len(fns)) * len(fns)
     calls = min(calls, 64 * len(fns))
+    if case.suite in LOOP_SUITES:  # its decoder has room for a bounded number of steps
+        repeats = settings.min_repeats
+        calls = max(calls, math.ceil(settings.loop_calls / len(fns)) * len(fns))
 
     out: dict = {"repeats_target": repeats, "estimate_us": est}
     timings: dict[str, dict | None] = {"graph": None}
@@ -256,7 +265,7 @@ def _speedups(results: list[dict]) -> None:
                     "mode": mode,
                     "speedup": b["timings"][mode]["median_us"] / r["timings"][mode]["median_us"],
                 }
-                if r["suite"] in ("generate", "host"):  # model loops, back to back as StaticDecoder.run()
+                if r["suite"] in LOOP_SUITES:  # model loops, back to back as StaticDecoder.run() runs them
                     pipelined = (t["timings"]["pipelined"]["median_us"] for t in (b, r))
                     vs[b["impl"]]["pipelined_speedup"] = next(pipelined) / next(pipelined)
             r["vs"] = vs
@@ -343,7 +352,7 @@ def run_bench(
                 mode = primary_mode(row["timings"])
                 row["primary"] = mode
                 row.update(rates(impl.bytes, impl.flops, row["timings"][mode]["median_us"], ceilings))
-                if case.suite in ("generate", "host"):  # model loops: tokens per second
+                if case.suite in LOOP_SUITES:  # model loops: tokens per second
                     row.update(token_rates(row, ceilings))
             results.append(row)
             if on_row is not None:
