@@ -235,13 +235,15 @@ DENSE_WIDE_CONFIGS = [
 ]
 
 
+_SMALLEST_GROUP_BLOCK_L = min(
+    c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS + DENSE_DECODE_CONFIGS + DENSE_WIDE_CONFIGS
+)
+
+
 def group_workspace_numel(groups: int, G: int, width: int, D: int) -> int:
     """int32 elements of the group decode workspace: a counter per group, then float32 partials
     (D values, max, sum per query row) for every split of the smallest BLOCK_L."""
-    smallest = min(
-        c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS + DENSE_DECODE_CONFIGS + DENSE_WIDE_CONFIGS
-    )
-    splits = split_count(width, smallest)
+    splits = split_count(width, _SMALLEST_GROUP_BLOCK_L)
     return groups + groups * splits * max(triton.next_power_of_2(G), 16) * (D + 2)
 
 
