@@ -120,6 +120,18 @@ def test_the_estimate_waits_past_a_loops_build_and_capture() -> None:
     assert row["timings"]["pipelined"]["calls_per_sample"] > 1
 
 
+def test_the_estimate_is_the_fastest_warm_call() -> None:
+    """A call the host delays after the warm ones does not set the estimate (the calls per timed
+    graph and sample follow it, and a short one would carry more of the graph's launch)."""
+    waits = iter([0.04, 0.001, 0.001, 0.03])
+
+    def call() -> None:
+        time.sleep(next(waits))
+
+    est = timing.estimate_us(call, torch.device("cpu"), warmup_ms=0.0, min_calls=4)
+    assert 1e3 <= est < 1e4
+
+
 def test_rates_follow_bytes_and_time(tiny_doc) -> None:
     ceil = tiny_doc["ceilings"]
     assert ceil["copy_gbps"] > 0 and ceil["matmul_tflops"] > 0
