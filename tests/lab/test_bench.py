@@ -121,8 +121,8 @@ def test_the_estimate_waits_past_a_loops_build_and_capture() -> None:
 
 
 def test_the_estimate_is_the_fastest_warm_call() -> None:
-    """A call the host delays after the warm ones does not set the estimate (the calls per timed
-    graph and sample follow it, and a short one would carry more of the graph's launch)."""
+    """A call the host delays after the warm ones does not set the estimate: the calls per timed
+    graph and sample follow it, and a graph of fewer calls carries more of its launch a call."""
     waits = iter([0.04, 0.001, 0.001, 0.03])
 
     def call() -> None:
