@@ -218,6 +218,17 @@ def length_values(lengths: torch.Tensor, n_tokens: int, name: str = "lengths") -
         raise ValueError(f"{name}: expected token counts in [0, {n_tokens}] (N), got {host.tolist()}")
 
 
+def start_values(starts: torch.Tensor, counts: torch.Tensor) -> None:
+    """starts[b] in [0, counts[b]] (each sequence's first token, at or before its last)."""
+    if not checking_values(starts):
+        return
+    first, last = starts.detach().cpu().long(), counts.detach().cpu().long()
+    if bool(((first < 0) | (first > last)).any()):
+        raise ValueError(
+            f"starts: expected each in [0, counts[b]] (counts {last.tolist()}), got {first.tolist()}"
+        )
+
+
 def selection_values(positions: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> None:
     """counts in [0, L] and the first counts[b, h] positions of each row in [0, N)."""
     if not checking_values(positions):

@@ -524,16 +524,25 @@ def dense_decode(
     lse: torch.Tensor | None,
     scale: float | None,
     block_table: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> None:
     """The dense decode launch on validated inputs (the group decode kernel over the cache's first
-    counts[b] tokens, no positions): counts [B]."""
+    counts[b] tokens, or tokens starts[b] .. counts[b] - 1, no positions): counts, starts [B]."""
     from pqattn.kernels import decode
 
     Hkv = k.shape[2] if block_table is not None else k.shape[1]
     per_head = counts[:, None].expand(counts.shape[0], Hkv)
     qkv = (_last_contiguous(q), _last_contiguous(k), _last_contiguous(v))
     decode.group_decode(
-        *qkv, None, per_head, out=out, workspace=workspace, lse=lse, scale=scale, block_table=block_table
+        *qkv,
+        None,
+        per_head,
+        out=out,
+        workspace=workspace,
+        lse=lse,
+        scale=scale,
+        block_table=block_table,
+        starts=starts,
     )
 
 

@@ -653,11 +653,13 @@ def dense_decode(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense decode attention of one query per sequence over the first counts[b] tokens of its
     cache: `sparse_decode` over positions 0 .. counts[b] - 1, without the positions (split-K flash
     decoding; each key and value row read once for a KV head's G query heads). pqattn's dense
-    fallbacks (`HFConfig.dense_layers`, decoding past the capacity) and the dense baselines run it.
+    fallbacks (`HFConfig.dense_layers`, decoding past the capacity, left-padded prompts) and the
+    dense baselines run it.
 
     Args:
         q: [B, H, D] in any floating dtype, H a multiple of Hkv.
@@ -669,14 +671,19 @@ def dense_decode(
         workspace: zero-filled int32 of `decode_workspace_numel(B * Hkv, N, D, group=H // Hkv)`
             elements (N: the cache's tokens, max_blocks * P when paged). With `out`, the call
             allocates nothing and later calls of its signature replay its launch.
+        starts: [B] int32/int64 in [0, counts[b]], or None: each sequence attends to tokens
+            starts[b] .. counts[b] - 1 (the tokens before, a left-padded prompt's padding, are not
+            read).
 
     Returns:
         out [B, H, D] in q's dtype, and lse [B, H] float32 when `return_lse`.
     """
     key = tensors = None
     if out is not None and workspace is not None and not return_lse:
-        tensors = (q, k, v, counts, out, workspace) + ((block_table,) if block_table is not None else ())
-        key = dispatch.PLANS.key("dense_decode", tensors, scale)
+        tensors = (q, k, v, counts, out, workspace)
+        tensors += (block_table,) if block_table is not None else ()
+        tensors += (starts,) if starts is not None else ()
+        key = dispatch.PLANS.key("dense_decode", tensors, scale, block_table is not None, starts is not None)
         plan = dispatch.PLANS.get(key)
         if plan is not None:
             plan(*tensors)
@@ -687,10 +694,13 @@ def dense_decode(
     check.tensor("counts", counts, shape=(B,), dims="[B]", dtypes=check.INT_DTYPES, device=k.device)
     _decode_out(out, q, B, H, D)
     check.length_values(counts, N, "counts")
+    if starts is not None:
+        check.tensor("starts", starts, shape=(B,), dims="[B]", dtypes=check.INT_DTYPES, device=k.device)
+        check.start_values(starts, counts)
     if not decode_kernel_path(q):
         if block_table is not None:
             k, v = ref.unpage(k, block_table), ref.unpage(v, block_table)
-        res = ref.dense_decode(q, k, v, counts, scale=scale, return_lse=True)
+        res = ref.dense_decode(q, k, v, counts, starts=starts, scale=scale, return_lse=True)
         return _reference_result(res, out, return_lse)
     if out is None:
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -699,7 +709,16 @@ def dense_decode(
     lse = torch.empty(B * H, dtype=torch.float32, device=q.device) if return_lse else None
     with recording() as rec:
         dispatch.dense_decode(
-            q, k, v, counts, out=out, workspace=workspace, lse=lse, scale=scale, block_table=block_table
+            q,
+            k,
+            v,
+            counts,
+            out=out,
+            workspace=workspace,
+            lse=lse,
+            scale=scale,
+            block_table=block_table,
+            starts=starts,
         )
     if tensors is not None:
         dispatch.PLANS.keep(key, rec, tensors)

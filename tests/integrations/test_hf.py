@@ -245,6 +245,48 @@ def test_dense_layers_and_steps_past_capacity_run_the_split_k_kernel(
     assert [s.split_k_steps for s in _states(model)] == [5, 0, 0], "the static cache has room: sparse"
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_prompts_decode_through_the_split_k_kernel(
+    cache: str, kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """A batch left-padded as generate pads it (a run of masked keys before each sequence's
+    tokens) builds no index, and every decode step of every layer attends over each sequence's run
+    of the step's mask through the split-K kernel, from past its padding: the tokens equal
+    transformers' own with that mask, over a dynamic and a static cache. A mask with a hole keeps
+    SDPA, and the warning names the route taken."""
+    starts = []
+    dense_decode = pq_hf.ops.dense_decode
+
+    def spy(*args, **kwargs):
+        starts.append(None if kwargs.get("starts") is None else kwargs["starts"].tolist())
+        return dense_decode(*args, **kwargs)
+
+    monkeypatch.setattr(pq_hf.ops, "dense_decode", spy)
+    model = _model("llama", device)
+    ids = torch.randint(1, 128, (3, 40), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :7], mask[2, :19] = 0, 0
+    ids[mask == 0] = 0
+    kw = dict(max_new_tokens=6, do_sample=False) | (
+        {"cache_implementation": "static"} if cache == "static" else {}
+    )
+    cfg = pq_hf.HFConfig(heavy=8, sink=2, window=2, bits=3, iters=2)
+    with torch.no_grad():
+        dense = model.generate(ids, attention_mask=mask, **kw)
+        pq_hf.enable(model, cfg)
+        with pytest.warns(UserWarning, match="padding.*split-K kernel"):
+            sparse = model.generate(ids, attention_mask=mask, **kw)
+        assert torch.equal(sparse, dense)
+        assert all(s.index is None and (s.sparse_steps, s.split_k_steps) == (0, 5) for s in _states(model))
+        assert starts == [[0, 7, 19]] * 15, "every decode step of the 3 layers starts past the padding"
+        hole = mask.clone()
+        hole[0, 10] = 0
+        pq_hf.enable(model, cfg)
+        with pytest.warns(UserWarning, match="padding.*run SDPA with the mask"):
+            model.generate(ids, attention_mask=hole, **kw)
+    assert all(s.split_k_steps == 0 for s in _states(model))
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="heavy / heavy_fraction"):
         pq_hf.HFConfig(heavy=10, heavy_fraction=0.5)

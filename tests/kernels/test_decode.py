@@ -276,6 +276,43 @@ def test_dense_decode_matches_reference(device, config, G, monkeypatch):
         assert not ws[: B * Hkv].any()
 
 
+@pytest.mark.parametrize("config", DENSE_SPACES, ids=DENSE_IDS)
+def test_dense_decode_from_starts_matches_reference(device, config):
+    """Dense decoding over tokens starts[b] .. counts[b] - 1 (a left-padded sequence): NaN in the
+    slots before each start and past each count, so a read of one fails; a start inside the first
+    split, one past a split's end, and an empty sequence (start = count), against SDPA over the
+    slices and against the reference."""
+    block = config.kwargs["BLOCK_L"]
+    B, Hkv, G, D, N = 3, 2, 4, 16, 2 * block + 37
+    H = G * Hkv
+    counts = torch.tensor([N, 2 * block, 40], dtype=torch.int32)
+    starts = torch.tensor([5, block + 3, 40], dtype=torch.int32)
+    k = 3 * torch.randn(B, Hkv, N, D)
+    v = torch.randn(B, Hkv, N, D)
+    outside = (torch.arange(N) < starts[:, None]) | (torch.arange(N) >= counts[:, None])
+    k[outside[:, None].expand(B, Hkv, N)], v[outside[:, None].expand(B, Hkv, N)] = float("nan"), float("nan")
+    q = torch.randn(B, H, D)
+    want = torch.zeros(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        lo, hi = int(starts[b]), int(counts[b])
+        if hi > lo:
+            want[b] = torch.nn.functional.scaled_dot_product_attention(
+                q[b, :, None].double(), k[b, :, lo:hi].double(), v[b, :, lo:hi].double(), enable_gqa=True
+            )[:, 0]
+    got_ref = ref.dense_decode(
+        q.double(), k.nan_to_num().double(), v.nan_to_num().double(), counts, starts=starts
+    )
+    torch.testing.assert_close(got_ref, want)
+    q, k, v, counts, starts = q.to(device), k.to(device), v.to(device), counts.to(device), starts.to(device)
+    out = torch.full((B, H, D), float("nan"), device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D), dtype=torch.int32, device=device)
+    per_head = counts[:, None].expand(B, Hkv)
+    for _ in range(2):  # the counters are left at zero for the next call
+        group_decode(q, k, v, None, per_head, out=out, workspace=ws, starts=starts, config=config)
+        torch.testing.assert_close(out.double().cpu(), want, atol=1e-4, rtol=1e-4)
+        assert not ws[: B * Hkv].any()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tensor-core products on the GPU")
 @pytest.mark.parametrize("config", DENSE_SPACES, ids=DENSE_IDS)
 def test_dense_decode_bf16_full_shape_cuda(config):
@@ -444,6 +481,18 @@ def test_dense_decode_through_the_api(device, route, request):
     if route == "kernel":  # (the reference route reads no workspace)
         with pytest.raises(ValueError, match="workspace"):
             pqattn.dense_decode(q, k, v, counts, workspace=ws[:10])
+    starts = torch.tensor([7, 123], dtype=torch.int32, device=device)  # the second sequence: no tokens
+    for _ in range(2):  # a plan of its own, replayed
+        pqattn.dense_decode(q, k, v, counts, scale=0.2, out=out, workspace=ws, starts=starts)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[0, :, None], k[0, :, 7:N], v[0, :, 7:N], scale=0.2, enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
+        assert not out[1].any()
+    with pytest.raises(ValueError, match=r"starts: expected each in \[0, counts\[b\]\]"):
+        pqattn.dense_decode(q, k, v, counts, starts=torch.tensor([0, 124], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="starts"):
+        pqattn.dense_decode(q, k, v, counts, starts=starts[:1])
 
 
 @pytest.mark.parametrize("route", ["reference", "kernel"])

@@ -20,8 +20,11 @@ Routed explicitly (documented, not approximated): decode steps of `dense_layers`
 past the index's capacity (prompt + `HFConfig.capacity` tokens; warned once) attend densely over
 every cached token up to the step's position through pqattn's split-K decode kernel
 (`split_k_decode`: no mask, the cache read once for a KV head's query heads) on CUDA, through SDPA
-elsewhere; a prompt with padding (a mask that is not the causal one) builds no index, and its
-decode steps run SDPA with that mask (warned once); layers without `layer_idx` run SDPA.
+elsewhere; a prompt with padding (a mask that is not the causal one) builds no index (warned
+once): when each sequence's visible keys are one run that ends at the prompt's last token (left
+padding, as `generate` pads a batch), its decode steps attend densely over that run of the step's
+mask through the same split-K kernel, and otherwise through SDPA with the mask; layers without
+`layer_idx` run SDPA.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class _LayerState:
     config: HFConfig
     index: PQIndex | None = None
     padded: bool = False  # the prompt had padding: decode stays dense
+    left_padded: bool = False  # that padding a run of masked keys before each sequence's tokens
     static: bool = False  # the cache is preallocated (StaticCache): keys past the lengths are unused
     # set by StaticDecoder during its prefill: each sequence's prompt length (the index is built
     # at the chunk that reaches the longest)
@@ -186,13 +190,19 @@ def pq_attention_forward(
         if state.static:
             key, value = key[:, :, :n], value[:, :, :n]
             attention_mask = None if attention_mask is None else attention_mask[..., :n]
-        # Padding shows as masked keys in the last prompt row (one host read, at prefill only).
+        # Padding shows as masked keys in the last prompt row (host reads, at prefill only).
         state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
+        state.left_padded = state.padded and bool(_visible_run_ends_last(attention_mask))
         if state.padded and not dense_layer and not state.warned.get("padded"):
             state.warned["padded"] = True
+            route = (
+                "attend densely over each sequence's tokens through the split-K kernel"
+                if state.left_padded and ops.decode_kernel_path(query[:, :, 0])
+                else "run SDPA with the mask"
+            )
             warnings.warn(
-                "pqattn: a prompt with padding (its mask is not the causal one): no index is built and "
-                "the decode steps run SDPA with the mask. Right-pad ragged prompts and pass "
+                f"pqattn: a prompt with padding (its mask is not the causal one): no index is built and "
+                f"the decode steps {route}. Right-pad ragged prompts and pass "
                 "prompt_lengths to pq_hf.generate to keep them sparse.",
                 stacklevel=_caller_level(),
             )
@@ -209,7 +219,12 @@ def pq_attention_forward(
         return out
     index = state.index
     if state.padded:
-        return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+        if not (state.left_padded and attention_mask is not None and ops.decode_kernel_path(query[:, :, 0])):
+            return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+        state.split_k_steps += 1
+        return split_k_decode(
+            query, key, value, None, scaling, state.buffers, attention_mask=attention_mask
+        ), None
     if index is not None and index.capacity < S and not state.warned.get("capacity"):
         state.warned["capacity"] = True
         warnings.warn(
@@ -300,6 +315,8 @@ def split_k_decode(
     position_ids: torch.Tensor | None,
     scaling: float | None,
     buffers: dict,
+    *,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense decode attention of one query token over every cached token up to its position,
     through `pqattn.ops.dense_decode` (split-K flash decoding; each K/V row read once for a KV
@@ -310,7 +327,10 @@ def split_k_decode(
             unused). position_ids: [B, >= 1] the step's positions in a static cache, or None when
             all S tokens are valid. scaling: default 1/sqrt(D). buffers: a dict the caller keeps
             for the launch's buffers (shared by layers of one shape; no allocation after the first
-            call for a shape).
+            call for a shape). attention_mask: the step's mask [B, 1 or H, 1, S] (boolean, True
+            visible, or additive, 0 visible) whose visible keys are one run per sequence (a
+            left-padded prompt and the tokens after it), or None; with it, each sequence attends
+            to its run (found on the device; position_ids are not read).
 
     Returns:
         [B, 1, H, D] in query's dtype: a buffer of `buffers`, overwritten by the next call.
@@ -326,13 +346,22 @@ def split_k_decode(
             torch.zeros(
                 ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv), dtype=torch.int32, device=device
             ),
+            torch.empty(B, dtype=torch.int32, device=device),
         )
-    counts, out, workspace = buffers[at]
-    if position_ids is None:
+    counts, out, workspace, starts = buffers[at]
+    if attention_mask is not None:
+        visible = _visible(attention_mask[:, 0, -1, :S])
+        slots = torch.arange(1, S + 1, device=visible.device, dtype=torch.int32)
+        counts.copy_(torch.where(visible, slots, 0).amax(dim=-1))
+        starts.copy_(torch.where(visible, slots - 1, S).amin(dim=-1).clamp_max(counts))
+    elif position_ids is None:
         counts.fill_(S)
     else:
         counts.copy_(position_ids[:, -1] + 1)
-    ops.dense_decode(query[:, :, 0], key, value, counts, scale=scaling, out=out, workspace=workspace)
+    run = starts if attention_mask is not None else None
+    ops.dense_decode(
+        query[:, :, 0], key, value, counts, scale=scaling, out=out, workspace=workspace, starts=run
+    )
     return out[:, None]
 
 
@@ -356,9 +385,23 @@ def _sliding_window(module: torch.nn.Module) -> int | None:
     return getattr(getattr(module, "config", None), "sliding_window", None) if window is None else window
 
 
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """Which keys a mask (boolean, True visible, or additive, 0 visible) lets attend."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
 def _last_row_sees_all(mask: torch.Tensor) -> torch.Tensor:
-    last = mask[..., -1, :]
-    return last.all() if last.dtype == torch.bool else (last == 0).all()
+    return _visible(mask[..., -1, :]).all()
+
+
+def _visible_run_ends_last(mask: torch.Tensor) -> torch.Tensor:
+    """Whether the last query row of a mask [B, 1 or H, q, n] shows each sequence one run of keys
+    that ends at key n - 1, alike for every head (left padding); a 0-dim bool tensor."""
+    visible = _visible(mask[..., -1, :])
+    n = visible.shape[-1]
+    first = torch.where(visible, torch.arange(n, device=visible.device), n).amin(dim=-1, keepdim=True)
+    run = visible == (torch.arange(n, device=visible.device) >= first)
+    return run.all() & (visible == visible[:, :1]).all()
 
 
 def cache_kwargs(model: torch.nn.Module, cache) -> dict:

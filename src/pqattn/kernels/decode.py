@@ -283,6 +283,7 @@ def _group_decode_kernel(
     HAS_LSE: tl.constexpr,
     PAGE: tl.constexpr,
     DENSE: tl.constexpr,  # the first counts tokens of the cache, in order (no positions read)
+    STARTS: tl.constexpr,  # with DENSE: tokens starts[b] .. counts[b] - 1 (starts [B] at pos_ptr)
     UNROLL_MAX: tl.constexpr,
     UNROLL_BLOCK: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -290,8 +291,8 @@ def _group_decode_kernel(
 ):
     """Sparse decode over a selection shared by a KV head's G query heads (SPEC §7 group): each
     gathered key and value row serves the G heads, as split-K flash decoding with the combine of
-    `_sparse_decode_kernel`. With DENSE the list is the cache itself (entry e is token e): dense
-    decoding, whose rows' addresses need no load."""
+    `_sparse_decode_kernel`. With DENSE the list is the cache itself (entry e is token e, or
+    starts[b] + e with STARTS): dense decoding, whose rows' addresses need no load."""
     SPLITS: tl.constexpr = (WIDTH + BLOCK_L - 1) // BLOCK_L + (WIDTH == 0)
     split = tl.program_id(0)
     row = tl.program_id(1)
@@ -305,6 +306,10 @@ def _group_decode_kernel(
     )
     pos_row = pos_ptr + b * stride_pb + kvh * stride_ph
     cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + kvh * stride_ch).to(tl.int32), WIDTH)
+    skip = cnt * 0  # tokens before the sequence's first (STARTS): its entries are the rest
+    if STARTS:
+        skip = tl.minimum(tl.load(pos_ptr + b * stride_pb).to(tl.int32), cnt)
+        cnt -= skip
     k_row = paged.cache_base(k_ptr, b, kvh, stride_kb, stride_kh, PAGE)
     v_row = paged.cache_base(v_ptr, b, kvh, stride_vb, stride_vh, PAGE)
     bt_row = bt_ptr + b * stride_tb
@@ -317,7 +322,7 @@ def _group_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         e = start + tl.arange(0, BLOCK_N)
         ok = e < hi
-        at = e.to(tl.int64) if DENSE else tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
+        at = (e + skip).to(tl.int64) if DENSE else tl.load(pos_row + e, mask=ok, other=0).to(tl.int64)
         ko, vo = paged.kv_offsets(at, ok, bt_row, stride_kb, stride_kn, stride_vb, stride_vn, PAGE)
         kt = tl.load(k_row + ko[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         vt = tl.load(v_row + vo[:, None] + d[None, :], mask=ok[:, None], other=0.0)
@@ -536,13 +541,15 @@ def group_decode(
     lse: torch.Tensor | None = None,
     scale: float | None = None,
     block_table: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> None:
     """Launch on validated inputs: as `sparse_decode`, with positions [B, Hkv, L] and counts
     [B, Hkv] shared by each KV head's G query heads; workspace at least
     `group_workspace_numel(B * Hkv, G, L, D)` int32 elements, zero-filled once. positions None:
     dense decoding over the first counts[b, kvh] tokens of the cache (L = the cache's tokens;
-    DENSE_DECODE_CONFIGS, or DENSE_WIDE_CONFIGS for float32 products)."""
+    DENSE_DECODE_CONFIGS, or DENSE_WIDE_CONFIGS for float32 products), or over tokens starts[b] ..
+    counts[b, kvh] - 1 with starts [B]."""
     B, H, D = q.shape
     paged_cache = block_table is not None
     Hkv = k.shape[2] if paged_cache else k.shape[1]
@@ -566,13 +573,15 @@ def group_decode(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     gp = max(triton.next_power_of_2(G), 16)
     bt = block_table if block_table is not None else counts  # (not read unpaged)
-    pos = counts if dense else positions  # (not read dense)
+    if starts is not None and not dense:
+        raise ValueError("starts: only for dense decoding (positions None)")
+    pos = positions if not dense else counts if starts is None else starts  # (counts: not read)
     tensors = (q, k, v, pos, counts, out, lse if lse is not None else workspace, workspace, bt)
     scalars = (
         *q.stride()[:2],
         *paged.cache_strides(k, block_table),
         *paged.cache_strides(v, block_table),
-        *((0, 0) if dense else positions.stride()[:2]),
+        *(positions.stride()[:2] if not dense else (0, 0) if starts is None else (starts.stride(0), 0)),
         *counts.stride(),
         *out.stride()[:2],
         bt.stride(0),
@@ -582,6 +591,7 @@ def group_decode(
     )
     page = k.shape[1] if block_table is not None else 0
     meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page, DENSE=dense)
+    meta |= dict(STARTS=starts is not None)
     meta |= dict(UNROLL_MAX=_UNROLL_MAX, UNROLL_BLOCK=_UNROLL_BLOCK)
     if config is None:
         # tuned per width and per grid rows (to a power of two): a row's best split depends on how

@@ -118,18 +118,23 @@ def dense_decode(
     v: torch.Tensor,
     counts: torch.Tensor,
     *,
+    starts: torch.Tensor | None = None,
     scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense decode: out[b, h] = softmax(a) v over the first counts[b] tokens of the cache, that
-    is `sparse_decode` over positions 0 .. counts[b] - 1.
+    is `sparse_decode` over positions 0 .. counts[b] - 1; with starts, over starts[b] .. counts[b] - 1
+    (a left-padded sequence's tokens).
 
-    q: [B, H, D]; k, v: [B, Hkv, N, D]; counts: [B] in [0, N]. Returns out [B, H, D] in q's dtype
-    (and lse [B, H] when asked; a sequence with no tokens gives a zero row and lse -inf)."""
+    q: [B, H, D]; k, v: [B, Hkv, N, D]; counts: [B] in [0, N]; starts: [B] in [0, counts[b]] or None.
+    Returns out [B, H, D] in q's dtype (and lse [B, H] when asked; a sequence with no tokens gives a
+    zero row and lse -inf)."""
     B, H, _ = q.shape
     N = k.shape[2]
-    positions = torch.arange(N, device=q.device).expand(B, H, N)
-    return sparse_decode(q, k, v, positions, counts[:, None].expand(B, H), scale=scale, return_lse=return_lse)
+    first = torch.zeros(B, dtype=torch.long, device=q.device) if starts is None else starts.long()
+    positions = (first[:, None] + torch.arange(N, device=q.device)).clamp_max(N - 1)[:, None].expand(B, H, N)
+    taken = (counts.long() - first)[:, None].expand(B, H)
+    return sparse_decode(q, k, v, positions, taken, scale=scale, return_lse=return_lse)
 
 
 def dense_attention(
