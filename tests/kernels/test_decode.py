@@ -323,13 +323,16 @@ def test_dense_decode_bf16_full_shape_cuda(config):
     counts = torch.tensor([131073, 70001], dtype=torch.int32, device="cuda")
     out = torch.full((B, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     ws = torch.zeros(group_workspace_numel(B * Hkv, H // Hkv, N, D), dtype=torch.int32, device="cuda")
-    group_decode(q, k, v, None, counts[:, None].expand(B, Hkv), out=out, workspace=ws, config=config)
-    for b in range(B):
-        n = int(counts[b])
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q[b, :, None].float(), k[b, :, :n].float(), v[b, :, :n].float(), enable_gqa=True
-        )[:, 0]
-        torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
+    for starts in (None, torch.tensor([9000, 3], dtype=torch.int32, device="cuda")):
+        out.fill_(float("nan"))
+        per_head = counts[:, None].expand(B, Hkv)
+        group_decode(q, k, v, None, per_head, out=out, workspace=ws, starts=starts, config=config)
+        for b in range(B):
+            lo, n = (0 if starts is None else int(starts[b])), int(counts[b])
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[b, :, None].float(), k[b, :, lo:n].float(), v[b, :, lo:n].float(), enable_gqa=True
+            )[:, 0]
+            torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled: the configs' shared memory on the GPU")
