@@ -287,6 +287,29 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     assert all(s.split_k_steps == 0 for s in _states(model))
 
 
+@pytest.mark.parametrize("additive", [False, True])
+def test_split_k_decode_reads_each_sequences_run_off_the_mask(additive: bool, device: torch.device) -> None:
+    """`split_k_decode` with a step's mask: each sequence attends to its run of visible keys (a
+    boolean mask, or an additive one with 0 visible), a mask narrower than the cache included;
+    a sequence with no visible key gives a zero row."""
+    B, H, Hkv, S, D = 3, 4, 2, 50, 8
+    q = torch.randn(B, H, 1, D, device=device)
+    k, v = torch.randn(B, Hkv, S, D, device=device), torch.randn(B, Hkv, S, D, device=device)
+    runs = [(3, 45), (0, 45), (45, 45)]
+    visible = torch.zeros(B, 1, 1, 45, dtype=torch.bool, device=device)
+    for b, (lo, hi) in enumerate(runs):
+        visible[b, ..., lo:hi] = True
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min) if additive else visible
+    out = pq_hf.split_k_decode(q, k, v, None, None, {}, attention_mask=mask)
+    for b, (lo, hi) in enumerate(runs):
+        want = torch.zeros(H, D, device=device)
+        if hi > lo:
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[b], k[b, :, lo:hi], v[b, :, lo:hi], enable_gqa=True
+            )[:, 0]
+        torch.testing.assert_close(out[b, 0], want, atol=1e-5, rtol=1e-5)
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="heavy / heavy_fraction"):
         pq_hf.HFConfig(heavy=10, heavy_fraction=0.5)

@@ -350,8 +350,8 @@ def split_k_decode(
         )
     counts, out, workspace, starts = buffers[at]
     if attention_mask is not None:
-        visible = _visible(attention_mask[:, 0, -1, :S])
-        slots = torch.arange(1, S + 1, device=visible.device, dtype=torch.int32)
+        visible = _visible(attention_mask[:, 0, -1, :S])  # (a mask may be narrower than the cache)
+        slots = torch.arange(1, visible.shape[-1] + 1, device=visible.device, dtype=torch.int32)
         counts.copy_(torch.where(visible, slots, 0).amax(dim=-1))
         starts.copy_(torch.where(visible, slots - 1, S).amin(dim=-1).clamp_max(counts))
     elif position_ids is None:
