@@ -137,7 +137,7 @@ class _LayerState:
     config: HFConfig
     index: PQIndex | None = None
     padded: bool = False  # the prompt had padding: decode stays dense
-    left_padded: bool = False  # that padding a run of masked keys before each sequence's tokens
+    left_padded: bool = False  # the padding masks a run of keys before each sequence's tokens
     static: bool = False  # the cache is preallocated (StaticCache): keys past the lengths are unused
     # set by StaticDecoder during its prefill: each sequence's prompt length (the index is built
     # at the chunk that reaches the longest)
