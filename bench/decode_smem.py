@@ -21,12 +21,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 ROWS = (("bf16", 128), ("fp32", 128), ("bf16", 256), ("fp32", 256))
 
 
-def shared_bytes(config: triton.Config, dtype: str, D: int, dense: bool) -> int:
+def shared_bytes(config: triton.Config, dtype: str, D: int, dense: bool, starts: bool = False) -> int:
     kernel = decode._group_decode_kernel
     names = kernel.arg_names
     constexprs = dict(
         WIDTH=33280, D=D, GP=16, F32_DOTS=dtype == "fp32", HAS_LSE=False, PAGE=0, DENSE=dense,
-        UNROLL_MAX=64, UNROLL_BLOCK=16, **config.kwargs,
+        STARTS=starts, UNROLL_MAX=64, UNROLL_BLOCK=16, **config.kwargs,
     )  # fmt: skip
     typed = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
     typed |= {"lse_ptr": "*fp32", "qk_scale": "fp32"}
