@@ -145,6 +145,9 @@ def _pq_encode_kernel(
             tl.store(k_dst + d * stride_kcd, tl.load(key + d * stride_kd).to(kc_ptr.dtype.element_ty))
             tl.store(v_dst + d * stride_vcd, tl.load(v_src + d * stride_vnd).to(vc_ptr.dtype.element_ty))
     if ADVANCE:
+        # every warp has read base[b] and stored its elements before the release below: a warp
+        # that read it after the last arrival advanced it would write at the next row
+        tl.debug_barrier()
         arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
         if arrived == Hkv * G * SPLITS - 1:
             tl.store(base_ptr + b, (first + T).to(base_ptr.dtype.element_ty))

@@ -313,6 +313,9 @@ def _lut_kernel(
                 tl.store(k_dst + el * stride_kcd, tl.load(key + el).to(kc_ptr.dtype.element_ty))
                 v_row = tl.load(v_src + el * stride_vnd)
                 tl.store(v_dst + el * stride_vcd, v_row.to(vc_ptr.dtype.element_ty))
+            # every warp has read lengths[b] and stored its elements before the release below: a
+            # warp that read it after the last arrival advanced it would write at the next row
+            tl.debug_barrier()
             arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel")
             if arrived == kv_heads * CHUNKS - 1:
                 tl.store(len_ptr + b, (row + 1).to(len_ptr.dtype.element_ty))
