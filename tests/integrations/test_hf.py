@@ -21,6 +21,28 @@ def _states(model) -> list:
     return [m._pqattn_state for m in model.modules() if hasattr(m, "_pqattn_state")]
 
 
+def _greedy(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.generate's greedy tokens [B, P + new] and the logits of each new token [B, new, V]."""
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_scores=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    return out.sequences, torch.stack(out.scores, dim=1).float()
+
+
+def _difference(dense: torch.Tensor, sparse: torch.Tensor, new: int) -> str:
+    """Where two greedy runs' logits [B, new, V] part: each step's largest logit difference up to
+    the first step whose tokens differ, beside dense's margin between its top two there (a
+    difference under the margin is a near tie; over it, an error)."""
+    part = (dense.argmax(-1) != sparse.argmax(-1)).any(0).nonzero()
+    last = int(part[0]) if len(part) else new - 1
+    diff = (dense - sparse).abs().amax(dim=(0, 2))[: last + 1]
+    top = dense[:, last].topk(2, dim=-1).values
+    margins = [f"{m:.1e}" for m in (top[:, 0] - top[:, 1]).tolist()]
+    diffs = [f"{d:.1e}" for d in diff.tolist()]
+    return f"steps 0..{last}: max |logit difference| {diffs}; dense's top-two margins at {last}: {margins}"
+
+
 @pytest.mark.parametrize("share,rerank", [("head", 0), ("group", 0), ("group", 2)])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_greedy_generation_equals_dense_when_heavy_covers_every_token(
@@ -33,10 +55,10 @@ def test_greedy_generation_equals_dense_when_heavy_covers_every_token(
         heavy=500, sink=4, window=4, bits=3, iters=3, share=share, group_rule="max", rerank=rerank
     )
     with torch.no_grad():
-        dense = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        dense, dense_logits = _greedy(model, ids, mask, 12)
         assert pq_hf.enable(model, config) == [0, 1, 2]
-        sparse = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    assert torch.equal(sparse, dense)
+        sparse, sparse_logits = _greedy(model, ids, mask, 12)
+    assert torch.equal(sparse, dense), _difference(dense_logits, sparse_logits, 12)
     assert all(s.sparse_steps == 11 for s in _states(model)), "every decode step went through the index"
 
 
