@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -115,7 +117,8 @@ def test_sparse_generation_follows_the_reference_step_by_step(
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_prefill_through_pqattn_dense_attention(kind: str, device: torch.device, monkeypatch) -> None:
     """prefill="pqattn": every sparse layer's prompt goes through pqattn.ops.dense_attention (the
-    flash kernel on CUDA fp16/bf16) and generation matches dense; a padded prompt goes to SDPA."""
+    flash kernel on CUDA fp16/bf16) and generation matches dense; a prompt whose mask has a hole
+    goes to SDPA, builds no index and says so once."""
     calls = []
     dense_attention = pq_hf.ops.dense_attention
 
@@ -134,7 +137,7 @@ def test_prefill_through_pqattn_dense_attention(kind: str, device: torch.device,
         sparse = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert torch.equal(sparse, dense)
         assert len(calls) == 2 and all(c["causal"] for c in calls), "layers 0 and 1 prefilled by pqattn"
-        mask[1, :5] = 0  # left padding: the mask is not the causal one
+        mask[1, 5] = 0  # a hole: the mask is not the causal one
         pq_hf.enable(model, cfg)
         with pytest.warns(UserWarning, match="padding.*no index is built") as caught:
             model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
@@ -272,10 +275,10 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     cache: str, kernel_routes, device: torch.device, monkeypatch
 ) -> None:
     """A batch left-padded as generate pads it (a run of masked keys before each sequence's
-    tokens) builds no index, and every decode step of every layer attends over each sequence's run
-    of the step's mask through the split-K kernel, from past its padding: the tokens equal
-    transformers' own with that mask, over a dynamic and a static cache. A mask with a hole keeps
-    SDPA, and the warning names the route taken."""
+    tokens) over a static cache, or with re-rank over a dynamic one, builds no index, and every
+    decode step of every layer attends over each sequence's run of the step's mask through the
+    split-K kernel, from past its padding: the tokens equal transformers' own with that mask. A
+    mask with a hole keeps SDPA, and the warning names the route taken."""
     starts = []
     dense_decode = pq_hf.ops.dense_decode
 
@@ -292,7 +295,8 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     kw = dict(max_new_tokens=6, do_sample=False) | (
         {"cache_implementation": "static"} if cache == "static" else {}
     )
-    cfg = pq_hf.HFConfig(heavy=8, sink=2, window=2, bits=3, iters=2)
+    rerank = {"share": "group", "rerank": 2} if cache == "dynamic" else {}
+    cfg = pq_hf.HFConfig(heavy=8, sink=2, window=2, bits=3, iters=2, **rerank)
     with torch.no_grad():
         dense = model.generate(ids, attention_mask=mask, **kw)
         pq_hf.enable(model, cfg)
@@ -307,6 +311,51 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
         with pytest.warns(UserWarning, match="padding.*run SDPA with the mask"):
             model.generate(ids, attention_mask=hole, **kw)
     assert all(s.split_k_steps == 0 for s in _states(model))
+
+
+@pytest.mark.parametrize("share", ["head", "group"])
+def test_left_padded_prompts_over_a_dynamic_cache_decode_sparsely(
+    share: str, kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """A left-padded batch over a dynamic cache is indexed from each sequence's first token on,
+    without a warning: with heavy covering every token its greedy tokens are transformers' own with
+    the mask, every decode step through the index; with a small heavy, every step's selection
+    holds each sequence's first tokens (its sink, not its padding) and last ones (its window, the
+    new token included) at the cache's positions, and nothing before its first token."""
+    model = _model("llama", device)
+    ids = torch.randint(1, 128, (3, 40), device=device)
+    mask = torch.ones_like(ids)
+    first = [0, 7, 19]
+    for b, f in enumerate(first):
+        mask[b, :f] = 0
+    ids[mask == 0] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    covering = pq_hf.HFConfig(heavy=200, sink=2, window=2, bits=3, iters=2, share=share)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*padding")
+        dense = model.generate(ids, **kw)
+        pq_hf.enable(model, covering)
+        assert torch.equal(model.generate(ids, **kw), dense)
+        assert all((s.sparse_steps, s.split_k_steps) == (5, 0) for s in _states(model))
+        assert _states(model)[0].index.lengths.tolist() == [45, 38, 26]  # the last token is not fed back
+
+        seen = []
+        attend = pq_hf.PQIndex.attend
+
+        def spy(index, q, k_cache, v_cache, selection, **kwargs):
+            seen.append((k_cache.shape[2], selection.positions.clone(), selection.counts.clone()))
+            return attend(index, q, k_cache, v_cache, selection, **kwargs)
+
+        monkeypatch.setattr(pq_hf.PQIndex, "attend", spy)
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=3, sink=2, window=2, bits=3, iters=2, share=share))
+        model.generate(ids, **kw)
+    assert len(seen) == 15
+    for n, positions, counts in seen:
+        for b, f in enumerate(first):
+            for row, count in zip(positions[b], counts[b].tolist(), strict=True):
+                got = set(row[:count].tolist())
+                assert {f, f + 1, n - 2, n - 1} <= got, (b, f, n, sorted(got))
+                assert min(got) >= f and max(got) < n and len(got) == count
 
 
 @pytest.mark.parametrize("additive", [False, True])

@@ -20,10 +20,12 @@ Routed explicitly (documented, not approximated): decode steps of `dense_layers`
 past the index's capacity (prompt + `HFConfig.capacity` tokens; warned once) attend densely over
 every cached token up to the step's position through pqattn's split-K decode kernel
 (`split_k_decode`: no mask, the cache read once for a KV head's query heads) on CUDA, through SDPA
-elsewhere; a prompt with padding (a mask that is not the causal one) builds no index (warned
-once): when each sequence's visible keys are one run that ends at the prompt's last token (left
-padding, as `generate` pads a batch), its decode steps attend densely over that run of the step's
-mask through the same split-K kernel, and otherwise through SDPA with the mask; layers without
+elsewhere. A prompt whose visible keys are one run per sequence that ends at the prompt's last
+token (left padding, as `generate` pads a batch) is indexed over a dynamic cache from each
+sequence's first token on (index row r of sequence b is cache position starts[b] + r), and its
+decode steps select and attend sparsely. Other padded prompts build no index (warned once): left
+padding over a static cache or with re-rank decodes densely over that run of the step's mask
+through the same split-K kernel, any other mask through SDPA with the mask. Layers without
 `layer_idx` run SDPA.
 """
 
@@ -136,8 +138,12 @@ KV_PLACEMENTS = ("gpu", "host")
 class _LayerState:
     config: HFConfig
     index: PQIndex | None = None
-    padded: bool = False  # the prompt had padding: decode stays dense
+    padded: bool = False  # the prompt had padding: decode is dense unless `starts` is set
     left_padded: bool = False  # the padding masks a run of keys before each sequence's tokens
+    # a left-padded prompt indexed sparsely: each sequence's first key [B] int32 (its index rows
+    # start there), and the selection's positions moved to the cache's, [B, R, L]
+    starts: torch.Tensor | None = None
+    shifted: torch.Tensor | None = None
     static: bool = False  # the cache is preallocated (StaticCache): keys past the lengths are unused
     # set by StaticDecoder during its prefill: each sequence's prompt length (the index is built
     # at the chunk that reaches the longest)
@@ -193,7 +199,12 @@ def pq_attention_forward(
         # Padding shows as masked keys in the last prompt row (host reads, at prefill only).
         state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
         state.left_padded = state.padded and bool(_visible_run_ends_last(attention_mask))
-        if state.padded and not dense_layer and not state.warned.get("padded"):
+        # a dynamic cache's left padding keeps the index: each sequence's keys from its first on
+        state.starts = state.shifted = None
+        sparse_left = state.left_padded and not state.static and c.rerank == 0
+        first = _run_starts(attention_mask, n) if sparse_left else [n]
+        sparse_left = sparse_left and max(first) < n  # (a sequence with no token keeps split-K)
+        if state.padded and not sparse_left and not dense_layer and not state.warned.get("padded"):
             state.warned["padded"] = True
             route = (
                 "attend densely over each sequence's tokens through the split-K kernel"
@@ -202,14 +213,17 @@ def pq_attention_forward(
             )
             warnings.warn(
                 f"pqattn: a prompt with padding (its mask is not the causal one): no index is built and "
-                f"the decode steps {route}. Right-pad ragged prompts and pass "
-                "prompt_lengths to pq_hf.generate to keep them sparse.",
+                f"the decode steps {route}. Left-pad over a dynamic cache without re-rank, or right-pad "
+                "ragged prompts and pass prompt_lengths to pq_hf.generate, to keep them sparse.",
                 stacklevel=_caller_level(),
             )
-        if dense_layer or state.padded:
+        if dense_layer or (state.padded and not sparse_left):
             state.index = None
             return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
         out = _prefill_attention(module, c, query, key, value, attention_mask, scaling, **kwargs)
+        if sparse_left:
+            _index_left_padded(module, state, key, first)
+            return out
         lengths = [n] * B if state.prompt_lengths is None else state.prompt_lengths
         if n < max(lengths):  # a chunk of a longer prefill: the index is built at its last chunk
             return out
@@ -218,7 +232,7 @@ def pq_attention_forward(
         state.index = PQIndex.build(key, lengths, capacity=capacity, config=pq, **_kv_head_share(module, key))
         return out
     index = state.index
-    if state.padded:
+    if state.padded and state.starts is None:
         if not (state.left_padded and attention_mask is not None and ops.decode_kernel_path(query[:, :, 0])):
             return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
         state.split_k_steps += 1
@@ -242,10 +256,43 @@ def pq_attention_forward(
     q = query[:, :, 0]
     # a static cache holds the new key at the step's position, which is each sequence's length
     new_key = key if state.static else key[:, :, -1:]
+    selection = index.select(q, key, append=new_key)
+    if state.starts is not None:  # index rows from each sequence's first key: the cache's positions
+        if state.shifted is None or state.shifted.shape != selection.positions.shape:
+            state.shifted = torch.empty_like(selection.positions)
+        torch.add(selection.positions, state.starts[:, None, None], out=state.shifted)
+        selection = ref.Selection(state.shifted, selection.counts)
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
-    out = index.attend(q, key, value, index.select(q, key, append=new_key), scale=scaling)
+    out = index.attend(q, key, value, selection, scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
+
+
+def _run_starts(mask: torch.Tensor, S: int) -> list[int]:
+    """Each sequence's first visible key in the last query row of a left-padded prompt's mask
+    [B, 1 or H, q, >= S] (S where none is visible; one host read, at prefill only)."""
+    visible = _visible(mask[..., -1, :S])[:, 0]  # alike for every head
+    return torch.where(visible, torch.arange(S, device=mask.device), S).amin(dim=-1).tolist()
+
+
+def _index_left_padded(
+    module: torch.nn.Module, state: _LayerState, key: torch.Tensor, first: list[int]
+) -> None:
+    """The index of a left-padded prompt over a dynamic cache: sequence b's keys from its first
+    visible one, first[b], are its rows 0 .. S - first[b] - 1, and a decode step's selection moves
+    to the cache's positions by adding first[b] (`state.starts`)."""
+    B, S = key.shape[0], key.shape[2]
+    rows = torch.stack([key[b].roll(-first[b], dims=1) for b in range(B)])  # the padding goes last
+    lengths = [S - f for f in first]
+    c = state.config
+    state.index = PQIndex.build(
+        rows,
+        lengths,
+        capacity=S + c.capacity,
+        config=c.index_config(max(lengths)),
+        **_kv_head_share(module, key),
+    )
+    state.starts = torch.tensor(first, dtype=torch.int32, device=key.device)
 
 
 def _prefill_attention(
