@@ -270,12 +270,15 @@ def test_dense_layers_and_steps_past_capacity_run_the_split_k_kernel(
     assert [s.split_k_steps for s in _states(model)] == [5, 0, 0], "the static cache has room: sparse"
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(
+    "cache,first", [("dynamic", [0, 7, 19]), ("static", [0, 7, 19]), ("static", [3, 7, 19])]
+)
 def test_left_padded_prompts_decode_through_the_split_k_kernel(
-    cache: str, kernel_routes, device: torch.device, monkeypatch
+    cache: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
 ) -> None:
     """A batch left-padded as generate pads it (a run of masked keys before each sequence's
-    tokens) over a static cache, or with re-rank over a dynamic one, builds no index, and every
+    tokens; one sequence unpadded, or every one padded) over a static cache, or with re-rank over a
+    dynamic one, builds no index, and every
     decode step of every layer attends over each sequence's run of the step's mask through the
     split-K kernel, from past its padding: the tokens equal transformers' own with that mask. A
     mask with a hole keeps SDPA, and the warning names the route taken."""
@@ -290,7 +293,8 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     model = _model("llama", device)
     ids = torch.randint(1, 128, (3, 40), device=device)
     mask = torch.ones_like(ids)
-    mask[1, :7], mask[2, :19] = 0, 0
+    for b, f in enumerate(first):
+        mask[b, :f] = 0
     ids[mask == 0] = 0
     kw = dict(max_new_tokens=6, do_sample=False) | (
         {"cache_implementation": "static"} if cache == "static" else {}
@@ -304,7 +308,7 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
             sparse = model.generate(ids, attention_mask=mask, **kw)
         assert torch.equal(sparse, dense)
         assert all(s.index is None and (s.sparse_steps, s.split_k_steps) == (0, 5) for s in _states(model))
-        assert starts == [[0, 7, 19]] * 15, "every decode step of the 3 layers starts past the padding"
+        assert starts == [first] * 15, "every decode step of the 3 layers starts past the padding"
         hole = mask.clone()
         hole[0, 10] = 0
         pq_hf.enable(model, cfg)
@@ -313,19 +317,19 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     assert all(s.split_k_steps == 0 for s in _states(model))
 
 
-@pytest.mark.parametrize("share", ["head", "group"])
+@pytest.mark.parametrize("share,first", [("head", [0, 7, 19]), ("group", [0, 7, 19]), ("group", [3, 7, 19])])
 def test_left_padded_prompts_over_a_dynamic_cache_decode_sparsely(
-    share: str, kernel_routes, device: torch.device, monkeypatch
+    share: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
 ) -> None:
-    """A left-padded batch over a dynamic cache is indexed from each sequence's first token on,
-    without a warning: with heavy covering every token its greedy tokens are transformers' own with
-    the mask, every decode step through the index; with a small heavy, every step's selection
+    """A left-padded batch over a dynamic cache (one sequence unpadded, or every one padded: the
+    positions then stop short of the cache's length) is indexed from each sequence's first token
+    on, without a warning: with heavy covering every token its greedy tokens are transformers' own
+    with the mask, every decode step through the index; with a small heavy, every step's selection
     holds each sequence's first tokens (its sink, not its padding) and last ones (its window, the
     new token included) at the cache's positions, and nothing before its first token."""
     model = _model("llama", device)
     ids = torch.randint(1, 128, (3, 40), device=device)
     mask = torch.ones_like(ids)
-    first = [0, 7, 19]
     for b, f in enumerate(first):
         mask[b, :f] = 0
     ids[mask == 0] = 0
@@ -337,7 +341,8 @@ def test_left_padded_prompts_over_a_dynamic_cache_decode_sparsely(
         pq_hf.enable(model, covering)
         assert torch.equal(model.generate(ids, **kw), dense)
         assert all((s.sparse_steps, s.split_k_steps) == (5, 0) for s in _states(model))
-        assert _states(model)[0].index.lengths.tolist() == [45, 38, 26]  # the last token is not fed back
+        # the last token is not fed back
+        assert _states(model)[0].index.lengths.tolist() == [45 - f for f in first]
 
         seen = []
         attend = pq_hf.PQIndex.attend

@@ -190,8 +190,7 @@ def pq_attention_forward(
     dense_layer = layer in state.config.dense_layers
     if q_len > 1:  # prefill: dense, then the index of the whole prompt
         c = state.config
-        # A preallocated cache is longer than the tokens seen (one host read, at prefill only).
-        n = S if position_ids is None else int(position_ids.max()) + 1
+        n = _filled(attention_mask, position_ids, S)  # a preallocated cache is longer than that
         state.static = n < S
         if state.static:
             key, value = key[:, :, :n], value[:, :, :n]
@@ -266,6 +265,17 @@ def pq_attention_forward(
     out = index.attend(q, key, value, selection, scale=scaling)
     state.sparse_steps += 1
     return out[:, None], None
+
+
+def _filled(mask: torch.Tensor | None, position_ids: torch.Tensor | None, S: int) -> int:
+    """The cache slots a prefill has filled, of the S its keys hold (one host read, at prefill
+    only): up to the last key the last query row sees when there is a mask (a left-padded batch's
+    positions stop short of it: each sequence counts from its first token), else up to the largest
+    position, else all S."""
+    if mask is not None:
+        seen = _visible(mask[..., -1, :]).flatten(0, -2).any(dim=0)
+        return int(torch.where(seen, torch.arange(seen.shape[0], device=seen.device), -1).max()) + 1
+    return S if position_ids is None else int(position_ids.max()) + 1
 
 
 def _run_starts(mask: torch.Tensor, S: int) -> list[int]:
