@@ -270,15 +270,13 @@ def test_dense_layers_and_steps_past_capacity_run_the_split_k_kernel(
     assert [s.split_k_steps for s in _states(model)] == [5, 0, 0], "the static cache has room: sparse"
 
 
-@pytest.mark.parametrize(
-    "cache,first", [("dynamic", [0, 7, 19]), ("static", [0, 7, 19]), ("static", [3, 7, 19])]
-)
+@pytest.mark.parametrize("cache,first", [("dynamic", [0, 7, 19]), ("static", [3, 7, 19])])
 def test_left_padded_prompts_decode_through_the_split_k_kernel(
     cache: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
 ) -> None:
     """A batch left-padded as generate pads it (a run of masked keys before each sequence's
-    tokens; one sequence unpadded, or every one padded) over a static cache, or with re-rank over a
-    dynamic one, builds no index, and every
+    tokens; one sequence unpadded, or every one padded) with re-rank, over a dynamic or a static
+    cache, builds no index, and every
     decode step of every layer attends over each sequence's run of the step's mask through the
     split-K kernel, from past its padding: the tokens equal transformers' own with that mask. A
     mask with a hole keeps SDPA, and the warning names the route taken."""
@@ -299,8 +297,7 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     kw = dict(max_new_tokens=6, do_sample=False) | (
         {"cache_implementation": "static"} if cache == "static" else {}
     )
-    rerank = {"share": "group", "rerank": 2} if cache == "dynamic" else {}
-    cfg = pq_hf.HFConfig(heavy=8, sink=2, window=2, bits=3, iters=2, **rerank)
+    cfg = pq_hf.HFConfig(heavy=8, sink=2, window=2, bits=3, iters=2, share="group", rerank=2)
     with torch.no_grad():
         dense = model.generate(ids, attention_mask=mask, **kw)
         pq_hf.enable(model, cfg)
@@ -317,23 +314,34 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     assert all(s.split_k_steps == 0 for s in _states(model))
 
 
-@pytest.mark.parametrize("share,first", [("head", [0, 7, 19]), ("group", [0, 7, 19]), ("group", [3, 7, 19])])
-def test_left_padded_prompts_over_a_dynamic_cache_decode_sparsely(
-    share: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
+@pytest.mark.parametrize(
+    "share,cache,first",
+    [
+        ("head", "dynamic", [0, 7, 19]),
+        ("group", "dynamic", [3, 7, 19]),
+        ("head", "static", [3, 7, 19]),
+        ("group", "static", [0, 7, 19]),
+    ],
+)
+def test_left_padded_prompts_decode_sparsely(
+    share: str, cache: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
 ) -> None:
-    """A left-padded batch over a dynamic cache (one sequence unpadded, or every one padded: the
-    positions then stop short of the cache's length) is indexed from each sequence's first token
-    on, without a warning: with heavy covering every token its greedy tokens are transformers' own
-    with the mask, every decode step through the index; with a small heavy, every step's selection
-    holds each sequence's first tokens (its sink, not its padding) and last ones (its window, the
-    new token included) at the cache's positions, and nothing before its first token."""
+    """A left-padded batch (one sequence unpadded, or every one padded: the positions then stop
+    short of the prompt's length), over a dynamic or a static cache, is indexed from each
+    sequence's first token on, without a warning: with heavy covering every token its greedy tokens
+    are transformers' own with the mask, every decode step through the index; with a small heavy,
+    every step's selection holds each sequence's first tokens (its sink, not its padding) and last
+    ones (its window, the new token included) at the cache's positions, and nothing before its
+    first token."""
     model = _model("llama", device)
     ids = torch.randint(1, 128, (3, 40), device=device)
     mask = torch.ones_like(ids)
     for b, f in enumerate(first):
         mask[b, :f] = 0
     ids[mask == 0] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False) | (
+        {"cache_implementation": "static"} if cache == "static" else {}
+    )
     covering = pq_hf.HFConfig(heavy=200, sink=2, window=2, bits=3, iters=2, share=share)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*padding")
@@ -344,18 +352,25 @@ def test_left_padded_prompts_over_a_dynamic_cache_decode_sparsely(
         # the last token is not fed back
         assert _states(model)[0].index.lengths.tolist() == [45 - f for f in first]
 
-        seen = []
-        attend = pq_hf.PQIndex.attend
+        seen, appended = [], []
+        attend, select = pq_hf.PQIndex.attend, pq_hf.PQIndex.select
 
-        def spy(index, q, k_cache, v_cache, selection, **kwargs):
-            seen.append((k_cache.shape[2], selection.positions.clone(), selection.counts.clone()))
+        def attend_spy(index, q, k_cache, v_cache, selection, **kwargs):
+            seen.append((selection.positions.clone(), selection.counts.clone()))
             return attend(index, q, k_cache, v_cache, selection, **kwargs)
 
-        monkeypatch.setattr(pq_hf.PQIndex, "attend", spy)
+        def select_spy(index, q, k_cache, append):
+            appended.append((k_cache.clone(), append.clone()))
+            return select(index, q, k_cache, append=append)
+
+        monkeypatch.setattr(pq_hf.PQIndex, "attend", attend_spy)
+        monkeypatch.setattr(pq_hf.PQIndex, "select", select_spy)
         pq_hf.enable(model, pq_hf.HFConfig(heavy=3, sink=2, window=2, bits=3, iters=2, share=share))
         model.generate(ids, **kw)
-    assert len(seen) == 15
-    for n, positions, counts in seen:
+    assert len(seen) == len(appended) == 15
+    for call, ((positions, counts), (k_cache, new_key)) in enumerate(zip(seen, appended, strict=True)):
+        n = 41 + call // 3  # the cache's tokens at the step (3 layers a step)
+        assert torch.equal(new_key, k_cache[:, :, n - 1 : n]), "the index appends the step's key"
         for b, f in enumerate(first):
             for row, count in zip(positions[b], counts[b].tolist(), strict=True):
                 got = set(row[:count].tolist())

@@ -21,12 +21,12 @@ past the index's capacity (prompt + `HFConfig.capacity` tokens; warned once) att
 every cached token up to the step's position through pqattn's split-K decode kernel
 (`split_k_decode`: no mask, the cache read once for a KV head's query heads) on CUDA, through SDPA
 elsewhere. A prompt whose visible keys are one run per sequence that ends at the prompt's last
-token (left padding, as `generate` pads a batch) is indexed over a dynamic cache from each
-sequence's first token on (index row r of sequence b is cache position starts[b] + r), and its
-decode steps select and attend sparsely. Other padded prompts build no index (warned once): left
-padding over a static cache or with re-rank decodes densely over that run of the step's mask
-through the same split-K kernel, any other mask through SDPA with the mask. Layers without
-`layer_idx` run SDPA.
+token (left padding, as `generate` pads a batch) is indexed from each sequence's first token on
+(index row r of sequence b is cache position starts[b] + r), over a dynamic or a static cache,
+and its decode steps select and attend sparsely. Other padded prompts build no index (warned
+once): left padding with re-rank decodes densely over that run of the step's mask through the
+same split-K kernel, any other mask through SDPA with the mask. Layers without `layer_idx` run
+SDPA.
 """
 
 from __future__ import annotations
@@ -198,9 +198,9 @@ def pq_attention_forward(
         # Padding shows as masked keys in the last prompt row (host reads, at prefill only).
         state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
         state.left_padded = state.padded and bool(_visible_run_ends_last(attention_mask))
-        # a dynamic cache's left padding keeps the index: each sequence's keys from its first on
+        # left padding keeps the index: each sequence's keys from its first on
         state.starts = state.shifted = None
-        sparse_left = state.left_padded and not state.static and c.rerank == 0
+        sparse_left = state.left_padded and c.rerank == 0
         first = _run_starts(attention_mask, n) if sparse_left else [n]
         sparse_left = sparse_left and max(first) < n  # (a sequence with no token keeps split-K)
         if state.padded and not sparse_left and not dense_layer and not state.warned.get("padded"):
@@ -212,8 +212,8 @@ def pq_attention_forward(
             )
             warnings.warn(
                 f"pqattn: a prompt with padding (its mask is not the causal one): no index is built and "
-                f"the decode steps {route}. Left-pad over a dynamic cache without re-rank, or right-pad "
-                "ragged prompts and pass prompt_lengths to pq_hf.generate, to keep them sparse.",
+                f"the decode steps {route}. Left-pad without re-rank, or right-pad ragged prompts and "
+                "pass prompt_lengths to pq_hf.generate, to keep them sparse.",
                 stacklevel=_caller_level(),
             )
         if dense_layer or (state.padded and not sparse_left):
@@ -221,7 +221,7 @@ def pq_attention_forward(
             return _sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
         out = _prefill_attention(module, c, query, key, value, attention_mask, scaling, **kwargs)
         if sparse_left:
-            _index_left_padded(module, state, key, first)
+            _index_left_padded(module, state, key, first, S if state.static else S + c.capacity)
             return out
         lengths = [n] * B if state.prompt_lengths is None else state.prompt_lengths
         if n < max(lengths):  # a chunk of a longer prefill: the index is built at its last chunk
@@ -255,6 +255,11 @@ def pq_attention_forward(
     q = query[:, :, 0]
     # a static cache holds the new key at the step's position, which is each sequence's length
     new_key = key if state.static else key[:, :, -1:]
+    if state.static and state.starts is not None:  # (left padding: the position counts from starts[b])
+        slot = (position_ids[:, -1] + state.starts)[:, None, None, None].expand(
+            -1, key.shape[1], 1, key.shape[3]
+        )
+        new_key = key.gather(2, slot)
     selection = index.select(q, key, append=new_key)
     if state.starts is not None:  # index rows from each sequence's first key: the cache's positions
         if state.shifted is None or state.shifted.shape != selection.positions.shape:
@@ -286,11 +291,11 @@ def _run_starts(mask: torch.Tensor, S: int) -> list[int]:
 
 
 def _index_left_padded(
-    module: torch.nn.Module, state: _LayerState, key: torch.Tensor, first: list[int]
+    module: torch.nn.Module, state: _LayerState, key: torch.Tensor, first: list[int], capacity: int
 ) -> None:
-    """The index of a left-padded prompt over a dynamic cache: sequence b's keys from its first
-    visible one, first[b], are its rows 0 .. S - first[b] - 1, and a decode step's selection moves
-    to the cache's positions by adding first[b] (`state.starts`)."""
+    """The index of a left-padded prompt, key [B, Hkv, S, D] its filled slots: sequence b's keys
+    from its first visible one, first[b], are its rows 0 .. S - first[b] - 1, and a decode step's
+    selection moves to the cache's positions by adding first[b] (`state.starts`)."""
     B, S = key.shape[0], key.shape[2]
     rows = torch.stack([key[b].roll(-first[b], dims=1) for b in range(B)])  # the padding goes last
     lengths = [S - f for f in first]
@@ -298,7 +303,7 @@ def _index_left_padded(
     state.index = PQIndex.build(
         rows,
         lengths,
-        capacity=S + c.capacity,
+        capacity=capacity,
         config=c.index_config(max(lengths)),
         **_kv_head_share(module, key),
     )
