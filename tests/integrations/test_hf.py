@@ -378,6 +378,29 @@ def test_left_padded_prompts_decode_sparsely(
                 assert min(got) >= f and max(got) < n and len(got) == count
 
 
+def test_a_sliding_window_shorter_than_the_prompt_keeps_the_split_k_route(
+    kernel_routes, device: torch.device
+) -> None:
+    """A sliding window shorter than the prompt also shows each sequence one run of keys ending at
+    the last: that is not left padding to index, and its decode steps attend over each step's
+    window through the split-K kernel, giving transformers' tokens."""
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None, sliding_window=16,
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(config).to(device).eval()
+    ids = torch.randint(1, 128, (2, 40), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        dense = model.generate(ids, **kw)
+        pq_hf.enable(model, pq_hf.HFConfig(heavy=200, sink=2, window=2, bits=3, iters=2))
+        with pytest.warns(UserWarning, match="padding.*split-K kernel"):
+            assert torch.equal(model.generate(ids, **kw), dense)
+    assert all(s.index is None and (s.sparse_steps, s.split_k_steps) == (0, 5) for s in _states(model))
+
+
 @pytest.mark.parametrize("additive", [False, True])
 def test_split_k_decode_reads_each_sequences_run_off_the_mask(additive: bool, device: torch.device) -> None:
     """`split_k_decode` with a step's mask: each sequence attends to its run of visible keys (a

@@ -24,9 +24,9 @@ elsewhere. A prompt whose visible keys are one run per sequence that ends at the
 token (left padding, as `generate` pads a batch) is indexed from each sequence's first token on
 (index row r of sequence b is cache position starts[b] + r), over a dynamic or a static cache,
 and its decode steps select and attend sparsely. Other padded prompts build no index (warned
-once): left padding with re-rank decodes densely over that run of the step's mask through the
-same split-K kernel, any other mask through SDPA with the mask. Layers without `layer_idx` run
-SDPA.
+once): left padding with re-rank, and a sliding window shorter than the prompt (whose mask shows
+one run too), decode densely over that run of the step's mask through the same split-K kernel,
+any other mask through SDPA with the mask. Layers without `layer_idx` run SDPA.
 """
 
 from __future__ import annotations
@@ -198,9 +198,11 @@ def pq_attention_forward(
         # Padding shows as masked keys in the last prompt row (host reads, at prefill only).
         state.padded = attention_mask is not None and not bool(_last_row_sees_all(attention_mask))
         state.left_padded = state.padded and bool(_visible_run_ends_last(attention_mask))
-        # left padding keeps the index: each sequence's keys from its first on
+        # left padding keeps the index: each sequence's keys from its first on (a sliding window
+        # shorter than the prompt also shows one run a sequence: its steps keep the mask's runs)
         state.starts = state.shifted = None
-        sparse_left = state.left_padded and c.rerank == 0
+        window = _sliding_window(module)
+        sparse_left = state.left_padded and c.rerank == 0 and (window is None or window >= n)
         first = _run_starts(attention_mask, n) if sparse_left else [n]
         sparse_left = sparse_left and max(first) < n  # (a sequence with no token keeps split-K)
         if state.padded and not sparse_left and not dense_layer and not state.warned.get("padded"):
