@@ -23,6 +23,21 @@ def _states(model) -> list:
     return [m._pqattn_state for m in model.modules() if hasattr(m, "_pqattn_state")]
 
 
+def _left_padded(first: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of 40 tokens, sequence b left-padded by first[b] (pad token 0), and their mask."""
+    ids = torch.randint(1, 128, (len(first), 40), device=device)
+    mask = torch.ones_like(ids)
+    for b, f in enumerate(first):
+        mask[b, :f] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _cache_kwargs(cache: str) -> dict:
+    """generate's keywords for a "dynamic" or a "static" cache."""
+    return {"cache_implementation": "static"} if cache == "static" else {}
+
+
 def _greedy(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """model.generate's greedy tokens [B, P + new] and the logits of each new token [B, new, V]."""
     out = model.generate(
@@ -289,14 +304,8 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
 
     monkeypatch.setattr(pq_hf.ops, "dense_decode", spy)
     model = _model("llama", device)
-    ids = torch.randint(1, 128, (3, 40), device=device)
-    mask = torch.ones_like(ids)
-    for b, f in enumerate(first):
-        mask[b, :f] = 0
-    ids[mask == 0] = 0
-    kw = dict(max_new_tokens=6, do_sample=False) | (
-        {"cache_implementation": "static"} if cache == "static" else {}
-    )
+    ids, mask = _left_padded(first, device)
+    kw = dict(max_new_tokens=6, do_sample=False) | _cache_kwargs(cache)
     cfg = pq_hf.HFConfig(heavy=8, sink=2, window=2, bits=3, iters=2, share="group", rerank=2)
     with torch.no_grad():
         dense = model.generate(ids, attention_mask=mask, **kw)
@@ -334,14 +343,8 @@ def test_left_padded_prompts_decode_sparsely(
     ones (its window, the new token included) at the cache's positions, and nothing before its
     first token."""
     model = _model("llama", device)
-    ids = torch.randint(1, 128, (3, 40), device=device)
-    mask = torch.ones_like(ids)
-    for b, f in enumerate(first):
-        mask[b, :f] = 0
-    ids[mask == 0] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False) | (
-        {"cache_implementation": "static"} if cache == "static" else {}
-    )
+    ids, mask = _left_padded(first, device)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False) | _cache_kwargs(cache)
     covering = pq_hf.HFConfig(heavy=200, sink=2, window=2, bits=3, iters=2, share=share)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*padding")

@@ -288,8 +288,7 @@ def _filled(mask: torch.Tensor | None, position_ids: torch.Tensor | None, S: int
 def _run_starts(mask: torch.Tensor, S: int) -> list[int]:
     """Each sequence's first visible key in the last query row of a left-padded prompt's mask
     [B, 1 or H, q, >= S] (S where none is visible; one host read, at prefill only)."""
-    visible = _visible(mask[..., -1, :S])[:, 0]  # alike for every head
-    return torch.where(visible, torch.arange(S, device=mask.device), S).amin(dim=-1).tolist()
+    return _first_visible(_visible(mask[..., -1, :S])[:, 0]).tolist()  # (alike for every head)
 
 
 def _index_left_padded(
@@ -454,6 +453,12 @@ def _visible(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
+def _first_visible(visible: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first visible key in visible [..., n] (n where there is none)."""
+    n = visible.shape[-1]
+    return torch.where(visible, torch.arange(n, device=visible.device), n).amin(dim=-1)
+
+
 def _last_row_sees_all(mask: torch.Tensor) -> torch.Tensor:
     return _visible(mask[..., -1, :]).all()
 
@@ -463,8 +468,7 @@ def _visible_run_ends_last(mask: torch.Tensor) -> torch.Tensor:
     that ends at key n - 1, alike for every head (left padding); a 0-dim bool tensor."""
     visible = _visible(mask[..., -1, :])
     n = visible.shape[-1]
-    first = torch.where(visible, torch.arange(n, device=visible.device), n).amin(dim=-1, keepdim=True)
-    run = visible == (torch.arange(n, device=visible.device) >= first)
+    run = visible == (torch.arange(n, device=visible.device) >= _first_visible(visible)[..., None])
     return run.all() & (visible == visible[:, :1]).all()
 
 
