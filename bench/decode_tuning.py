@@ -22,6 +22,7 @@ import triton
 from pqattn import PQConfig
 from pqattn.kernels import decode
 from pqattn.lab.env import environment
+from pqattn.runtime.launch import graph_timing
 
 METHODS = {  # name: (rounds, the timing of one config)
     "flush": (1, lambda fn, quantiles: triton.testing.do_bench(fn, quantiles=quantiles)),
@@ -29,7 +30,7 @@ METHODS = {  # name: (rounds, the timing of one config)
         5,
         lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles),
     ),
-    "graph": (1, lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles)),
+    "graph": (1, graph_timing(rep=100)),
 }
 
 

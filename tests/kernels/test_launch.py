@@ -17,6 +17,7 @@ from pqattn.runtime.launch import (
     _scalar_specs,
     arg_spec,
     autotuning,
+    graph_timing,
     interpreted,
     recording,
 )
@@ -265,17 +266,22 @@ def _copy_checked(x_ptr, y_ptr, bad_ptr, n, want, BLOCK: tl.constexpr):
     tl.atomic_add(bad_ptr, tl.sum((x != want).to(tl.int32), axis=0))
 
 
-def test_tuning_by_graph_replay_waits_for_the_inputs(device: torch.device) -> None:
-    """The input is written on the caller's stream behind a long kernel when the first call tunes:
-    the trials (graph replay on a stream of their own) read it only once written."""
+def _tuned_copy(device: torch.device, rounds: int) -> tuple[triton.runtime.Autotuner, TunedLauncher]:
+    """`_copy_checked` autotuned over two configs, timed as the package's kernels are."""
     if device.type != "cuda" or not autotuning():
         pytest.skip("autotuning runs on a GPU")
     autotuned = triton.autotune(
         configs=[triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})],
         key=["n"],
-        do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=5, quantiles=quantiles),
+        do_bench=graph_timing(rep=5),
     )(_copy_checked)
-    tuned = TunedLauncher(autotuned, rounds=2)
+    return autotuned, TunedLauncher(autotuned, rounds=rounds)
+
+
+def test_tuning_by_graph_replay_waits_for_the_inputs(device: torch.device) -> None:
+    """The input is written on the caller's stream behind a long kernel when the first call tunes:
+    the trials (graph replay on a stream of their own) read it only once written."""
+    _, tuned = _tuned_copy(device, rounds=2)
     n = 4096
     x, y = torch.zeros(n, device=device), torch.empty(n, device=device)
     bad = torch.zeros(1, dtype=torch.int32, device=device)
@@ -286,6 +292,67 @@ def test_tuning_by_graph_replay_waits_for_the_inputs(device: torch.device) -> No
     torch.cuda.synchronize(device)
     assert bad.item() == 0, "a trial read the input before the caller's stream wrote it"
     torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+class _SlowOwnLaunch:
+    """The autotuned kernel, seen through the autotuner: its own launch of the pick (on the
+    caller's stream) runs behind a long GPU sleep and is then counted on the device; each trial
+    (on a timing stream) first counts in `early` whether that count is behind the launches made."""
+
+    def __init__(self, fn, caller: torch.cuda.Stream, device: torch.device) -> None:
+        self.fn, self.caller = fn, caller
+        self.done = torch.zeros((), dtype=torch.int32, device=device)
+        self.early = torch.zeros((), dtype=torch.int32, device=device)
+        self.made = 0
+
+    def run(self, *args, **kwargs):
+        if torch.cuda.current_stream() == self.caller:
+            torch.cuda._sleep(100_000_000)
+            out = self.fn.run(*args, **kwargs)
+            self.done += 1
+            self.made += 1
+            return out
+        self.early += self.done != self.made
+        return self.fn.run(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
+
+
+def test_each_tuning_round_waits_for_the_autotuners_own_launch(device: torch.device) -> None:
+    """Each round ends with the autotuner launching its pick on the caller's stream; the next
+    round's trials (on a timing stream of their own) start only once it has run: a trial beside it
+    on the same buffers would, for the decode kernels, leave the arrival counters off count."""
+    autotuned, tuned = _tuned_copy(device, rounds=3)
+    slow = autotuned.fn = _SlowOwnLaunch(autotuned.fn, torch.cuda.current_stream(device), device)
+    n = 4096
+    x, y = torch.full((n,), 7.0, device=device), torch.empty(n, device=device)
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+    tuned((n,), lambda c: (triton.cdiv(n, c["BLOCK"]),), (x, y, bad), (n, 7.0), {})
+    torch.cuda.synchronize(device)
+    assert slow.made == 3, "the autotuner launched its pick once a round"
+    assert slow.early.item() == 0, "a trial ran before the autotuner's launch of the round before"
+    assert bad.item() == 0
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+def test_every_autotuner_times_after_the_queued_work() -> None:
+    """Every autotuned kernel of the package times its configs with `graph_timing` (which waits
+    for the work queued before a trial)."""
+    import importlib
+    import pkgutil
+
+    import pqattn.kernels as package
+
+    found = {}
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        for name, obj in vars(importlib.import_module(info.name)).items():
+            if isinstance(obj, triton.runtime.Autotuner):
+                found[f"{info.name}.{name}"] = getattr(obj._do_bench, "waits_for_queued_work", False)
+    assert {"flash_forward_autotuned", "pq_select_autotuned", "group_decode_autotuned"} <= {
+        k.rsplit(".", 1)[1] for k in found
+    }
+    assert all(found.values()), [k for k, ok in found.items() if not ok]
 
 
 def test_an_unrecorded_launch_tags_no_earlier_one() -> None:

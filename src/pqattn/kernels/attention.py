@@ -267,7 +267,7 @@ flash_forward_autotuned = triton.autotune(
     key=["seq_bucket", "rows_bucket", "D", "CAUSAL", "HAS_LSE", "G", "tma_ok"],
     prune_configs_by={"early_config_prune": _prune},
     # timed by graph replay: single timed calls after an L2 flush ranked configs inconsistently
-    do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles),
+    do_bench=launch.graph_timing(rep=100),
 )(_flash_forward_kernel)
 
 

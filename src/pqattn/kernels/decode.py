@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from pqattn.kernels import paged
-from pqattn.runtime.launch import Launcher, TunedLauncher, autotuning
+from pqattn.runtime.launch import Launcher, TunedLauncher, autotuning, graph_timing
 
 # The autotune space: entries per split, rows gathered per step, warps. Every config is exercised
 # by the tests and by `pqattn check`. One warp per program wins on bf16 D=128: many small programs
@@ -416,10 +415,7 @@ def _finish_group(out_rows, lse_at, ok, acc, m, s_sum, D: tl.constexpr, HAS_LSE:
 # Each config timed by graph replay, in interleaved rounds: single timed calls after an L2 flush
 # misranked the configs in some processes (docs/kernels/decode.md).
 _TUNING_ROUNDS = 3
-
-
-def _bench_round(fn: Callable[[], None], quantiles: tuple) -> list[float]:
-    return triton.testing.do_bench_cudagraph(fn, rep=20, quantiles=quantiles)
+_bench_round = graph_timing(rep=20)
 
 
 sparse_decode_autotuned = triton.autotune(

@@ -16,7 +16,7 @@ launch hook is installed (a profiler), and under the interpreter, every call tak
 
 `TunedLauncher` adds an autotuner in front: it tunes once per key, then launches the chosen config
 through a Launcher (Triton's autotuner costs tens of microseconds more per call: argument dicts,
-its key, hooks).
+its key, hooks). Every autotuner of the package times its configs with `graph_timing`.
 
 `Plan` goes one step further for a caller that repeats the same launches on the same buffers (a
 decode loop): the launches made inside `recording()` are replayed with new input tensors put in
@@ -181,6 +181,24 @@ class Launcher:
         self.kernels[key] = (kernel, tuple(kwargs[n] for n in constexprs))
 
 
+def graph_timing(rep: int) -> Callable[[Callable[[], None], tuple], list[float]]:
+    """A `do_bench` for `triton.autotune`: each config timed by CUDA graph replay (rep ms), which
+    runs on a stream of its own, after the device has finished the work queued before it.
+
+    Without that wait a trial runs beside the caller's queued work on the same buffers: beside the
+    launch the autotuner makes with its pick after each tuning (on the caller's stream), a trial of
+    a kernel with arrival counters (the decode kernels) leaves them off count, and the kernel's
+    later calls combine stale partials; and a trial can read an input before it is written.
+    """
+
+    def timing(fn: Callable[[], None], quantiles: tuple) -> list[float]:
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=quantiles)
+
+    timing.waits_for_queued_work = True  # what the tests look for on every autotuner
+    return timing
+
+
 class TunedLauncher:
     """Wraps a `triton.autotune`d kernel whose configs have no pre-hook.
 
@@ -229,9 +247,6 @@ class TunedLauncher:
         autotuner's cache: the caller's key decides, and Triton's autotuner keys on kernel
         arguments only, which need not tell two of the caller's keys apart (a grid of other rows)."""
         times: dict[triton.Config, list[float]] = {}
-        # a timing on a stream of its own (graph replay) must not read inputs still being written
-        if tensors[0].is_cuda:
-            torch.cuda.synchronize(tensors[0].device)
         for _ in range(self.rounds):
             self.autotuned.cache.clear()
             self.autotuned.configs_timings = None

@@ -47,7 +47,7 @@ from pqattn.kernels.select.common import (
 )
 from pqattn.limits import MAX_TREE_HEAVY
 from pqattn.reference.selection import SelectParams
-from pqattn.runtime.launch import Launcher, TunedLauncher, autotuning
+from pqattn.runtime.launch import Launcher, TunedLauncher, autotuning, graph_timing
 
 # The autotune space: tile (tokens per leaf, candidates per merge) and warps. Every config is
 # exercised by the tests and by `pqattn check`. A config serves a heavy size when its tile merges at
@@ -417,7 +417,7 @@ pq_select_autotuned = triton.autotune(
     key=["n_bucket", "H", "M", "C", "HAS_W", "K_PAD", "LUT_READY"],
     prune_configs_by={"early_config_prune": _prune},
     # timed by graph replay: single timed calls after an L2 flush ranked configs inconsistently
-    do_bench=lambda fn, quantiles: triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles),
+    do_bench=graph_timing(rep=100),
 )(_pq_select_kernel)
 _pq_select_tuned = TunedLauncher(pq_select_autotuned)
 _pq_select_launch = Launcher(_pq_select_kernel)
