@@ -93,12 +93,15 @@ def main() -> None:
                 pq_hf.enable(model, config)
             stamps = _Stamps()
             kw = dict(attention_mask=mask, max_new_tokens=a.new, do_sample=False)
+            start = time.perf_counter()
             model.generate(ids, **kw)  # warm-up: compiles and tunes
+            print(f"{route}: warm-up generate {time.perf_counter() - start:.1f} s", flush=True)
             per_token = []
             for _ in range(a.samples):
                 stamps.times.clear()
                 out = model.generate(ids, stopping_criteria=[stamps], **kw)
                 per_token.append(statistics.median(stamps.steps_ms()))
+                print(f"{route}: {per_token[-1]:.2f} ms a token", flush=True)
             tokens[route] = out[:, a.prompt :].cpu()
             rows.append({"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token})
     for row in rows:
