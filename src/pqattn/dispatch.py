@@ -191,13 +191,15 @@ def tree_workspace_layout(n_tokens: int, heavy: int) -> tuple[int, int]:
 
 def decode_workspace_numel(rows: int, width: int, D: int, group: int = 0) -> int:
     """int32 elements of the sparse decode kernel's workspace for rows = B * H, list width L, head
-    dim D; with `group` = G, of the group kernel for rows = B * Hkv selections shared by G heads.
-    Allocate it zero-filled, once; the kernel leaves it reusable by calls of the same rows,
-    width and D (its counters lie at places that depend on all three)."""
+    dim D; with `group` = G, of the group kernel for rows = B * Hkv selections shared by G heads,
+    or of dense decoding over caches of `width` tokens. Allocate it zero-filled, once; the kernel
+    leaves it reusable by calls of the same rows, of any width up to `width`, and D."""
     from pqattn.kernels import decode
 
     if group:
-        return decode.group_workspace_numel(rows, group, width, D)
+        return max(
+            decode.group_workspace_numel(rows, group, width, D, dense=dense) for dense in (False, True)
+        )
     return decode.workspace_numel(rows, width, D)
 
 

@@ -427,6 +427,24 @@ def test_split_k_decode_reads_each_sequences_run_off_the_mask(additive: bool, de
         torch.testing.assert_close(out[b, 0], want, atol=1e-5, rtol=1e-5)
 
 
+def test_split_k_decode_over_a_growing_cache_keeps_its_buffers(device: torch.device) -> None:
+    """A cache that grows a token a step (transformers' dynamic cache): `split_k_decode` keeps one
+    set of buffers for the shape and reallocates the workspace only past each 4096 tokens, and
+    each step attends over the whole cache."""
+    B, H, Hkv, D = 1, 4, 2, 8
+    buffers: dict = {}
+    workspaces = set()
+    q = torch.randn(B, H, 1, D, device=device)
+    for S in (5, 6, 4096, 4097):
+        k, v = torch.randn(B, Hkv, S, D, device=device), torch.randn(B, Hkv, S, D, device=device)
+        out = pq_hf.split_k_decode(q, k, v, None, None, buffers)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        workspaces |= {b[2].data_ptr() for b in buffers.values()}
+        assert len(buffers) == 1
+    assert len(workspaces) == 2
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="heavy / heavy_fraction"):
         pq_hf.HFConfig(heavy=10, heavy_fraction=0.5)

@@ -268,7 +268,7 @@ def test_dense_decode_matches_reference(device, config, G, monkeypatch):
     q, k, v, counts = q.to(device), k.to(device), v.to(device), counts.to(device)
     out = torch.full((B, H, D), float("nan"), device=device)
     lse = torch.full((B * H,), float("nan"), device=device)
-    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D), dtype=torch.int32, device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D, dense=True), dtype=torch.int32, device=device)
     for _ in range(2):  # the counters are left at zero for the next call
         group_decode(q, k, v, None, counts, out=out, workspace=ws, lse=lse, config=config)
         torch.testing.assert_close(out.double().cpu(), want, atol=1e-4, rtol=1e-4)
@@ -305,7 +305,7 @@ def test_dense_decode_from_starts_matches_reference(device, config):
     torch.testing.assert_close(got_ref, want)
     q, k, v, counts, starts = q.to(device), k.to(device), v.to(device), counts.to(device), starts.to(device)
     out = torch.full((B, H, D), float("nan"), device=device)
-    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D), dtype=torch.int32, device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D, dense=True), dtype=torch.int32, device=device)
     per_head = counts[:, None].expand(B, Hkv)
     for _ in range(2):  # the counters are left at zero for the next call
         group_decode(q, k, v, None, per_head, out=out, workspace=ws, starts=starts, config=config)
@@ -322,7 +322,9 @@ def test_dense_decode_bf16_full_shape_cuda(config):
     v = torch.randn(B, Hkv, N, D, dtype=torch.bfloat16, device="cuda")
     counts = torch.tensor([131073, 70001], dtype=torch.int32, device="cuda")
     out = torch.full((B, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ws = torch.zeros(group_workspace_numel(B * Hkv, H // Hkv, N, D), dtype=torch.int32, device="cuda")
+    ws = torch.zeros(
+        group_workspace_numel(B * Hkv, H // Hkv, N, D, dense=True), dtype=torch.int32, device="cuda"
+    )
     for starts in (None, torch.tensor([9000, 3], dtype=torch.int32, device="cuda")):
         out.fill_(float("nan"))
         per_head = counts[:, None].expand(B, Hkv)
@@ -420,7 +422,9 @@ def test_paged_dense_decode_matches_the_contiguous_cache(device, config):
     counts = torch.tensor([N, 700], dtype=torch.int32, device=device)[:, None].expand(B, Hkv)
     out = torch.full_like(q, float("nan"))
     width = table.shape[1] * page
-    ws = torch.zeros(group_workspace_numel(B * Hkv, 4, width, D), dtype=torch.int32, device=device)
+    ws = torch.zeros(
+        group_workspace_numel(B * Hkv, 4, width, D, dense=True), dtype=torch.int32, device=device
+    )
     group_decode(q, kp, vp, None, counts, out=out, workspace=ws, block_table=table, config=config)
     want = ref.dense_decode(q.double(), k.double(), v.double(), counts[:, 0])
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
@@ -442,11 +446,50 @@ def test_dense_decode_takes_the_space_its_rows_fit(device, dtype, D, space, monk
     q = torch.randn(B, 8, D, device=device, dtype=dtype)
     k = torch.randn(B, Hkv, N, D, device=device, dtype=dtype)
     counts = torch.full((B, Hkv), N, dtype=torch.int32, device=device)
-    ws = torch.zeros(group_workspace_numel(B * Hkv, 4, N, D), dtype=torch.int32, device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, 4, N, D, dense=True), dtype=torch.int32, device=device)
     decode.group_decode(q, k, k, None, counts, out=torch.empty_like(q), workspace=ws)
     assert [(m["BLOCK_N"], m["num_stages"]) for m in launched] == [
         (space[0].kwargs["BLOCK_N"], space[0].num_stages)
     ]
+
+
+def test_a_growing_cache_keeps_its_dense_width(device, monkeypatch):
+    """Dense decoding over caches of 1, 4095, 4096 and 4097 tokens: the list width (a constexpr)
+    is the tokens rounded up to DENSE_WIDTH_STEP, so a cache that grows a token a step compiles
+    anew only at each step's multiple."""
+    launched = []
+    monkeypatch.setattr(decode, "autotuning", lambda: False)
+    monkeypatch.setattr(
+        decode, "_group_decode_launch", lambda grid, t, s, meta: launched.append(meta["WIDTH"])
+    )
+    B, Hkv, D = 1, 2, 16
+    q = torch.randn(B, 8, D, device=device)
+    for n in (1, 4095, 4096, 4097):
+        k = torch.randn(B, Hkv, n, D, device=device)
+        counts = torch.full((B, Hkv), n, dtype=torch.int32, device=device)
+        ws = torch.zeros(pqattn.ops.decode_workspace_numel(B * Hkv, n, D, group=4), dtype=torch.int32,
+                         device=device)  # fmt: skip
+        decode.group_decode(q, k, k, None, counts, out=torch.empty_like(q), workspace=ws)
+    assert launched == [decode.DENSE_WIDTH_STEP] * 3 + [2 * decode.DENSE_WIDTH_STEP]
+
+
+@pytest.mark.parametrize("config", DENSE_SPACES, ids=DENSE_IDS)
+def test_dense_decode_reads_no_row_past_the_cache(device, config):
+    """Counts past the cache's tokens (which a replayed plan does not check) are clamped to them
+    in the kernel: the cache is a view whose rows beyond it hold NaN, the list's width is wider
+    still, and the answer is attention over the cache's rows."""
+    B, Hkv, G, D, N = 1, 2, 4, 16, 100
+    H = G * Hkv
+    k_all, v_all = 3 * torch.randn(B, Hkv, N + 64, D), torch.randn(B, Hkv, N + 64, D)
+    k_all[:, :, N:], v_all[:, :, N:] = float("nan"), float("nan")
+    q = torch.randn(B, H, D)
+    want = ref.dense_decode(q.double(), k_all[:, :, :N].double(), v_all[:, :, :N].double(), torch.tensor([N]))
+    q, k_all, v_all = q.to(device), k_all.to(device), v_all.to(device)
+    counts = torch.full((B, Hkv), N + 64, dtype=torch.int32, device=device)
+    out = torch.full((B, H, D), float("nan"), device=device)
+    ws = torch.zeros(group_workspace_numel(B * Hkv, G, N, D, dense=True), dtype=torch.int32, device=device)
+    group_decode(q, k_all[:, :, :N], v_all[:, :, :N], None, counts, out=out, workspace=ws, config=config)
+    torch.testing.assert_close(out.double().cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("route", ["reference", "kernel"])

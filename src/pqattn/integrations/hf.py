@@ -128,6 +128,7 @@ class HFConfig(PQConfig):
 
 
 _DEFAULT_HEAVY = next(f.default for f in dataclasses.fields(PQConfig) if f.name == "heavy")
+_WORKSPACE_GROWTH = 4096  # tokens: how far ahead of a growing cache `split_k_decode` sizes its workspace
 
 
 PREFILL = ("sdpa", "pqattn")
@@ -390,28 +391,36 @@ def split_k_decode(
             unused). position_ids: [B, >= 1] the step's positions in a static cache, or None when
             all S tokens are valid. scaling: default 1/sqrt(D). buffers: a dict the caller keeps
             for the launch's buffers (shared by layers of one shape; no allocation after the first
-            call for a shape). attention_mask: the step's mask [B, 1 or H, 1, S] (boolean, True
-            visible, or additive, 0 visible) whose visible keys are one run per sequence (a
-            left-padded prompt and the tokens after it), or None; with it, each sequence attends
-            to its run (found on the device; position_ids are not read).
+            call for a shape, but one every 4096 tokens of a cache that grows). attention_mask:
+            the step's mask [B, 1 or H, 1, S] (boolean, True visible, or additive, 0 visible)
+            whose visible keys are one run per sequence (a left-padded prompt and the tokens
+            after it), or None; with it, each sequence attends to its run (found on the device;
+            position_ids are not read).
 
     Returns:
         [B, 1, H, D] in query's dtype: a buffer of `buffers`, overwritten by the next call.
     """
     B, H, _, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
-    at = (B, H, Hkv, S, D, query.dtype, query.device)
+    at = (B, H, Hkv, D, query.dtype, query.device)
     if at not in buffers:
         device = query.device
-        buffers[at] = (
+        buffers[at] = [
             torch.empty(B, dtype=torch.int32, device=device),
             torch.empty(B, H, D, dtype=query.dtype, device=device),
-            torch.zeros(
-                ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv), dtype=torch.int32, device=device
-            ),
+            torch.empty(0, dtype=torch.int32, device=device),
             torch.empty(B, dtype=torch.int32, device=device),
-        )
+        ]
     counts, out, workspace, starts = buffers[at]
+    if workspace.numel() < ops.decode_workspace_numel(B * Hkv, S, D, group=H // Hkv):
+        # room for a growing cache (a dynamic one grows a token a step): reallocated every
+        # _WORKSPACE_GROWTH tokens, not at every step
+        room = -(-S // _WORKSPACE_GROWTH) * _WORKSPACE_GROWTH
+        workspace = buffers[at][2] = torch.zeros(
+            ops.decode_workspace_numel(B * Hkv, room, D, group=H // Hkv),
+            dtype=torch.int32,
+            device=query.device,
+        )
     if attention_mask is not None:
         visible = _visible(attention_mask[:, 0, -1, :S])  # (a mask may be narrower than the cache)
         slots = torch.arange(1, visible.shape[-1] + 1, device=visible.device, dtype=torch.int32)

@@ -234,15 +234,29 @@ DENSE_WIDE_CONFIGS = [
 ]
 
 
-_SMALLEST_GROUP_BLOCK_L = min(
-    c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS + DENSE_DECODE_CONFIGS + DENSE_WIDE_CONFIGS
-)
+_SMALLEST_GROUP_BLOCK_L = min(c.kwargs["BLOCK_L"] for c in GROUP_DECODE_CONFIGS)
+_SMALLEST_DENSE_BLOCK_L = min(c.kwargs["BLOCK_L"] for c in DENSE_DECODE_CONFIGS + DENSE_WIDE_CONFIGS)
+
+# A dense list's width (a constexpr: the combine unrolls over the splits) is the cache's tokens
+# rounded up to DENSE_WIDTH_STEP, so that a cache growing a token a step (transformers' dynamic
+# cache) compiles anew every DENSE_WIDTH_STEP tokens rather than at every step; the kernel clamps
+# the counts to the cache's own tokens, so the rows past them are never read.
+DENSE_WIDTH_STEP = 4096
 
 
-def group_workspace_numel(groups: int, G: int, width: int, D: int) -> int:
+def dense_width(tokens: int) -> int:
+    """The list width of dense decoding over a cache of `tokens` slots."""
+    return -(-tokens // DENSE_WIDTH_STEP) * DENSE_WIDTH_STEP
+
+
+def group_workspace_numel(groups: int, G: int, width: int, D: int, dense: bool = False) -> int:
     """int32 elements of the group decode workspace: a counter per group, then float32 partials
-    (D values, max, sum per query row) for every split of the smallest BLOCK_L."""
-    splits = split_count(width, _SMALLEST_GROUP_BLOCK_L)
+    (D values, max, sum per query row) for every split of the smallest BLOCK_L of the space.
+    dense: width is the cache's tokens, decoded densely (a list of `dense_width(width)`)."""
+    if dense:
+        splits = split_count(dense_width(width), _SMALLEST_DENSE_BLOCK_L)
+    else:
+        splits = split_count(width, _SMALLEST_GROUP_BLOCK_L)
     return groups + groups * splits * max(triton.next_power_of_2(G), 16) * (D + 2)
 
 
@@ -275,6 +289,7 @@ def _group_decode_kernel(
     HKV,
     G,
     qk_scale,  # scale * log2(e)
+    entries,  # the list's entries: its width, or with DENSE the cache's tokens (WIDTH rounds it up)
     WIDTH: tl.constexpr,
     D: tl.constexpr,
     GP: tl.constexpr,  # query rows of a program: G padded to a power of two of at least 16
@@ -304,7 +319,7 @@ def _group_decode_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
     )
     pos_row = pos_ptr + b * stride_pb + kvh * stride_ph
-    cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + kvh * stride_ch).to(tl.int32), WIDTH)
+    cnt = tl.minimum(tl.load(cnt_ptr + b * stride_cb + kvh * stride_ch).to(tl.int32), entries)
     skip = cnt * 0  # tokens before the sequence's first (STARTS): its entries are the rest
     if STARTS:
         skip = tl.minimum(tl.load(pos_ptr + b * stride_pb).to(tl.int32), cnt)
@@ -551,11 +566,11 @@ def group_decode(
     Hkv = k.shape[2] if paged_cache else k.shape[1]
     G = H // Hkv
     dense = positions is None
-    if dense:
-        width = block_table.shape[1] * k.shape[1] if paged_cache else k.shape[2]
-    else:
-        width = positions.shape[-1]
-    need = group_workspace_numel(B * Hkv, G, width, D)
+    entries = (
+        (block_table.shape[1] * k.shape[1] if paged_cache else k.shape[2]) if dense else positions.shape[-1]
+    )
+    width = dense_width(entries) if dense else entries
+    need = group_workspace_numel(B * Hkv, G, entries, D, dense=dense)
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(
             f"workspace: expected int32 with at least {need} elements, got {workspace.dtype} "
@@ -584,15 +599,18 @@ def group_decode(
         Hkv,
         G,
         scale * _LOG2E,
+        entries,
     )
     page = k.shape[1] if block_table is not None else 0
     meta = dict(WIDTH=width, D=D, GP=gp, F32_DOTS=f32, HAS_LSE=lse is not None, PAGE=page, DENSE=dense)
     meta |= dict(STARTS=starts is not None)
     meta |= dict(UNROLL_MAX=_UNROLL_MAX, UNROLL_BLOCK=_UNROLL_BLOCK)
     if config is None:
-        # tuned per width and per grid rows (to a power of two): a row's best split depends on how
-        # many programs the batch puts on the SMs
-        key = (width, D, gp, f32, page, triton.next_power_of_2(B * Hkv))
+        # tuned per width (a dense one to a power of two: a growing cache tunes once an octave)
+        # and per grid rows (to a power of two): a row's best split depends on how many programs
+        # the batch puts on the SMs
+        tuned_width = triton.next_power_of_2(width) if dense else width
+        key = (tuned_width, D, gp, f32, page, triton.next_power_of_2(B * Hkv))
         tuned(key, lambda c: (split_count(width, c["BLOCK_L"]), B * Hkv), tensors, scalars, meta)
     else:
         grid = (split_count(width, config.kwargs["BLOCK_L"]), B * Hkv)
