@@ -9,7 +9,8 @@ split-K kernel) and "sdpa" (transformers' attention with the mask). Per token: t
 wall-clock between consecutive tokens of one `generate` (a stopping criterion syncs and stamps
 each; the prefill and the index build come before the first), the median over `--samples` runs
 after a warm-up run. Also each route's greedy tokens' agreement with SDPA's, per sequence, up to
-the first difference. Wall-clock of the user's loop, not GPU time.
+the first difference, and each route's first `generate` (compiling and tuning). Wall-clock of
+the user's loop, not GPU time.
 
 Usage: PYTHONPATH=src python3 bench/left_padded_generate.py [--prompt 8192 --batch 8 --pad 0.5
     --new 32 --samples 3 --json PATH] (--tiny: a small model on the CPU, for a smoke run)
@@ -95,7 +96,8 @@ def main() -> None:
             kw = dict(attention_mask=mask, max_new_tokens=a.new, do_sample=False)
             start = time.perf_counter()
             model.generate(ids, **kw)  # warm-up: compiles and tunes
-            print(f"{route}: warm-up generate {time.perf_counter() - start:.1f} s", flush=True)
+            warmup_s = time.perf_counter() - start
+            print(f"{route}: warm-up generate {warmup_s:.1f} s", flush=True)
             per_token = []
             for _ in range(a.samples):
                 stamps.times.clear()
@@ -103,7 +105,10 @@ def main() -> None:
                 per_token.append(statistics.median(stamps.steps_ms()))
                 print(f"{route}: {per_token[-1]:.2f} ms a token", flush=True)
             tokens[route] = out[:, a.prompt :].cpu()
-            rows.append({"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token})
+            rows.append(
+                {"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token,
+                 "warmup_generate_s": warmup_s}
+            )  # fmt: skip
     for row in rows:
         same = tokens[row["route"]] == tokens["sdpa"]
         row["tokens_agreeing_with_sdpa"] = [int(s.cumprod(0).sum()) for s in same]
