@@ -13,7 +13,8 @@ the first difference, and each route's first `generate` (compiling and tuning). 
 the user's loop, not GPU time.
 
 Usage: PYTHONPATH=src python3 bench/left_padded_generate.py [--prompt 8192 --batch 8 --pad 0.5
-    --new 32 --samples 3 --json PATH] (--tiny: a small model on the CPU, for a smoke run)
+    --new 32 --samples 3 --cache dynamic --json PATH] (--tiny: a small model on the CPU, for a smoke
+    run; --cache static: transformers' static cache, `cache_implementation="static"`)
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--density", type=float, default=0.02)
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
@@ -94,6 +96,8 @@ def main() -> None:
                 pq_hf.enable(model, config)
             stamps = _Stamps()
             kw = dict(attention_mask=mask, max_new_tokens=a.new, do_sample=False)
+            if a.cache == "static":
+                kw["cache_implementation"] = "static"
             start = time.perf_counter()
             model.generate(ids, **kw)  # warm-up: compiles and tunes
             warmup_s = time.perf_counter() - start
