@@ -10,6 +10,7 @@ import transformers
 
 import pqattn.integrations.hf as pq_hf
 from pqattn.lab.kernel_checks import group_selection_scores, selection_problem
+from pqattn.runtime.launch import PlanCache
 from tests.helpers import small_causal_lm
 
 MODELS = ("llama", "mistral", "qwen2")
@@ -443,6 +444,38 @@ def test_split_k_decode_over_a_growing_cache_keeps_its_buffers(device: torch.dev
         workspaces |= {b[2].data_ptr() for b in buffers.values()}
         assert len(buffers) == 1
     assert len(workspaces) == 2
+
+
+@pytest.mark.parametrize("first", [[0, 0], [0, 9]])
+def test_decode_steps_over_a_static_cache_replay_their_plans(
+    first: list[int], kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """transformers' generate over its static cache (a prompt unpadded and one left-padded): after
+    each layer's first decode step, every select and attend of a step replays its launch plan (no
+    checks, no recording). A dynamic cache changes the key cache's shape every step, so its calls
+    take the full path."""
+    calls: list[bool] = []
+    get = PlanCache.get
+
+    def counting(self, key):
+        plan = get(self, key)
+        if key is not None and key[0] in ("append+select", "attend"):
+            calls.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(PlanCache, "get", counting)
+    model = _model("llama", device)
+    pq_hf.enable(model, pq_hf.HFConfig(heavy=6, sink=2, window=2, subvectors=2, bits=3, iters=2))
+    ids, mask = _left_padded(first, device)
+    new = 6
+    with torch.no_grad():
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **_cache_kwargs("static")
+        )
+    layers = len(_states(model))
+    assert all(s.sparse_steps == new - 1 for s in _states(model))
+    assert len(calls) == 2 * layers * (new - 1)
+    assert not any(calls[: 2 * layers]) and all(calls[2 * layers :]), calls
 
 
 def test_config_is_validated() -> None:
