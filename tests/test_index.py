@@ -258,6 +258,35 @@ def test_attend_with_selections_of_other_layouts(device: torch.device, kernel_ro
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5, msg=f"H={H} L={L}")
 
 
+def test_attend_trusts_its_own_selection_only(device: torch.device, kernel_routes, monkeypatch) -> None:
+    """attend() over the selection select() returned reads none of its values on the host (the
+    index made it), over caches of a new length at every call as a growing cache gives them; a
+    selection the caller built is checked when no plan replays (an out-of-range position
+    refused); caches of another shape are refused naming them."""
+    index, k_cache, v_cache, _ = _step_setup(device)
+    q = torch.randn(2, 8, 64, device=device)
+    reads = []
+    flag = pqattn.dispatch.bad_selection_rows
+    monkeypatch.setattr(pqattn.dispatch, "bad_selection_rows", lambda *a: reads.append(1) or flag(*a))
+    for extra in (0, 1, 2):  # a cache one token longer each call: no plan replays
+        k, v = (torch.cat([c, c[:, :, :extra]], dim=2) for c in (k_cache, v_cache))
+        sel = index.select(q)
+        want = ref.sparse_decode(q.double(), k.double(), v.double(), sel.positions, sel.counts)
+        torch.testing.assert_close(index.attend(q, k, v, sel).double(), want, atol=1e-5, rtol=1e-5)
+    assert not reads
+    positions, counts = sel.positions.clone(), sel.counts.clone()
+    positions[0, 0, 0] = k.shape[2]
+    with pytest.raises(ValueError, match="positions"):  # (caches of a new signature: no plan)
+        index.attend(q, k[:, :, :-1], v[:, :, :-1], pqattn.Selection(positions, counts))
+    assert reads
+    with pytest.raises(
+        ValueError, match=r"v_cache.*\[2, 2, 203, 64\]" if device.type == "cpu" else "v_cache"
+    ):
+        index.attend(q, k_cache, v_cache[:, :1], index.select(q))
+    with pytest.raises(ValueError, match="k_cache"):
+        index.attend(q, k_cache[:1], v_cache[:1], index.select(q))
+
+
 def test_decode_step_refuses_bad_input(device: torch.device) -> None:
     index, k_cache, v_cache, _ = _step_setup(device)
     q = torch.randn(2, 8, 64, device=device)

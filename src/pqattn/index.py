@@ -652,7 +652,11 @@ class PQIndex:
             q: [B, H, D]. k_cache, v_cache: [B, Hkv, >= the longest length, D], or with
                 `block_table` [B, max_blocks] paged caches [num_blocks, P, Hkv, D] (SPEC §8;
                 positions stay logical).
-            selection: a Selection from `select`, or None. scale: default 1/sqrt(D).
+            selection: a Selection from `select`, or None. scale: default 1/sqrt(D). The
+                selection `select` returned (the index's own buffers) is not read on the host: its
+                positions lie in each sequence's tokens, or where the caller moved them within the
+                cache (a left-padded batch's); any other selection's values are checked (one host
+                sync when a call takes no plan).
 
         Returns:
             out [B, H, D] in q's dtype; on the kernel path a buffer of the index's, reused by the
@@ -710,6 +714,8 @@ class PQIndex:
         paged = {} if block_table is None else {"block_table": block_table}
         if not dispatch.decode_kernel_path(q):
             return ops.sparse_decode(q, k_cache, v_cache, sel.positions, sel.counts, scale=scale, **paged)
+        # made by the index for these query heads: its values need no host read
+        own = sel is self._selection and self._selection_heads == q.shape[1]
         B, H, D = q.shape
         L = sel.positions.shape[-1]
         if self._attn_out is None or self._attn_out.shape != q.shape or self._attn_out.dtype != q.dtype:
@@ -727,17 +733,34 @@ class PQIndex:
                 need = dispatch.decode_workspace_numel(B * R, L, D, group=H // R)
             self._attn_workspace = torch.zeros(need, dtype=torch.int32, device=self.device)
             self._attn_layout = layout
-        return ops.sparse_decode(
-            q,
-            k_cache,
-            v_cache,
-            sel.positions,
-            sel.counts,
-            scale=scale,
-            out=self._attn_out,
-            workspace=self._attn_workspace,
-            **paged,
+        args = (q, k_cache, v_cache, sel.positions, sel.counts)
+        buffers = dict(
+            out=self._attn_out, workspace=self._attn_workspace, scale=scale, block_table=block_table
         )
+        if not own:
+            return ops.sparse_decode(*args, **buffers)
+        if block_table is None:
+            self._check_cache(q, k_cache, v_cache)
+        dispatch.sparse_decode(*args, weights=None, dense_weights=False, lse=None, **buffers)
+        return self._attn_out
+
+    def _check_cache(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Contiguous caches [B, Hkv, N, D] of the index's B, Hkv and D, and q [B, H, D] (shapes
+        only: no value is read)."""
+        check.key_cache("k_cache", k_cache)
+        shape = (self.batch, self.kv_heads, k_cache.shape[2], self.head_dim)
+        check.tensor(
+            "k_cache", k_cache, shape=shape, dims="[B, Hkv, N, D] (the index's B, Hkv, D)", device=self.device
+        )
+        check.tensor(
+            "v_cache",
+            v_cache,
+            shape=shape,
+            dims="[B, Hkv, N, D]",
+            dtypes=(k_cache.dtype,),
+            device=k_cache.device,
+        )
+        check.query(q, self.batch, self.kv_heads, self.head_dim, k_cache.device)
 
     def _check_paged(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor) -> None:
         """Paged caches [num_blocks, P, Hkv, D] and a block table whose blocks hold the capacity,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -297,13 +298,13 @@ def test_left_padded_prompts_decode_through_the_split_k_kernel(
     split-K kernel, from past its padding: the tokens equal transformers' own with that mask. A
     mask with a hole keeps SDPA, and the warning names the route taken."""
     starts = []
-    dense_decode = pq_hf.ops.dense_decode
+    dense_decode = pq_hf.dispatch.dense_decode
 
     def spy(*args, **kwargs):
         starts.append(None if kwargs.get("starts") is None else kwargs["starts"].tolist())
         return dense_decode(*args, **kwargs)
 
-    monkeypatch.setattr(pq_hf.ops, "dense_decode", spy)
+    monkeypatch.setattr(pq_hf.dispatch, "dense_decode", spy)
     model = _model("llama", device)
     ids, mask = _left_padded(first, device)
     kw = dict(max_new_tokens=6, do_sample=False) | _cache_kwargs(cache)
@@ -446,21 +447,22 @@ def test_split_k_decode_over_a_growing_cache_keeps_its_buffers(device: torch.dev
     assert len(workspaces) == 2
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
 @pytest.mark.parametrize("first", [[0, 0], [0, 9]])
-def test_decode_steps_over_a_static_cache_replay_their_plans(
-    first: list[int], kernel_routes, device: torch.device, monkeypatch
+def test_decode_steps_replay_their_plans(
+    cache: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
 ) -> None:
-    """transformers' generate over its static cache (a prompt unpadded and one left-padded): after
-    each layer's first decode step, every select and attend of a step replays its launch plan (no
-    checks, no recording). A dynamic cache changes the key cache's shape every step, so its calls
-    take the full path."""
-    calls: list[bool] = []
+    """transformers' generate (a prompt unpadded and one left-padded): after each layer's first
+    decode step, every select of a step replays its launch plan (no checks, no recording), and
+    over a static cache every attend too; a dynamic cache changes the key cache's shape every
+    step, so its attends take the full path."""
+    calls: list[tuple[str, bool]] = []
     get = PlanCache.get
 
     def counting(self, key):
         plan = get(self, key)
         if key is not None and key[0] in ("append+select", "attend"):
-            calls.append(plan is not None)
+            calls.append((key[0], plan is not None))
         return plan
 
     monkeypatch.setattr(PlanCache, "get", counting)
@@ -469,13 +471,65 @@ def test_decode_steps_over_a_static_cache_replay_their_plans(
     ids, mask = _left_padded(first, device)
     new = 6
     with torch.no_grad():
-        model.generate(
-            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **_cache_kwargs("static")
-        )
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **_cache_kwargs(cache))
     layers = len(_states(model))
     assert all(s.sparse_steps == new - 1 for s in _states(model))
-    assert len(calls) == 2 * layers * (new - 1)
-    assert not any(calls[: 2 * layers]) and all(calls[2 * layers :]), calls
+    assert [name for name, _ in calls] == ["append+select", "attend"] * layers * (new - 1)
+    first_step, later = calls[: 2 * layers], calls[2 * layers :]
+    assert not any(hit for _, hit in first_step), calls
+    assert all(hit == (name == "append+select" or cache == "static") for name, hit in later), calls
+
+
+@pytest.mark.parametrize(
+    "route,cache,first",
+    [
+        ("sparse", "dynamic", [0, 0]),
+        ("sparse", "dynamic", [0, 9]),
+        ("sparse", "static", [0, 9]),
+        ("split-k", "dynamic", [0, 0]),
+        ("split-k", "dynamic", [0, 9]),
+    ],
+)
+def test_eager_decode_steps_read_nothing_on_the_host(
+    route: str, cache: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
+) -> None:
+    """transformers' generate, each decode step of each layer sparse (a prompt unpadded or left-
+    padded) or through the split-K kernel (`dense_layers`): pqattn reads no tensor value on the
+    host at a decode step (a host sync on a GPU), over a dynamic cache, whose key cache changes
+    shape every step (no plan replays), as over a static one. Two generates of 2 and 6 new
+    tokens make as many host reads in pqattn's code (the prefill's)."""
+    reads = []
+
+    def counted(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("pqattn"):
+                reads.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("cpu", "item", "tolist", "__bool__", "__int__"):
+        counted(name)
+    model = _model("llama", device)
+    layers = tuple(range(len(model.model.layers))) if route == "split-k" else ()
+    pq_hf.enable(
+        model,
+        pq_hf.HFConfig(heavy=6, sink=2, window=2, subvectors=2, bits=3, iters=2, dense_layers=layers),
+    )
+    ids, mask = _left_padded(first, device)
+    made = []
+    with torch.no_grad():
+        for new in (2, 6):
+            reads.clear()
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **_cache_kwargs(cache)
+            )
+            made.append(list(reads))
+    steps = [(s.sparse_steps, s.split_k_steps) for s in _states(model)]
+    assert all(step == ((6, 0) if route == "sparse" else (0, 6)) for step in steps), steps  # 1 + 5
+    assert made[0] == made[1], made
 
 
 def test_config_is_validated() -> None:

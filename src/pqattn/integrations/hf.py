@@ -40,8 +40,8 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from pqattn import _validate as check
+from pqattn import dispatch, ops
 from pqattn import host as host_tier
-from pqattn import ops
 from pqattn import reference as ref
 from pqattn.host import HostCache
 from pqattn.index import PQConfig, PQIndex
@@ -142,9 +142,8 @@ class _LayerState:
     padded: bool = False  # the prompt had padding: decode is dense unless `starts` is set
     left_padded: bool = False  # the padding masks a run of keys before each sequence's tokens
     # a left-padded prompt indexed sparsely: each sequence's first key [B] int32 (its index rows
-    # start there), and the selection's positions moved to the cache's, [B, R, L]
+    # start there; a step's selection moves by it to the cache's positions)
     starts: torch.Tensor | None = None
-    shifted: torch.Tensor | None = None
     static: bool = False  # the cache is preallocated (StaticCache): keys past the lengths are unused
     # set by StaticDecoder during its prefill: each sequence's prompt length (the index is built
     # at the chunk that reaches the longest)
@@ -201,7 +200,7 @@ def pq_attention_forward(
         state.left_padded = state.padded and bool(_visible_run_ends_last(attention_mask))
         # left padding keeps the index: each sequence's keys from its first on (a sliding window
         # shorter than the prompt also shows one run a sequence: its steps keep the mask's runs)
-        state.starts = state.shifted = None
+        state.starts = None
         window = _sliding_window(module)
         sparse_left = state.left_padded and c.rerank == 0 and (window is None or window >= n)
         first = _run_starts(attention_mask, n) if sparse_left else [n]
@@ -256,8 +255,10 @@ def pq_attention_forward(
         counts_at = position_ids if state.static else None
         return split_k_decode(query, key, value, counts_at, scaling, state.buffers), None
     q = query[:, :, 0]
-    # a static cache holds the new key at the step's position, which is each sequence's length
-    new_key = key if state.static else key[:, :, -1:]
+    # a static cache holds the new key at the step's position, which is each sequence's length; a
+    # dynamic cache's last key is copied out of it, so that the select's inputs keep their strides
+    # from step to step and its plan replays
+    new_key = key if state.static else key[:, :, -1:].contiguous()
     if state.static and state.starts is not None:  # (left padding: the position counts from starts[b])
         slot = (position_ids[:, -1] + state.starts)[:, None, None, None].expand(
             -1, key.shape[1], 1, key.shape[3]
@@ -265,10 +266,9 @@ def pq_attention_forward(
         new_key = key.gather(2, slot)
     selection = index.select(q, key, append=new_key)
     if state.starts is not None:  # index rows from each sequence's first key: the cache's positions
-        if state.shifted is None or state.shifted.shape != selection.positions.shape:
-            state.shifted = torch.empty_like(selection.positions)
-        torch.add(selection.positions, state.starts[:, None, None], out=state.shifted)
-        selection = ref.Selection(state.shifted, selection.counts)
+        # moved in place, within each sequence's run of the cache: attend then trusts the index's
+        # own selection (no host read of its values), and the next select rewrites it
+        selection.positions.add_(state.starts[:, None, None])
     # the index's output buffer (overwritten by this layer's next step; o_proj reads it before)
     out = index.attend(q, key, value, selection, scale=scaling)
     state.sparse_steps += 1
@@ -383,8 +383,9 @@ def split_k_decode(
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense decode attention of one query token over every cached token up to its position,
-    through `pqattn.ops.dense_decode` (split-K flash decoding; each K/V row read once for a KV
-    head's G query heads; no mask).
+    through `pqattn.ops.dense_decode`'s kernel (split-K flash decoding; each K/V row read once for
+    a KV head's G query heads; no mask). The counts and starts it derives lie in the cache, so
+    the values are not read on the host (no sync at any step, a growing cache's included).
 
     Args:
         query: [B, H, 1, D]. key, value: [B, Hkv, S, D] (a static cache: slots past the position
@@ -431,9 +432,13 @@ def split_k_decode(
     else:
         counts.copy_(position_ids[:, -1] + 1)
     run = starts if attention_mask is not None else None
-    ops.dense_decode(
-        query[:, :, 0], key, value, counts, scale=scaling, out=out, workspace=workspace, starts=run
-    )
+    q = query[:, :, 0]
+    if ops.decode_kernel_path(q):  # counts and starts lie in the cache by construction: no host read
+        dispatch.dense_decode(
+            q, key, value, counts, out=out, workspace=workspace, lse=None, scale=scaling, starts=run
+        )
+    else:
+        ops.dense_decode(q, key, value, counts, scale=scaling, out=out, workspace=workspace, starts=run)
     return out[:, None]
 
 
