@@ -5,7 +5,10 @@ transformers' own SDPA, on the same weights and prompts, in one run.
 Routes: "pqattn" (the default policy at `--density` per head: each sequence indexed from its
 first token, a step's selection moved past its padding), "split-k" (the same with every layer
 in `dense_layers`: each step attends over each sequence's run of the mask through pqattn's
-split-K kernel) and "sdpa" (transformers' attention with the mask). Per token: the median
+split-K kernel) and "sdpa" (transformers' attention with the mask); then, for the same prompts
+right-padded, `pq_hf.generate`'s loop (StaticDecoder: its step captured as a CUDA graph) with the
+default policy ("pqattn static loop") and with every layer dense ("split-k static loop"), per
+token the median of its steps past the first two. Per token of `generate`: the median
 wall-clock between consecutive tokens of one `generate` (a stopping criterion syncs and stamps
 each; the prefill and the index build come before the first), the median over `--samples` runs
 after a warm-up run. Also each route's greedy tokens' agreement with SDPA's, per sequence, up to
@@ -63,6 +66,32 @@ class _Stamps(transformers.StoppingCriteria):
         return [(t1 - t0) * 1e3 for t0, t1 in zip(self.times, self.times[1:], strict=False)]
 
 
+def _right_padded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The same prompts right-padded (each sequence's tokens first), and their lengths: the batch
+    as `pq_hf.generate` takes it."""
+    order = torch.argsort(1 - mask, dim=1, stable=True)  # the visible tokens first, in order
+    return ids.gather(1, order), mask.sum(1).tolist()
+
+
+def _static_loop(model, ids: torch.Tensor, lengths: list[int], new: int) -> tuple[float, torch.Tensor]:
+    """One run of `pq_hf.generate`'s loop (StaticDecoder: a static cache, the step captured as a
+    CUDA graph on a GPU): the median wall-clock of a step past the first two (the capture), and
+    the new tokens [B, new]."""
+    decoder = pq_hf.StaticDecoder(model, ids, new, prompt_lengths=lengths)
+    try:
+        steps = []
+        while decoder.steps_left > 0:
+            start = time.perf_counter()
+            decoder.step()
+            if ids.is_cuda:
+                torch.cuda.synchronize()
+            steps.append((time.perf_counter() - start) * 1e3)
+        decoder.sync_lengths()
+        return statistics.median(steps[2:] or steps), decoder.tokens.cpu()
+    finally:
+        decoder.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", type=int, default=8192)
@@ -113,6 +142,23 @@ def main() -> None:
                 {"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token,
                  "warmup_generate_s": warmup_s}
             )  # fmt: skip
+        right, lengths = _right_padded(ids, mask)
+        for route, config in {"pqattn static loop": policy, "split-k static loop": routes["split-k"]}.items():
+            pq_hf.disable(model)
+            pq_hf.enable(model, config)
+            start = time.perf_counter()
+            _static_loop(model, right, lengths, a.new)  # warm-up: compiles, tunes and captures
+            warmup_s = time.perf_counter() - start
+            per_token = []
+            for _ in range(a.samples):
+                ms, tokens[route] = _static_loop(model, right, lengths, a.new)
+                per_token.append(ms)
+                print(f"{route}: {ms:.2f} ms a token", flush=True)
+            rows.append(
+                {"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token,
+                 "warmup_generate_s": warmup_s}
+            )  # fmt: skip
+        pq_hf.disable(model)
     for row in rows:
         same = tokens[row["route"]] == tokens["sdpa"]
         row["tokens_agreeing_with_sdpa"] = [int(s.cumprod(0).sum()) for s in same]
@@ -123,7 +169,7 @@ def main() -> None:
     sdpa = next(r["ms_a_token"] for r in rows if r["route"] == "sdpa")
     for r in rows:
         print(
-            f"{r['route']:8s} {r['ms_a_token']:9.2f} ms/token  {sdpa / r['ms_a_token']:5.2f}x sdpa  "
+            f"{r['route']:20s} {r['ms_a_token']:9.2f} ms/token  {sdpa / r['ms_a_token']:5.2f}x sdpa  "
             f"agreeing tokens {r['tokens_agreeing_with_sdpa']}"
         )
 
