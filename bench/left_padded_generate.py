@@ -66,6 +66,15 @@ class _Stamps(transformers.StoppingCriteria):
         return [(t1 - t0) * 1e3 for t0, t1 in zip(self.times, self.times[1:], strict=False)]
 
 
+def _row(route: str, per_token: list[float], warmup_s: float) -> dict:
+    return {
+        "route": route,
+        "ms_a_token": statistics.median(per_token),
+        "samples_ms": per_token,
+        "warmup_generate_s": warmup_s,
+    }
+
+
 def _right_padded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The same prompts right-padded (each sequence's tokens first), and their lengths: the batch
     as `pq_hf.generate` takes it."""
@@ -138,10 +147,7 @@ def main() -> None:
                 per_token.append(statistics.median(stamps.steps_ms()))
                 print(f"{route}: {per_token[-1]:.2f} ms a token", flush=True)
             tokens[route] = out[:, a.prompt :].cpu()
-            rows.append(
-                {"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token,
-                 "warmup_generate_s": warmup_s}
-            )  # fmt: skip
+            rows.append(_row(route, per_token, warmup_s))
         right, lengths = _right_padded(ids, mask)
         for route, config in {"pqattn static loop": policy, "split-k static loop": routes["split-k"]}.items():
             pq_hf.disable(model)
@@ -154,10 +160,7 @@ def main() -> None:
                 ms, tokens[route] = _static_loop(model, right, lengths, a.new)
                 per_token.append(ms)
                 print(f"{route}: {ms:.2f} ms a token", flush=True)
-            rows.append(
-                {"route": route, "ms_a_token": statistics.median(per_token), "samples_ms": per_token,
-                 "warmup_generate_s": warmup_s}
-            )  # fmt: skip
+            rows.append(_row(route, per_token, warmup_s))
         pq_hf.disable(model)
     for row in rows:
         same = tokens[row["route"]] == tokens["sdpa"]

@@ -249,6 +249,7 @@ def dense_width(tokens: int) -> int:
     return -(-tokens // DENSE_WIDTH_STEP) * DENSE_WIDTH_STEP
 
 
+@functools.cache  # on every eager dense call's path (a growing cache's workspace check)
 def group_workspace_numel(groups: int, G: int, width: int, D: int, dense: bool = False) -> int:
     """int32 elements of the group decode workspace: a counter per group, then float32 partials
     (D values, max, sum per query row) for every split of the smallest BLOCK_L of the space.
