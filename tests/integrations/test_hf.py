@@ -452,10 +452,12 @@ def test_split_k_decode_over_a_growing_cache_keeps_its_buffers(device: torch.dev
 def test_decode_steps_replay_their_plans(
     cache: str, first: list[int], kernel_routes, device: torch.device, monkeypatch
 ) -> None:
-    """transformers' generate (a prompt unpadded and one left-padded): after each layer's first
-    decode step, every select of a step replays its launch plan (no checks, no recording), and
-    over a static cache every attend too; a dynamic cache changes the key cache's shape every
-    step, so its attends take the full path."""
+    """transformers' generate (a prompt unpadded and one left-padded): no call of the first decode
+    step replays a plan; once a layer's select replays its launch plan (no checks, no recording)
+    it does at every later step, and over a static cache its attend too; by the last steps every
+    layer's do. A dynamic cache changes the key cache's shape every step, so its attends take the
+    full path. (On a GPU a layer's first calls can compile and tune kernels, which keeps no plan:
+    a plan comes a step or two later than under the interpreter.)"""
     calls: list[tuple[str, bool]] = []
     get = PlanCache.get
 
@@ -469,15 +471,19 @@ def test_decode_steps_replay_their_plans(
     model = _model("llama", device)
     pq_hf.enable(model, pq_hf.HFConfig(heavy=6, sink=2, window=2, subvectors=2, bits=3, iters=2))
     ids, mask = _left_padded(first, device)
-    new = 6
+    new = 8
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **_cache_kwargs(cache))
     layers = len(_states(model))
     assert all(s.sparse_steps == new - 1 for s in _states(model))
     assert [name for name, _ in calls] == ["append+select", "attend"] * layers * (new - 1)
-    first_step, later = calls[: 2 * layers], calls[2 * layers :]
-    assert not any(hit for _, hit in first_step), calls
-    assert all(hit == (name == "append+select" or cache == "static") for name, hit in later), calls
+    # hits[i][step]: call i of a step (a layer's select or attend) replayed a plan at that step
+    hits = [[hit for _, hit in calls[i :: 2 * layers]] for i in range(2 * layers)]
+    for i, steps in enumerate(hits):
+        replays = i % 2 == 0 or cache == "static"
+        assert not steps[0], calls
+        assert steps[-3:] == [replays] * 3, (i, steps)
+        assert steps == sorted(steps), (i, steps)  # once a plan replays, it replays at every step
 
 
 @pytest.mark.parametrize(
