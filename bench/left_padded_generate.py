@@ -38,7 +38,7 @@ ROUTES = ("pqattn", "split-k", "sdpa")
 TINY = dict(layers=2, hidden=64, intermediate=128, H=4, Hkv=2, vocab=128)
 
 
-def _batch(args, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded_batch(args, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` prompts of `prompt` tokens, sequence b left-padded by b/(batch-1) x `pad` of them."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(1, vocab, (args.batch, args.prompt), generator=gen)
@@ -119,7 +119,7 @@ def main() -> None:
     cfg = llama_config(**shapes, max_positions=a.prompt + a.new)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    ids, mask = _batch(a, shapes["vocab"], device)
+    ids, mask = left_padded_batch(a, shapes["vocab"], device)
     policy = pq_hf.HFConfig(heavy_fraction=a.density, sink=64, window=64)
     routes = {
         "pqattn": policy,
