@@ -6,22 +6,16 @@ Per decode token, each figure is the difference between a `generate` of `--new` 
 2, divided by `--new` - 2 (the prefill, the index build and the first token cancel): the wall-clock
 (median of `--samples` pairs, a sync after each call), the GPU time (the sum of the CUDA kernels'
 durations under torch.profiler, one profiled pair) and the kernels launched. Wall-clock far above
-GPU time means the host sets the pace: Python and launches, not the bytes. With
-`--python-profile`, also the host's Python per decode token under cProfile (one profiled pair; the
-profiler slows Python, so its figures rank the functions rather than time them): the `--top`
-functions by cumulative time, pqattn's and transformers' attention entry points among them.
+GPU time means the host sets the pace: Python and launches, not the bytes.
 
 Usage on the GPU machine: PYTHONPATH=src python3 bench/eager_generate_profile.py [--prompt 4096
-    --batch 8 --new 12 --samples 3 --routes pqattn split-k sdpa --caches dynamic static
-    --python-profile --top 40 --json PATH]
+    --batch 8 --new 12 --samples 3 --json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
 import time
 
@@ -51,36 +45,6 @@ def _kernels(model, ids: torch.Tensor, kw: dict, new: int) -> tuple[float, int]:
     return sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3, len(kernels)
 
 
-def _python(model, ids: torch.Tensor, kw: dict, new: int, top: int) -> list[dict]:
-    """cProfile's functions per decode token (a generate of `new` tokens less one of 2): the `top`
-    by cumulative time, in microseconds, with their calls a token."""
-    runs = []
-    for n in (new, 2):
-        prof = cProfile.Profile()
-        prof.enable()
-        _generate(model, ids, kw, n)
-        prof.disable()
-        runs.append(
-            {
-                f"{path.split('/')[-1]}:{line}({name})": v
-                for (path, line, name), v in pstats.Stats(prof).stats.items()
-            }
-        )
-    long, short = runs
-    rows = []
-    for fn, (_, calls, own, cumulative, _) in long.items():
-        _, calls0, own0, cumulative0, _ = short.get(fn, (0, 0, 0.0, 0.0, None))
-        rows.append(
-            {
-                "function": fn,
-                "cumulative_us": (cumulative - cumulative0) * 1e6 / (new - 2),
-                "own_us": (own - own0) * 1e6 / (new - 2),
-                "calls": (calls - calls0) / (new - 2),
-            }
-        )
-    return sorted(rows, key=lambda r: -r["cumulative_us"])[:top]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", type=int, default=4096)
@@ -89,12 +53,6 @@ def main() -> None:
     p.add_argument("--new", type=int, default=12)
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--density", type=float, default=0.02)
-    p.add_argument(
-        "--routes", nargs="+", choices=("pqattn", "split-k", "sdpa"), default=["pqattn", "split-k", "sdpa"]
-    )
-    p.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"])
-    p.add_argument("--python-profile", action="store_true")
-    p.add_argument("--top", type=int, default=40)
     p.add_argument("--json")
     a = p.parse_args()
     if a.new < 3:
@@ -113,9 +71,8 @@ def main() -> None:
     rows = []
     decode = a.new - 2
     with torch.no_grad():
-        for cache in a.caches:
-            for route in a.routes:
-                config = routes[route]
+        for cache in ("dynamic", "static"):
+            for route, config in routes.items():
                 pq_hf.disable(model)
                 if config is not None:
                     pq_hf.enable(model, config)
@@ -139,8 +96,6 @@ def main() -> None:
                     "gpu_ms_a_token": (gpu_new - gpu_two) / decode,
                     "kernels_a_token": (n_new - n_two) / decode,
                 }
-                if a.python_profile:
-                    row["python"] = _python(model, ids, kw, a.new, a.top)
                 rows.append(row)
                 print(
                     f"{route:8s} {cache:8s} wall {row['wall_ms_a_token']:6.2f} ms"
